@@ -1,0 +1,185 @@
+"""The `recover` command line: the only place that reads flags and the environment.
+
+Subcommands: train, prepare, compare, coordinator, worker, bench. Each builds validated configs
+and passes them down; errors a user can fix are printed as one `error: ...` line with exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from recover.config import TrainConfig
+
+DEFAULT_DATA_ROOT = Path("data")
+
+TRAIN_HELP = {
+    "preset": "model size: tiny (tests, fast on CPU), small, medium, gpt2-124m, gpt2-350m, gpt2-1b",
+    "steps": "optimizer steps in the run",
+    "microbatches": "M: microbatches summed per step (fixed for the run, whatever fails)",
+    "microbatch_size": "B: sequences per microbatch",
+    "seq_len": "T: tokens per sequence",
+    "seed": "decides the initial parameters, the sample order and dropout",
+    "lr": "peak learning rate, reached after warmup",
+    "min_lr": "learning rate at the end of the cosine decay",
+    "warmup_steps": "steps of linear warmup",
+    "weight_decay": "AdamW weight decay on matrices",
+    "beta1": "AdamW beta1",
+    "beta2": "AdamW beta2",
+    "grad_clip": "clip the global gradient norm to this (0: no clipping)",
+    "dropout": "dropout probability (masks seeded per microbatch id)",
+    "eval_every": "validation loss every N steps and at the end (0: never)",
+    "eval_batches": "validation microbatches per evaluation",
+    "ckpt_every": "checkpoint every N steps (0: no periodic checkpoints)",
+    "keep_ckpts": "keep the last K checkpoints",
+}
+
+
+def add_train_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field, its default and help from the dataclass."""
+    group = parser.add_argument_group("trajectory (the same flags give the same committed steps)")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = type(f.default)
+        group.add_argument(
+            flag,
+            dest=f.name,
+            type=kind,
+            default=f.default,
+            metavar=f.name.upper() if kind is not str else "NAME",
+            help=f"{TRAIN_HELP[f.name]} (default: {f.default})",
+        )
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+
+
+def default_out() -> Path:
+    return Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="recover",
+        description="ReCoVer: resilient LLM pre-training that survives replica failures in-step.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser(
+        "train",
+        help="train a GPT (prepares the built-in corpus on first use)",
+        description="Train a GPT. With no --data, the built-in corpus (the Python standard "
+        "library's source) is prepared under data/ on first use.",
+    )
+    add_train_config_flags(train)
+    run = train.add_argument_group("run")
+    run.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a dataset folder made by `recover prepare` (default: the built-in corpus)",
+    )
+    run.add_argument(
+        "--data-root",
+        type=Path,
+        default=DEFAULT_DATA_ROOT,
+        metavar="DIR",
+        help="where the built-in corpus is prepared (default: data)",
+    )
+    run.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run folder (default: runs/run-DATE-TIME); must be new or empty",
+    )
+    run.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its newest checkpoint"
+    )
+    run.add_argument("--quiet", action="store_true", help="no per-step lines")
+
+    cmp = sub.add_parser("compare", help="compare two run folders' trajectories")
+    cmp.add_argument("run_a", type=Path, metavar="RUN_A")
+    cmp.add_argument("run_b", type=Path, metavar="RUN_B")
+    cmp.add_argument(
+        "--rtol",
+        type=float,
+        default=1e-4,
+        help="tolerance for both the loss and the parameter distance (default: 1e-4)",
+    )
+
+    from recover.data.cli import add_prepare_parser
+
+    add_prepare_parser(sub)
+    return parser
+
+
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from recover.checkpoint import CheckpointError
+    from recover.data import DataError, ensure_dataset
+    from recover.run import RunFolderError
+    from recover.train import train_single
+
+    try:
+        cfg = train_config_from_args(args)
+    except ValueError as e:
+        return _error(str(e))
+    if args.resume and args.out is None:
+        return _error("--resume needs --out: the run folder to continue")
+    out = args.out or default_out()
+    try:
+        data = args.data
+        if data is None:
+            data = ensure_dataset(args.data_root, show_progress=sys.stderr.isatty())
+        train_single(
+            cfg,
+            out=out,
+            data_path=data,
+            resume=args.resume,
+            console=None if args.quiet else sys.stdout,
+        )
+    except (DataError, RunFolderError, CheckpointError) as e:
+        return _error(str(e))
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from recover.compare import compare_runs, format_comparison
+
+    if args.rtol < 0:
+        return _error(f"--rtol must be >= 0, got {args.rtol}")
+    try:
+        result = compare_runs(args.run_a, args.run_b)
+    except (FileNotFoundError, ValueError) as e:
+        return _error(str(e))
+    print(format_comparison(result, args.rtol, args.run_a, args.run_b))
+    return 0 if result.passes(args.rtol) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return run_train(args)
+    if args.command == "compare":
+        return run_compare(args)
+    if args.command == "prepare":
+        from recover.data.cli import run_prepare
+
+        return run_prepare(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""`recover compare RUN_A RUN_B`: are two runs on the same trajectory?
+
+Job: read the committed loss of both runs (the last record of each step) and their final models,
+and report (1) the largest relative difference of the committed loss over the steps both runs
+committed and (2) the relative L2 distance of the final parameters, ||a - b|| / ||a||. Both are
+compared with one tolerance; the exit status is 1 when either exceeds it (or nothing is shared).
+
+Relative loss difference at a step: |a - b| / max(|a|, |b|, tiny).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from recover.config import RunPaths
+from recover.metrics import committed_steps
+
+
+@dataclass(frozen=True)
+class Comparison:
+    common_steps: int
+    max_loss_rel_diff: float
+    worst_step: int | None
+    param_rel_l2: float | None  # None when a final model is missing
+
+    def passes(self, rtol: float) -> bool:
+        if self.common_steps == 0 or self.param_rel_l2 is None:
+            return False
+        return self.max_loss_rel_diff <= rtol and self.param_rel_l2 <= rtol
+
+
+def _final_params(run: Path) -> dict[str, torch.Tensor] | None:
+    from safetensors.torch import load_file
+
+    path = RunPaths(out=run).final_model
+    return load_file(str(path)) if path.exists() else None
+
+
+def param_rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if a.keys() != b.keys():
+        raise ValueError("the two final models have different parameter names")
+    diff = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
+    norm = sum(float(a[k].double().pow(2).sum()) for k in a)
+    return math.sqrt(diff) / max(math.sqrt(norm), 1e-30)
+
+
+def compare_runs(run_a: Path, run_b: Path) -> Comparison:
+    for run in (run_a, run_b):
+        if not RunPaths(out=run).metrics.exists():
+            raise FileNotFoundError(f"{run}: no metrics.jsonl; is it a run folder?")
+    steps_a = committed_steps(RunPaths(out=run_a).metrics)
+    steps_b = committed_steps(RunPaths(out=run_b).metrics)
+    common = sorted(steps_a.keys() & steps_b.keys())
+    worst, worst_step = 0.0, None
+    for step in common:
+        la, lb = float(steps_a[step]["loss"]), float(steps_b[step]["loss"])
+        rel = abs(la - lb) / max(abs(la), abs(lb), 1e-12)
+        if not math.isfinite(rel):
+            rel = math.inf
+        if rel > worst or worst_step is None:
+            worst, worst_step = rel, step
+    pa, pb = _final_params(run_a), _final_params(run_b)
+    dist = param_rel_l2(pa, pb) if pa is not None and pb is not None else None
+    return Comparison(
+        common_steps=len(common), max_loss_rel_diff=worst, worst_step=worst_step, param_rel_l2=dist
+    )
+
+
+def format_comparison(c: Comparison, rtol: float, run_a: Path, run_b: Path) -> str:
+    verdict = "PASS" if c.passes(rtol) else "FAIL"
+    lines = [
+        f"compare {run_a} vs {run_b}",
+        f"  common committed steps     {c.common_steps}",
+        f"  max relative loss diff     {c.max_loss_rel_diff:.3e}"
+        + (f" (step {c.worst_step})" if c.worst_step is not None else ""),
+        "  final params relative L2   "
+        + (f"{c.param_rel_l2:.3e}" if c.param_rel_l2 is not None else "missing final model"),
+        f"  tolerance                  {rtol:.1e} -> {verdict}",
+    ]
+    return "\n".join(lines)

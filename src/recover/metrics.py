@@ -1,0 +1,102 @@
+"""Observability: the JSONL metrics stream and the one human line per step.
+
+Job: append one JSON object per line to `metrics.jsonl` (the schema in docs/metrics.md is the
+contract for every later tool) and format the terminal line and the end-of-run summary.
+
+Invariants: every record is written as one whole line in one `write` on a file opened in append
+mode, so several writers (the coordinator and the replica that holds the pen) never interleave
+within a line. Records are never rewritten; a reader takes the last record of a step when a step
+appears twice (a resumed run re-commits the steps after its checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    """Appends records to a metrics.jsonl file; each record is one line, one write."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # O_APPEND: every write lands at the current end, atomically for one short line.
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, kind: str, **fields: Any) -> dict:
+        record = {"kind": kind, "t_wall": round(time.time(), 6), **fields}
+        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        return record
+
+    def step(self, **fields: Any) -> dict:
+        return self.write("step", **fields)
+
+    def eval(self, **fields: Any) -> dict:
+        return self.write("eval", **fields)
+
+    def event(self, name: str, **fields: Any) -> dict:
+        return self.write("event", name=name, **fields)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def read_metrics(path: Path) -> Iterator[dict]:
+    """Records of a metrics.jsonl file; a torn last line (a writer killed mid-line) is skipped."""
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def committed_steps(path: Path) -> dict[int, dict]:
+    """step -> the last `step` record of that step (a resumed run may have committed it twice)."""
+    steps: dict[int, dict] = {}
+    for record in read_metrics(path):
+        if record.get("kind") == "step":
+            steps[int(record["step"])] = record
+    return steps
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    if h:
+        return f"{h}h{m:02d}m"
+    if m:
+        return f"{m}m{s:02d}s"
+    return f"{s}s"
+
+
+def format_rate(value: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:.0f}"
+
+
+def format_step_line(
+    *, step: int, steps: int, loss: float, lr: float, tok_per_s: float, step_s: float, eta_s: float
+) -> str:
+    """The one human line per step: step | loss | lr | tok/s | dt | eta."""
+    width = len(str(steps))
+    return (
+        f"step {step + 1:>{width}}/{steps} | loss {loss:.4f} | lr {lr:.2e} | "
+        f"{format_rate(tok_per_s)} tok/s | {step_s * 1000:.0f} ms | eta {format_duration(eta_s)}"
+    )

@@ -1,0 +1,179 @@
+"""A GPT language model in one readable file (nanoGPT style).
+
+Job: map token ids (B, T) to next-token logits and, given targets, a mean cross-entropy loss.
+It holds no distributed code: replicas, sharding and fault tolerance are applied from outside.
+
+Presets (see PRESETS) range from `tiny` (tests; well under a second per microbatch on a laptop CPU)
+to `gpt2-124m`. Dropout draws from torch's global RNG; the trainer seeds that RNG per microbatch id
+from `(seed, step, j)`, so a microbatch gets the same dropout masks on any replica.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    vocab_size: int = 256  # from the dataset's tokenizer (256 for the byte tokenizer)
+    block_size: int = 128  # longest sequence the position table covers
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64  # model width; must be divisible by n_head
+    dropout: float = 0.0
+    bias: bool = False  # biases in Linear and LayerNorm; off is a little faster and no worse
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Shapes of the presets; vocab_size and block_size come from the dataset and --seq-len.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(n_layer=2, n_head=2, n_embd=64),
+    "small": dict(n_layer=4, n_head=4, n_embd=128),
+    "medium": dict(n_layer=6, n_head=6, n_embd=384),
+    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-350m": dict(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-1b": dict(n_layer=24, n_head=16, n_embd=2048),
+}
+
+
+def build_config(
+    preset: str, *, vocab_size: int, block_size: int, dropout: float = 0.0
+) -> GPTConfig:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
+    return GPTConfig(
+        vocab_size=vocab_size, block_size=block_size, dropout=dropout, **PRESETS[preset]
+    )
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        # query, key and value projections for all heads, in one matmul
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # batch, sequence length, n_embd
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
+        hs = C // self.n_head
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.c_fc(x))  # (B, T, 4C)
+        return self.dropout(self.c_proj(x))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying: the output projection reuses the token embedding (fewer parameters, and
+        # it trains better at small scale).
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the residual projections: keeps the residual stream's variance
+        # from growing with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        # Tied weights are counted once by parameters().
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T = idx.size()
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
+        tok_emb = self.transformer.wte(idx)  # (B, T, C)
+        pos_emb = self.transformer.wpe(pos)  # (T, C), broadcast over the batch
+        x = self.transformer.drop(tok_emb + pos_emb)  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)  # (B, T, C)
+        x = self.transformer.ln_f(x)  # (B, T, C)
+        logits = self.lm_head(x)  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+    def flops_per_token(self) -> float:
+        """Approximate training FLOPs per token (6N + attention), for MFU reporting."""
+        cfg = self.config
+        n = self.num_params()
+        return 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size

@@ -1,0 +1,252 @@
+"""The run folder and what happens after every commit (log, evaluate, checkpoint).
+
+Job: own `--out DIR`: refuse a folder that holds another run, write `config.json`, check on
+`--resume` that the folder's run is the one asked for, and after each committed step write the
+metrics record, print the human line, evaluate and checkpoint at their cadence, and at the end save
+the final model and print the summary. Both the single-replica loop and the replicas of a
+multi-replica run use this one `RunRecorder`.
+
+It must not decide anything about the trajectory: it only records and persists committed state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from recover.checkpoint import CheckpointError, CheckpointWriter, load_latest
+from recover.config import RESUMABLE_CHANGES, RunPaths, TrainConfig
+from recover.metrics import MetricsWriter, format_duration, format_rate, format_step_line
+from recover.trainer import CommitStats, ReplicaTrainer
+
+CONFIG_FORMAT = 1
+
+
+class RunFolderError(ValueError):
+    """--out names a folder that cannot hold this run (another run, or a different config)."""
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def open_run_folder(
+    paths: RunPaths, cfg: TrainConfig, *, data_info: dict, resume: bool, launch: dict | None = None
+) -> None:
+    """Create or validate the run folder; write config.json. Raise RunFolderError on conflict."""
+    out = paths.out
+    if out.exists() and not out.is_dir():
+        raise RunFolderError(f"--out {out}: exists and is not a folder")
+    has_run = paths.config.exists()
+    if resume:
+        if not has_run:
+            raise RunFolderError(f"--resume: {out} holds no run (no config.json) to resume")
+        saved = json.loads(paths.config.read_text())
+        old = TrainConfig.from_dict(saved["train"]).to_dict()
+        new = cfg.to_dict()
+        changed = sorted(k for k in new if old.get(k) != new[k] and k not in RESUMABLE_CHANGES)
+        if changed:
+            diffs = ", ".join(
+                f"--{k.replace('_', '-')} {old.get(k)!r} -> {new[k]!r}" for k in changed
+            )
+            raise RunFolderError(
+                f"--resume: {out} holds a run with other settings ({diffs}); "
+                "resume with the run's own settings or choose another --out"
+            )
+        if saved.get("data", {}).get("content_hash") != data_info.get("content_hash"):
+            raise RunFolderError(
+                f"--resume: {out} was trained on another dataset "
+                f"(hash {saved.get('data', {}).get('content_hash')!r}, "
+                f"now {data_info.get('content_hash')!r})"
+            )
+    elif out.exists() and any(out.iterdir()):
+        what = "another run" if has_run else "other files"
+        raise RunFolderError(
+            f"--out {out}: the folder holds {what}; pass --resume to continue it or choose an "
+            "empty or new folder"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"format": CONFIG_FORMAT, "train": cfg.to_dict(), "data": data_info}
+    if launch:
+        record["launch"] = launch
+    _write_json_atomic(paths.config, record)
+
+
+def load_resume_state(paths: RunPaths) -> dict | None:
+    """The newest checkpoint of the run, or None. A corrupt one raises CheckpointError."""
+    return load_latest(paths.checkpoints)
+
+
+@dataclass
+class RunRecorder:
+    """Records committed steps: metrics, terminal line, evaluation, checkpoints, summary."""
+
+    cfg: TrainConfig
+    paths: RunPaths
+    trainer: ReplicaTrainer
+    data_hash: str
+    writer: MetricsWriter | None  # None on replicas that do not hold the pen
+    console: TextIO | None = None
+    start_step: int = 0
+    _ckpt: CheckpointWriter = field(init=False)
+    _t_start: float = field(init=False)
+    _t_last: float = field(init=False)
+    _tokens: int = field(init=False, default=0)
+    _last_eval: float | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self._ckpt = CheckpointWriter(self.paths.checkpoints, keep=self.cfg.keep_ckpts)
+        self._t_start = self._t_last = time.perf_counter()
+
+    def say(self, line: str) -> None:
+        if self.console is not None:
+            print(line, file=self.console, flush=True)
+
+    def event(self, name: str, **fields) -> None:
+        if self.writer is not None:
+            self.writer.event(name, **fields)
+
+    def on_commit(self, stats: CommitStats, *, microbatches: int, **extra) -> None:
+        """Called once per committed step, after the optimizer step."""
+        now = time.perf_counter()
+        step_s = now - self._t_last
+        self._t_last = now
+        cfg = self.cfg
+        tokens = microbatches * cfg.microbatch_size * cfg.seq_len
+        self._tokens += tokens
+        done = stats.step + 1 - self.start_step
+        elapsed = now - self._t_start
+        eta = elapsed / max(1, done) * (cfg.steps - stats.step - 1)
+        if self.writer is not None:
+            self.writer.step(
+                step=stats.step,
+                loss=stats.loss,
+                lr=stats.lr,
+                grad_norm=stats.grad_norm,
+                tokens=tokens,
+                microbatches=microbatches,
+                step_s=round(step_s, 6),
+                wall_s=round(elapsed, 6),
+                **extra,
+            )
+            self.say(
+                format_step_line(
+                    step=stats.step,
+                    steps=cfg.steps,
+                    loss=stats.loss,
+                    lr=stats.lr,
+                    tok_per_s=tokens / step_s if step_s > 0 else 0.0,
+                    step_s=step_s,
+                    eta_s=eta,
+                )
+            )
+        next_step = stats.step + 1
+        last = next_step == cfg.steps
+        if cfg.eval_every and (next_step % cfg.eval_every == 0 or last):
+            self.evaluate(stats.step)
+        if cfg.ckpt_every and next_step % cfg.ckpt_every == 0 and not last:
+            self.checkpoint(next_step)
+
+    def evaluate(self, step: int) -> float:
+        loss = self.trainer.evaluate()
+        self._last_eval = loss
+        if self.writer is not None:
+            self.writer.eval(step=step, val_loss=loss)
+            self.say(f"eval step {step + 1} | val loss {loss:.4f}")
+        return loss
+
+    def checkpoint(self, next_step: int, *, block: bool = False) -> Path | None:
+        """Save the committed state; only the replica holding the pen writes to disk."""
+        if self.writer is None:
+            return None
+        state = {
+            "step": next_step,
+            "train": self.cfg.to_dict(),
+            "data_hash": self.data_hash,
+            **self.trainer.state_dict(),
+        }
+        path = self._ckpt.save(next_step, state, block=block)
+        self.event("checkpoint_saved", step=next_step, path=str(path))
+        return path
+
+    def finish(self, *, unigram_loss: float | None = None) -> dict:
+        """Save the final model, write the summary record, print the summary."""
+        from safetensors.torch import save_model
+
+        self._ckpt.close()
+        elapsed = time.perf_counter() - self._t_start
+        summary = {
+            "steps": self.cfg.steps,
+            "steps_this_run": self.cfg.steps - self.start_step,
+            "tokens_this_run": self._tokens,
+            "wall_s": round(elapsed, 3),
+            "final_val_loss": self._last_eval,
+            "unigram_loss": unigram_loss,
+            "out": str(self.paths.out),
+        }
+        if self.writer is not None:
+            self.paths.final_model.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.paths.final_model.with_name("model.safetensors.tmp")
+            save_model(self.trainer.model, str(tmp))
+            os.replace(tmp, self.paths.final_model)
+            self.writer.write("summary", **summary)
+            self.say(self.format_summary(summary))
+        return summary
+
+    @staticmethod
+    def format_summary(s: dict) -> str:
+        lines = [
+            "",
+            "summary",
+            f"  steps          {s['steps']} ({s['steps_this_run']} in this run)",
+            f"  tokens         {s['tokens_this_run']:,} in {format_duration(s['wall_s'])} "
+            f"({format_rate(s['tokens_this_run'] / max(s['wall_s'], 1e-9))} tok/s)",
+        ]
+        if s.get("final_val_loss") is not None:
+            lines.append(f"  val loss       {s['final_val_loss']:.4f}")
+        if s.get("unigram_loss") is not None:
+            lines.append(
+                f"  unigram loss   {s['unigram_loss']:.4f} (predicting the token distribution)"
+            )
+        for key, label in (
+            ("failures_survived", "failures"),
+            ("microbatches_recomputed", "recomputed"),
+            ("recovery_s", "recovering"),
+        ):
+            if key in s:
+                lines.append(f"  {label:<14} {s[key]}")
+        lines.append(f"  run folder     {s['out']}")
+        return "\n".join(lines)
+
+
+def unigram_loss(
+    train_shards: list[np.ndarray], val_shards: list[np.ndarray], vocab_size: int
+) -> float:
+    """Cross-entropy (nats) of the validation tokens under the train split's token frequencies:
+    the loss of a model that only knows the token distribution (add-one smoothed)."""
+    counts = np.ones(vocab_size, dtype=np.float64)
+    for shard in train_shards:
+        counts += np.bincount(np.asarray(shard), minlength=vocab_size)
+    logp = np.log(counts / counts.sum())
+    val_counts = np.zeros(vocab_size, dtype=np.float64)
+    for shard in val_shards:
+        val_counts += np.bincount(np.asarray(shard), minlength=vocab_size)
+    return float(-(val_counts * logp).sum() / val_counts.sum())
+
+
+def check_resume_state(state: dict, *, cfg: TrainConfig, data_hash: str, path: Path) -> int:
+    """Validate a loaded checkpoint against the run; return the next step to run."""
+    if state.get("data_hash") != data_hash:
+        raise CheckpointError(f"checkpoint in {path} was trained on another dataset")
+    step = int(state["step"])
+    if not 0 <= step <= cfg.steps:
+        raise CheckpointError(f"checkpoint in {path} is at step {step}, beyond --steps {cfg.steps}")
+    return step

@@ -1,0 +1,107 @@
+"""Training with one replica: the failure-free step of DESIGN.md with nobody to reduce with.
+
+Job: open the run folder, build the replica's trainer, resume from the newest checkpoint when
+asked, and run steps `start..steps-1`: compute microbatch ids 0..M-1, take the snapshot, commit
+from it. With R replicas the same step goes through the coordinator and the fault-tolerant
+all-reduce (see `recover.worker`); the trajectory is the same.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from recover.checkpoint import CheckpointError
+from recover.config import RunPaths, TrainConfig
+from recover.data.addressing import TokenDataset
+from recover.metrics import MetricsWriter
+from recover.run import (
+    RunRecorder,
+    check_resume_state,
+    load_resume_state,
+    open_run_folder,
+    unigram_loss,
+)
+from recover.trainer import ReplicaTrainer
+
+
+def dataset_info(dataset: TokenDataset, path: Path) -> dict:
+    return {
+        "path": str(path),
+        "content_hash": dataset.content_hash,
+        "vocab_size": dataset.vocab_size,
+        "tokenizer": dataset.meta.get("tokenizer"),
+    }
+
+
+def build_trainer_for_run(
+    cfg: TrainConfig, *, paths: RunPaths, dataset: TokenDataset, resume: bool
+) -> tuple[ReplicaTrainer, int]:
+    """The trainer, loaded from the newest checkpoint when resuming; and the next step to run."""
+    trainer = ReplicaTrainer(cfg, dataset)
+    start = 0
+    if resume:
+        state = load_resume_state(paths)
+        if state is not None:
+            start = check_resume_state(
+                state, cfg=cfg, data_hash=dataset.content_hash, path=paths.checkpoints
+            )
+            trainer.load_state_dict(state)
+    return trainer, start
+
+
+def train_single(
+    cfg: TrainConfig,
+    *,
+    out: Path,
+    data_path: Path,
+    resume: bool = False,
+    console: TextIO | None = sys.stdout,
+) -> dict:
+    """Train one replica; return the run summary. Raises RunFolderError / CheckpointError."""
+    dataset = TokenDataset.open(data_path)
+    paths = RunPaths(out=out)
+    info = dataset_info(dataset, data_path)
+    open_run_folder(paths, cfg, data_info=info, resume=resume, launch={"replicas": 1})
+    trainer, start = build_trainer_for_run(cfg, paths=paths, dataset=dataset, resume=resume)
+    writer = MetricsWriter(paths.metrics)
+    recorder = RunRecorder(
+        cfg=cfg,
+        paths=paths,
+        trainer=trainer,
+        data_hash=dataset.content_hash,
+        writer=writer,
+        console=console,
+        start_step=start,
+    )
+    if console is not None:
+        n = trainer.model.num_params()
+        print(
+            f"training {cfg.preset} ({n / 1e6:.2f}M parameters) for {cfg.steps} steps of "
+            f"{cfg.microbatches} x {cfg.microbatch_size} x {cfg.seq_len} tokens; run folder {out}",
+            file=console,
+            flush=True,
+        )
+    if resume:
+        recorder.event("resumed", step=start)
+        if console is not None:
+            print(f"resuming at step {start + 1}", file=console, flush=True)
+    all_ids = range(cfg.microbatches)
+    try:
+        for step in range(start, cfg.steps):
+            trainer.compute_microbatches(step, all_ids)
+            snapshot = trainer.gradient_snapshot()
+            stats = trainer.apply_commit(step, snapshot)
+            recorder.on_commit(stats, microbatches=cfg.microbatches)
+        summary = recorder.finish(
+            unigram_loss=unigram_loss(
+                dataset.shards("train"), dataset.shards("val"), dataset.vocab_size
+            )
+        )
+    finally:
+        writer.close()
+    return summary
+
+
+__all__ = ["train_single", "CheckpointError"]

@@ -1,0 +1,189 @@
+"""The work of one replica: compute microbatches into a gradient sum, and apply a committed step.
+
+Job: hold one model copy and its optimizer; `compute_microbatches(step, ids)` adds the gradients
+of those microbatch ids to the local sum; `gradient_snapshot()` hands out that sum as one flat
+buffer (the snapshot); `apply_commit(step, flat_sum)` turns the sum of all M microbatches into an
+optimizer update. How the sum over replicas is formed (alone, or through the fault-tolerant
+all-reduce) is not this module's business: it never talks to other processes.
+
+Invariants:
+- the update of step t is `AdamW(clip(sum_{j<M} g(t, j) / M))` at lr(t), whoever computed which j;
+- microbatch (t, j) reads the tokens of `microbatch_tokens(seed, t, j)` and seeds torch's RNG
+  (dropout) from `microbatch_seed(seed, t, j)` right before its forward pass;
+- the flat layout is the model's parameter order, followed by one slot holding the sum of the
+  microbatch losses (so the committed loss travels with the gradient through one reduce).
+
+Cost: one forward/backward per microbatch; one flat copy of the gradients per snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from recover.config import TrainConfig, compute_lr
+from recover.data.addressing import (
+    TokenDataset,
+    microbatch_seed,
+    microbatch_tokens,
+    validation_batches,
+)
+from recover.model import GPT, build_config
+
+# A hook called at declared points of the step: (phase, step, index of the microbatch in this
+# call's list or None). Fault injection plugs in here; it is a no-op by default.
+PhaseHook = Callable[[str, int, int | None], None]
+
+
+def _no_hook(phase: str, step: int, index: int | None) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class CommitStats:
+    step: int
+    loss: float  # mean loss over the M microbatches of the step
+    lr: float
+    grad_norm: float  # global norm of the averaged gradient, before clipping
+
+
+class ReplicaTrainer:
+    """One model copy, its optimizer and its local gradient sum."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        dataset: TokenDataset,
+        *,
+        device: str = "cpu",
+        phase_hook: PhaseHook | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.dataset = dataset
+        self.device = torch.device(device)
+        self.phase_hook = phase_hook or _no_hook
+        # Same initial parameters on every replica: initialise from the run's seed.
+        torch.manual_seed(cfg.seed)
+        model_cfg = build_config(
+            cfg.preset, vocab_size=dataset.vocab_size, block_size=cfg.seq_len, dropout=cfg.dropout
+        )
+        self.model = GPT(model_cfg).to(self.device)
+        self.params = list(self.model.parameters())
+        self.numel = sum(p.numel() for p in self.params)
+        decay = [p for p in self.params if p.dim() >= 2]
+        no_decay = [p for p in self.params if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            foreach=False,  # one summation order everywhere: replicas must agree bit for bit
+        )
+        self.loss_sum = 0.0
+        self._eval_set: list | None = None
+
+    # ---- microbatches -------------------------------------------------------------------------
+    def compute_microbatches(self, step: int, ids: Iterable[int]) -> None:
+        """Add the gradients and losses of microbatch ids `(step, j)` to the local sum."""
+        self.model.train()
+        for index, j in enumerate(ids):
+            x, y = microbatch_tokens(
+                self.dataset,
+                seed=self.cfg.seed,
+                step=step,
+                j=j,
+                microbatches=self.cfg.microbatches,
+                microbatch_size=self.cfg.microbatch_size,
+                seq_len=self.cfg.seq_len,
+            )
+            x, y = x.to(self.device), y.to(self.device)
+            torch.manual_seed(microbatch_seed(self.cfg.seed, step, j))  # dropout of (step, j)
+            self.phase_hook("forward", step, index)
+            _, loss = self.model(x, y)
+            self.phase_hook("backward", step, index)
+            loss.backward()  # accumulates into p.grad: the local sum
+            self.loss_sum += float(loss.detach())
+
+    def zero_local(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.loss_sum = 0.0
+
+    # ---- snapshot and restore -----------------------------------------------------------------
+    def gradient_snapshot(self) -> torch.Tensor:
+        """A fresh flat fp32 copy of the local gradient sum and loss sum (numel + 1 values)."""
+        flat = torch.zeros(self.numel + 1, dtype=torch.float32, device=self.device)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            if p.grad is not None:
+                flat[offset : offset + n].copy_(p.grad.reshape(-1))
+            offset += n
+        flat[-1] = self.loss_sum
+        return flat
+
+    def restore_snapshot(self, flat: torch.Tensor) -> None:
+        """Set the local gradient sum and loss sum from a snapshot made by gradient_snapshot()."""
+        self._load_flat_grads(flat)
+        self.loss_sum = float(flat[-1])
+
+    def _load_flat_grads(self, flat: torch.Tensor) -> None:
+        if flat.numel() != self.numel + 1:
+            raise ValueError(f"flat buffer has {flat.numel()} values, expected {self.numel + 1}")
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    # ---- commit -------------------------------------------------------------------------------
+    def apply_commit(self, step: int, flat_sum: torch.Tensor) -> CommitStats:
+        """Apply the update of `step` from the sum over all M microbatches (flat layout)."""
+        M = self.cfg.microbatches
+        self._load_flat_grads(flat_sum)
+        for p in self.params:
+            p.grad.div_(M)
+        loss = float(flat_sum[-1]) / M
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip, foreach=False))
+        lr = compute_lr(step, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.phase_hook("optimizer", step, None)
+        self.optimizer.step()
+        self.zero_local()
+        return CommitStats(step=step, loss=loss, lr=lr, grad_norm=grad_norm)
+
+    # ---- evaluation and state -----------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the run's fixed validation batches."""
+        if self._eval_set is None:
+            self._eval_set = validation_batches(
+                self.dataset,
+                microbatch_size=self.cfg.microbatch_size,
+                seq_len=self.cfg.seq_len,
+                max_batches=self.cfg.eval_batches,
+            )
+        self.model.eval()
+        losses = []
+        for x, y in self._eval_set:
+            _, loss = self.model(x.to(self.device), y.to(self.device))
+            losses.append(float(loss))
+        self.model.train()
+        return sum(losses) / len(losses)
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def flat_parameters(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])

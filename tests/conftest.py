@@ -1,0 +1,63 @@
+"""Shared fixtures: a small deterministic corpus and dataset, and a CLI runner that reaps."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+# Flags for a run that takes a second or two on one core.
+TINY_TRAIN_FLAGS = [
+    "--preset", "tiny", "--seq-len", "32", "--microbatch-size", "2", "--microbatches", "4",
+    "--eval-every", "5", "--eval-batches", "2", "--warmup-steps", "2",
+]  # fmt: skip
+
+WORDS = (
+    "replica rank step microbatch plan epoch commit snapshot gradient reduce survive recover "
+    "token model layer attention loss optimizer learning rate batch sequence train validate"
+).split()
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """40 small text documents of pseudo-random words (about 100 kB), the same every session."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(7)
+    for i in range(40):
+        lines = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(40)]
+        (root / f"doc_{i:03d}.txt").write_text(f"document {i}\n" + "\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory: pytest.TempPathFactory, tiny_corpus: Path) -> Path:
+    from recover.data import prepare_dataset
+
+    out = tmp_path_factory.mktemp("datasets") / "tiny-byte"
+    return prepare_dataset(out, source=tiny_corpus, val_fraction=0.2, show_progress=False)
+
+
+def run_cli(args: list[str], *, timeout: float = 60, cwd: Path | None = None):
+    """Run `python -m recover.cli ARGS` to completion (killed on timeout); return the result."""
+    return subprocess.run(
+        [sys.executable, "-m", "recover.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+        cwd=cwd,
+    )

@@ -1,0 +1,162 @@
+"""One-replica training: determinism, kill + resume on the same trajectory, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_TRAIN_FLAGS, child_env, run_cli
+from recover.compare import compare_runs
+from recover.metrics import committed_steps
+
+
+def train_args(data: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", *TINY_TRAIN_FLAGS, "--data", str(data), "--out", str(out), *extra]
+
+
+def test_two_runs_are_identical_and_compare_passes_at_rtol_0(tiny_dataset, tmp_path):
+    for name in ("A", "B"):
+        r = run_cli(train_args(tiny_dataset, tmp_path / name, "--steps", "8"))
+        assert r.returncode == 0, r.stderr
+    steps = committed_steps(tmp_path / "A" / "metrics.jsonl")
+    assert sorted(steps) == list(range(8))
+    assert all(s["microbatches"] == 4 for s in steps.values())
+    assert (tmp_path / "A" / "final" / "model.safetensors").exists()
+    config = json.loads((tmp_path / "A" / "config.json").read_text())
+    assert config["train"]["microbatches"] == 4
+    r = run_cli(["compare", str(tmp_path / "A"), str(tmp_path / "B"), "--rtol", "0"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PASS" in r.stdout
+
+
+def test_compare_fails_on_a_different_trajectory(tiny_dataset, tmp_path):
+    for name, seed in (("A", "1"), ("B", "2")):
+        r = run_cli(train_args(tiny_dataset, tmp_path / name, "--steps", "3", "--seed", seed))
+        assert r.returncode == 0, r.stderr
+    result = compare_runs(tmp_path / "A", tmp_path / "B")
+    assert result.common_steps == 3
+    assert result.max_loss_rel_diff > 1e-4 and result.param_rel_l2 > 1e-3
+    r = run_cli(["compare", str(tmp_path / "A"), str(tmp_path / "B")])
+    assert r.returncode == 1 and "FAIL" in r.stdout
+
+
+@pytest.mark.timeout(90)
+def test_kill_mid_run_then_resume_gives_the_uninterrupted_trajectory(tiny_dataset, tmp_path):
+    steps = "16"
+    r = run_cli(train_args(tiny_dataset, tmp_path / "full", "--steps", steps), timeout=60)
+    assert r.returncode == 0, r.stderr
+
+    killed = tmp_path / "killed"
+    args = train_args(tiny_dataset, killed, "--steps", steps, "--ckpt-every", "3")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "recover.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=child_env(),
+    )
+    try:
+        # Kill once step 8 is committed: checkpoints at 3 and 6 exist, steps 6..8 are redone.
+        deadline = time.monotonic() + 45
+        metrics = killed / "metrics.jsonl"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and 8 in committed_steps(metrics):
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert 15 not in committed_steps(killed / "metrics.jsonl")
+
+    r = run_cli(train_args(tiny_dataset, killed, "--steps", steps, "--ckpt-every", "3", "--resume"))
+    assert r.returncode == 0, r.stderr
+    assert "resuming at step" in r.stdout
+    result = compare_runs(tmp_path / "full", killed)
+    assert result.common_steps == 16
+    assert result.max_loss_rel_diff == 0.0
+    assert result.param_rel_l2 == 0.0
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--preset", "huge"], "--preset"),
+        (["--steps", "0"], "--steps"),
+        (["--microbatches", "-1"], "--microbatches"),
+        (["--microbatch-size", "0"], "--microbatch-size"),
+        (["--seq-len", "0"], "--seq-len"),
+        (["--lr", "0"], "--lr"),
+        (["--dropout", "1.5"], "--dropout"),
+    ],
+)
+def test_bad_flags_are_refused_naming_the_flag(tiny_dataset, tmp_path, flags, needle):
+    from recover.cli import main
+
+    out = tmp_path / "run"
+    code = main(train_args(tiny_dataset, out, *flags))
+    assert code == 2
+    assert not out.exists(), "nothing may be written for a refused config"
+
+
+def test_bad_flag_message(tiny_dataset, tmp_path, capsys):
+    from recover.cli import main
+
+    assert main(train_args(tiny_dataset, tmp_path / "x", "--preset", "huge")) == 2
+    err = capsys.readouterr().err
+    assert "--preset" in err and "tiny" in err and "gpt2-124m" in err
+
+
+def test_out_folder_holding_another_run_is_refused(tiny_dataset, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli(train_args(tiny_dataset, out, "--steps", "2")).returncode == 0
+    before = (out / "metrics.jsonl").read_text()
+    r = run_cli(train_args(tiny_dataset, out, "--steps", "2"))
+    assert r.returncode == 2
+    assert str(out) in r.stderr and "--resume" in r.stderr
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_out_folder_with_other_files_is_refused(tiny_dataset, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    r = run_cli(train_args(tiny_dataset, out, "--steps", "2"))
+    assert r.returncode == 2 and "other files" in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_resume_with_other_settings_is_refused(tiny_dataset, tmp_path):
+    out = tmp_path / "run"
+    assert (
+        run_cli(train_args(tiny_dataset, out, "--steps", "2", "--ckpt-every", "1")).returncode == 0
+    )
+    r = run_cli(train_args(tiny_dataset, out, "--steps", "4", "--seed", "9", "--resume"))
+    assert r.returncode == 2 and "--seed" in r.stderr
+
+
+def test_corrupt_checkpoint_gives_a_clear_error(tiny_dataset, tmp_path):
+    out = tmp_path / "run"
+    r = run_cli(train_args(tiny_dataset, out, "--steps", "4", "--ckpt-every", "2"))
+    assert r.returncode == 0, r.stderr
+    ckpts = sorted((out / "checkpoints").iterdir())
+    assert ckpts, "a checkpoint at step 2 was expected"
+    newest = ckpts[-1]
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    r = run_cli(train_args(tiny_dataset, out, "--steps", "6", "--ckpt-every", "2", "--resume"))
+    assert r.returncode == 2
+    assert "corrupt" in r.stderr and newest.name in r.stderr
+
+
+def test_resume_of_a_missing_run_is_refused(tiny_dataset, tmp_path):
+    r = run_cli(train_args(tiny_dataset, tmp_path / "none", "--steps", "2", "--resume"))
+    assert r.returncode == 2 and "no run" in r.stderr

@@ -1,0 +1,111 @@
+"""Fast unit tests: model shapes, config validation, the LR schedule, checkpoints, metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from recover.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    list_checkpoints,
+    read_checkpoint,
+)
+from recover.config import TrainConfig, compute_lr
+from recover.metrics import MetricsWriter, committed_steps, format_step_line
+from recover.model import GPT, PRESETS, GPTConfig, build_config
+
+
+def test_gpt_shapes_and_loss_near_uniform_at_init():
+    torch.manual_seed(0)
+    model = GPT(build_config("tiny", vocab_size=256, block_size=16))
+    x = torch.randint(0, 256, (3, 16))
+    y = torch.randint(0, 256, (3, 16))
+    logits, loss = model(x, y)
+    assert logits.shape == (3, 16, 256)
+    assert abs(float(loss.detach()) - math.log(256)) < 0.2  # small init: close to uniform
+
+
+def test_gpt_rejects_too_long_sequences_and_bad_configs():
+    model = GPT(build_config("tiny", vocab_size=256, block_size=8))
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="n_head"):
+        GPTConfig(n_embd=10, n_head=3)
+    with pytest.raises(ValueError, match="unknown preset"):
+        build_config("nope", vocab_size=256, block_size=8)
+
+
+def test_presets_include_the_promised_sizes():
+    assert {"tiny", "small", "gpt2-124m"} <= set(PRESETS)
+    cfg = build_config("gpt2-124m", vocab_size=50304, block_size=1024)
+    n = sum(p.numel() for p in GPT(cfg).parameters())
+    assert 120e6 < n < 130e6
+
+
+def test_train_config_validation_names_the_flag():
+    with pytest.raises(ValueError, match="--microbatches"):
+        TrainConfig(microbatches=0)
+    with pytest.raises(ValueError, match="--min-lr"):
+        TrainConfig(lr=1e-3, min_lr=1e-2)
+    with pytest.raises(ValueError, match="--preset"):
+        TrainConfig(preset="x")
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr=0.1)
+    lrs = [compute_lr(s, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
+    assert lrs[-1] >= 0.1 and compute_lr(100, cfg) == pytest.approx(0.1)
+
+
+def test_checkpoints_are_atomic_verified_and_pruned(tmp_path):
+    writer = CheckpointWriter(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        writer.save(step, {"step": step, "w": torch.full((4,), float(step))})
+    writer.close()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]
+    assert not list(tmp_path.glob("*.tmp"))
+    state = read_checkpoint(list_checkpoints(tmp_path)[-1][1])
+    assert state["step"] == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
+    path = list_checkpoints(tmp_path)[-1][1]
+    path.write_bytes(path.read_bytes()[:-10])  # truncated
+    with pytest.raises(CheckpointError, match="corrupt"):
+        read_checkpoint(path)
+    path.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=path.name):
+        read_checkpoint(path)
+
+
+def test_checkpoint_save_copies_state_before_training_goes_on(tmp_path):
+    w = torch.zeros(1000)
+    writer = CheckpointWriter(tmp_path, keep=1)
+    writer.save(1, {"step": 1, "w": w})
+    w.add_(5.0)  # training mutates parameters while the write is in flight
+    writer.close()
+    assert torch.equal(read_checkpoint(list_checkpoints(tmp_path)[0][1])["w"], torch.zeros(1000))
+
+
+def test_metrics_last_record_of_a_step_wins_and_torn_lines_are_skipped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    w = MetricsWriter(path)
+    w.step(step=0, loss=2.0)
+    w.step(step=1, loss=1.5)
+    w.event("resumed", step=1)
+    w.step(step=1, loss=1.4)
+    w.close()
+    with open(path, "a") as f:
+        f.write('{"kind": "step", "step": 2, "lo')  # a writer killed mid-line
+    steps = committed_steps(path)
+    assert sorted(steps) == [0, 1] and steps[1]["loss"] == 1.4
+
+
+def test_step_line_has_the_promised_fields():
+    line = format_step_line(
+        step=4, steps=10, loss=2.5, lr=1e-3, tok_per_s=12345, step_s=0.2, eta_s=65
+    )
+    assert line.startswith("step  5/10") and "loss 2.5000" in line and "tok/s" in line
+    assert "200 ms" in line and "eta 1m05s" in line
