@@ -58,6 +58,46 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
 
 
+def add_replica_flags(parser: argparse.ArgumentParser) -> None:
+    from recover.faults import GRAMMAR
+
+    group = parser.add_argument_group("replicas and faults")
+    group.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help=f"inject a fault (repeatable): {GRAMMAR}",
+    )
+    group.add_argument(
+        "--heartbeat",
+        type=float,
+        default=0.1,
+        metavar="S",
+        help="heartbeat interval to the coordinator (default: 0.1)",
+    )
+    group.add_argument(
+        "--check-every",
+        type=int,
+        default=50,
+        metavar="N",
+        help="compare parameter hashes across replicas every N steps (default: 50)",
+    )
+
+
+def parse_faults(specs: list[str]):
+    from recover.faults import parse_fault
+
+    return tuple(parse_fault(s) for s in specs)
+
+
+def parse_address(text: str, flag: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{flag} must be HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
 def default_out() -> Path:
     return Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
 
@@ -102,6 +142,48 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue the run in --out from its newest checkpoint"
     )
     run.add_argument("--quiet", action="store_true", help="no per-step lines")
+    add_replica_flags(train)
+    train.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="data-parallel replicas started on this machine, each its own process "
+        "(default: 1, no coordinator)",
+    )
+    train.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        help="stop (and checkpoint) when fewer replicas survive (default: 1)",
+    )
+    train.add_argument(
+        "--lease",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="a replica silent this long is declared dead (default: 1.0)",
+    )
+
+    worker = sub.add_parser(
+        "worker",
+        help="run one replica of a multi-node job (start one per replica, e.g. under torchrun)",
+        description="Run one replica; it registers with the coordinator at --coordinator and "
+        "trains until the last step. The shared token is read from $RECOVER_TOKEN.",
+    )
+    add_train_config_flags(worker)
+    worker.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    worker.add_argument("--replica-id", type=int, required=True, metavar="R")
+    worker.add_argument("--data", type=Path, required=True, metavar="DIR")
+    worker.add_argument("--out", type=Path, required=True, metavar="DIR")
+    worker.add_argument("--resume", action="store_true")
+    add_replica_flags(worker)
+    worker.add_argument(
+        "--register-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="start-up: seconds to wait for the run to form (default: 60)",
+    )
 
     cmp = sub.add_parser("compare", help="compare two run folders' trajectories")
     cmp.add_argument("run_a", type=Path, metavar="RUN_A")
@@ -113,9 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="tolerance for both the loss and the parameter distance (default: 1e-4)",
     )
 
+    from recover.coordinator.cli import add_coordinator_parser
     from recover.data.cli import add_prepare_parser
 
     add_prepare_parser(sub)
+    add_coordinator_parser(sub)
     return parser
 
 
@@ -126,31 +210,76 @@ def _error(message: str) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     from recover.checkpoint import CheckpointError
-    from recover.data import DataError, ensure_dataset
+    from recover.data import DataError, TokenDataset, ensure_dataset
+    from recover.launch import LaunchConfig, LocalLauncher
     from recover.run import RunFolderError
-    from recover.train import train_single
+    from recover.train import dataset_info, train_single
 
     try:
         cfg = train_config_from_args(args)
+        lcfg = LaunchConfig(
+            replicas=args.replicas,
+            min_replicas=args.min_replicas,
+            lease_s=args.lease,
+            heartbeat_s=args.heartbeat,
+            check_every=args.check_every,
+            faults=parse_faults(args.fault),
+        )
     except ValueError as e:
         return _error(str(e))
     if args.resume and args.out is None:
         return _error("--resume needs --out: the run folder to continue")
     out = args.out or default_out()
+    console = None if args.quiet else sys.stdout
     try:
         data = args.data
         if data is None:
             data = ensure_dataset(args.data_root, show_progress=sys.stderr.isatty())
-        train_single(
-            cfg,
-            out=out,
-            data_path=data,
-            resume=args.resume,
-            console=None if args.quiet else sys.stdout,
-        )
+        if lcfg.replicas == 1 and not lcfg.faults:
+            train_single(cfg, out=out, data_path=data, resume=args.resume, console=console)
+            return 0
+        info = dataset_info(TokenDataset.open(data), data)
+        launcher = LocalLauncher(
+            cfg, lcfg, data=Path(data).resolve(), out=out, resume=args.resume,
+            data_info=info, console=console,
+        )  # fmt: skip
+        return launcher.run()
     except (DataError, RunFolderError, CheckpointError) as e:
         return _error(str(e))
-    return 0
+
+
+def run_worker_cli(args: argparse.Namespace) -> int:
+    import os
+
+    from recover.checkpoint import CheckpointError
+    from recover.data import DataError
+    from recover.worker import WorkerConfig, run_worker
+
+    try:
+        cfg = train_config_from_args(args)
+        host, port = parse_address(args.coordinator, "--coordinator")
+        wcfg = WorkerConfig(
+            replica_id=args.replica_id,
+            coordinator_host=host,
+            coordinator_port=port,
+            token=os.environ.get("RECOVER_TOKEN") or None,  # read once, here
+            data=args.data,
+            out=args.out,
+            resume=args.resume,
+            faults=parse_faults(args.fault),
+            check_every=args.check_every,
+            heartbeat_s=args.heartbeat,
+            register_timeout_s=args.register_timeout,
+        )
+    except ValueError as e:
+        return _error(str(e))
+    import torch
+
+    torch.set_num_threads(1)  # one core per replica process
+    try:
+        return run_worker(cfg, wcfg)
+    except (DataError, CheckpointError) as e:
+        return _error(str(e))
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -173,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         return run_train(args)
     if args.command == "compare":
         return run_compare(args)
+    if args.command == "worker":
+        return run_worker_cli(args)
+    if args.command == "coordinator":
+        from recover.coordinator.cli import run_coordinator_cli
+
+        return run_coordinator_cli(args)
     if args.command == "prepare":
         from recover.data.cli import run_prepare
 

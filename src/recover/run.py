@@ -93,9 +93,12 @@ class RunRecorder:
     paths: RunPaths
     trainer: ReplicaTrainer
     data_hash: str
-    writer: MetricsWriter | None  # None on replicas that do not hold the pen
+    writer: MetricsWriter
     console: TextIO | None = None
     start_step: int = 0
+    # The pen: only the replica holding it writes step and eval records, checkpoints and the final
+    # model (the lowest live replica of a multi-replica run). Events are written by every replica.
+    holds_pen: bool = True
     _ckpt: CheckpointWriter = field(init=False)
     _t_start: float = field(init=False)
     _t_last: float = field(init=False)
@@ -105,17 +108,18 @@ class RunRecorder:
     def __post_init__(self) -> None:
         self._ckpt = CheckpointWriter(self.paths.checkpoints, keep=self.cfg.keep_ckpts)
         self._t_start = self._t_last = time.perf_counter()
+        self.last_committed = self.start_step - 1
 
     def say(self, line: str) -> None:
-        if self.console is not None:
+        if self.console is not None and self.holds_pen:
             print(line, file=self.console, flush=True)
 
     def event(self, name: str, **fields) -> None:
-        if self.writer is not None:
-            self.writer.event(name, **fields)
+        self.writer.event(name, **fields)
 
     def on_commit(self, stats: CommitStats, *, microbatches: int, **extra) -> None:
         """Called once per committed step, after the optimizer step."""
+        self.last_committed = stats.step
         now = time.perf_counter()
         step_s = now - self._t_last
         self._t_last = now
@@ -125,7 +129,7 @@ class RunRecorder:
         done = stats.step + 1 - self.start_step
         elapsed = now - self._t_start
         eta = elapsed / max(1, done) * (cfg.steps - stats.step - 1)
-        if self.writer is not None:
+        if self.holds_pen:
             self.writer.step(
                 step=stats.step,
                 loss=stats.loss,
@@ -155,17 +159,18 @@ class RunRecorder:
         if cfg.ckpt_every and next_step % cfg.ckpt_every == 0 and not last:
             self.checkpoint(next_step)
 
-    def evaluate(self, step: int) -> float:
+    def evaluate(self, step: int) -> float | None:
+        if not self.holds_pen:  # the parameters are identical everywhere: one evaluation is enough
+            return None
         loss = self.trainer.evaluate()
         self._last_eval = loss
-        if self.writer is not None:
-            self.writer.eval(step=step, val_loss=loss)
-            self.say(f"eval step {step + 1} | val loss {loss:.4f}")
+        self.writer.eval(step=step, val_loss=loss)
+        self.say(f"eval step {step + 1} | val loss {loss:.4f}")
         return loss
 
     def checkpoint(self, next_step: int, *, block: bool = False) -> Path | None:
         """Save the committed state; only the replica holding the pen writes to disk."""
-        if self.writer is None:
+        if not self.holds_pen:
             return None
         state = {
             "step": next_step,
@@ -177,7 +182,7 @@ class RunRecorder:
         self.event("checkpoint_saved", step=next_step, path=str(path))
         return path
 
-    def finish(self, *, unigram_loss: float | None = None) -> dict:
+    def finish(self, *, unigram_loss: float | None = None, extra: dict | None = None) -> dict:
         """Save the final model, write the summary record, print the summary."""
         from safetensors.torch import save_model
 
@@ -191,8 +196,9 @@ class RunRecorder:
             "final_val_loss": self._last_eval,
             "unigram_loss": unigram_loss,
             "out": str(self.paths.out),
+            **(extra or {}),
         }
-        if self.writer is not None:
+        if self.holds_pen:
             self.paths.final_model.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.paths.final_model.with_name("model.safetensors.tmp")
             save_model(self.trainer.model, str(tmp))

@@ -34,7 +34,8 @@ from recover.data.addressing import (
 from recover.model import GPT, build_config
 
 # A hook called at declared points of the step: (phase, step, index of the microbatch in this
-# call's list or None). Fault injection plugs in here; it is a no-op by default.
+# call's list or None); phases "forward", "backward", "done" (microbatch finished) and
+# "optimizer". Fault injection plugs in here; it is a no-op by default.
 PhaseHook = Callable[[str, int, int | None], None]
 
 
@@ -108,6 +109,7 @@ class ReplicaTrainer:
             self.phase_hook("backward", step, index)
             loss.backward()  # accumulates into p.grad: the local sum
             self.loss_sum += float(loss.detach())
+            self.phase_hook("done", step, index)
 
     def zero_local(self) -> None:
         for p in self.params:

@@ -1,0 +1,159 @@
+"""Fault injection at declared points of a step, in the real code path.
+
+Job: parse `--fault KIND:replica=R,step=T,phase=P[,microbatch=K][,wake_after=S][,factor=F]` and,
+inside replica R, do the fault to the real process when the step reaches that point:
+
+- `kill`: the replica SIGKILLs itself (no cleanup, sockets drop: a crashed GPU host);
+- `hang`: the replica SIGSTOPs itself (a hung process that still holds its sockets); the local
+  launcher sends SIGCONT after `wake_after` seconds if given, else leaves it stopped;
+- `exit`: the replica exits with status 17 without leaving the coordinator cleanly;
+- `slow`: from step T on, every microbatch takes `factor` times as long (a straggler).
+
+Phases: `forward`, `backward` (at microbatch K of this replica's list, default 0), `reduce` (while
+the cross-replica all-reduce is in flight), `commit` (after reporting done, before the commit
+arrives), `optimizer` (after the commit, inside the optimizer step).
+
+Each fault fires at most once per process, and it is written as a `failure_injected` event before
+it happens. The parsing is pure; the injector only acts on its own process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+KINDS = ("kill", "hang", "exit", "slow")
+PHASES = ("forward", "backward", "reduce", "commit", "optimizer")
+GRAMMAR = (
+    "KIND:replica=R,step=T,phase=P[,microbatch=K][,wake_after=S]  or  "
+    "slow:replica=R,step=T,factor=F   with KIND in {kill, hang, exit} and "
+    "P in {forward, backward, reduce, commit, optimizer}"
+)
+EXIT_STATUS = 17
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    kind: str
+    replica: int
+    step: int
+    phase: str | None = None
+    microbatch: int = 0
+    wake_after: float | None = None
+    factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"fault kind {self.kind!r} unknown; allowed: {', '.join(KINDS)}")
+        if self.replica < 0 or self.step < 0 or self.microbatch < 0:
+            raise ValueError("fault replica, step and microbatch must be >= 0")
+        if self.kind == "slow":
+            if not self.factor > 1.0:
+                raise ValueError(f"slow fault needs factor > 1, got {self.factor}")
+        elif self.phase not in PHASES:
+            raise ValueError(f"fault phase {self.phase!r} unknown; allowed: {', '.join(PHASES)}")
+        if self.wake_after is not None and (self.kind != "hang" or self.wake_after < 0):
+            raise ValueError("wake_after is for hang faults only, and must be >= 0")
+
+    def describe(self) -> str:
+        if self.kind == "slow":
+            return f"slow x{self.factor:g} on replica {self.replica} from step {self.step}"
+        where = f"{self.phase}"
+        if self.phase in ("forward", "backward"):
+            where += f" of microbatch #{self.microbatch}"
+        return f"{self.kind} of replica {self.replica} at step {self.step}, {where}"
+
+
+def parse_fault(text: str) -> FaultSpec:
+    """Parse one --fault value; ValueError showing the grammar on anything malformed."""
+    try:
+        kind, _, rest = text.partition(":")
+        if not rest:
+            raise ValueError("missing ':' and its fields")
+        values: dict[str, str] = {}
+        for item in rest.split(","):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq or not value or key in values:
+                raise ValueError(f"bad field {item!r}")
+            values[key] = value.strip()
+        known = {"replica", "step", "phase", "microbatch", "wake_after", "factor"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(unknown)}")
+        for required in ("replica", "step"):
+            if required not in values:
+                raise ValueError(f"missing {required}=")
+        return FaultSpec(
+            kind=kind.strip(),
+            replica=int(values["replica"]),
+            step=int(values["step"]),
+            phase=values.get("phase"),
+            microbatch=int(values.get("microbatch", 0)),
+            wake_after=float(values["wake_after"]) if "wake_after" in values else None,
+            factor=float(values.get("factor", 1.0)),
+        )
+    except ValueError as e:
+        raise ValueError(f"--fault {text!r}: {e}. Grammar: {GRAMMAR}") from None
+
+
+def faults_for(specs: list[FaultSpec], replica: int) -> list[FaultSpec]:
+    return [s for s in specs if s.replica == replica]
+
+
+Emit = Callable[..., None]
+
+
+class FaultInjector:
+    """The phase hook of one replica process: fires its faults at their declared points."""
+
+    def __init__(self, specs: list[FaultSpec], *, emit: Emit | None = None) -> None:
+        self.specs = list(specs)
+        self.emit = emit or (lambda name, **fields: None)
+        self._fired: set[int] = set()
+        self._slow = [s for s in self.specs if s.kind == "slow"]
+        self._t_microbatch: float | None = None
+
+    def __call__(self, phase: str, step: int, index: int | None) -> None:
+        if phase == "forward":
+            self._t_microbatch = time.perf_counter()
+        elif phase == "done":
+            self._straggle(step)
+            return
+        for n, spec in enumerate(self.specs):
+            if n in self._fired or spec.kind == "slow" or spec.step != step or spec.phase != phase:
+                continue
+            if phase in ("forward", "backward") and index != spec.microbatch:
+                continue
+            self._fired.add(n)
+            self._fire(spec)
+
+    def _straggle(self, step: int) -> None:
+        factors = [s.factor for s in self._slow if step >= s.step]
+        if factors and self._t_microbatch is not None:
+            spent = time.perf_counter() - self._t_microbatch
+            time.sleep(spent * (max(factors) - 1.0))
+
+    def _fire(self, spec: FaultSpec) -> None:
+        self.emit(
+            "failure_injected",
+            fault=spec.kind,
+            replica=spec.replica,
+            step=spec.step,
+            phase=spec.phase,
+            microbatch=spec.microbatch if spec.phase in ("forward", "backward") else None,
+            description=spec.describe(),
+        )
+        print(f"injecting fault: {spec.describe()}", file=sys.stderr, flush=True)
+        if spec.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif spec.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            # Continued (SIGCONT): the process goes on; the coordinator has fenced it meanwhile.
+        elif spec.kind == "exit":
+            sys.stdout.flush()
+            os._exit(EXIT_STATUS)

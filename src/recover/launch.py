@@ -1,0 +1,275 @@
+"""The local launcher: `recover train --replicas R` on one machine.
+
+Job: write the run folder's config, start the coordinator process and R replica processes, prefix
+their output with `[replica r]`, wake hung replicas whose fault says `wake_after`, and reap every
+child on exit, on error and on Ctrl-C (no orphans, ever). The exit status says whether training
+succeeded.
+
+Supervision rules:
+- a replica that exits is reaped at once; its death is already known to the coordinator (its
+  session connection dropped), so the launcher only records it;
+- the run succeeded when at least one replica finished (exit 0) and no replica reported a run
+  failure (quorum lost, divergence, or an unexpected crash of a replica that had no fault);
+- a replica whose fault is `hang` is left stopped unless `wake_after=S`: the launcher sends
+  SIGCONT S seconds after it sees the process stopped (the process is then fenced and exits);
+- the coordinator's death ends the run (it is the one process that must not die here).
+
+It must not touch the trajectory: it only starts, watches and stops processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TextIO
+
+from recover.config import RunPaths, TrainConfig
+from recover.faults import FaultSpec, faults_for
+from recover.run import open_run_folder
+
+TOKEN_ENV = "RECOVER_TOKEN"
+EXPECTED_FAULT_EXITS = (17, -signal.SIGKILL, 4)  # exit fault, kill fault, evicted after a hang
+RUN_FAILURE_EXITS = {3: "quorum lost", 5: "replicas diverged"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    replicas: int
+    min_replicas: int = 1
+    lease_s: float = 1.0
+    heartbeat_s: float = 0.1
+    check_every: int = 50
+    faults: tuple[FaultSpec, ...] = ()
+    start_timeout_s: float = 60.0  # coordinator up and every replica registered by then
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if not 1 <= self.min_replicas <= self.replicas:
+            raise ValueError(
+                f"--min-replicas must be in 1..{self.replicas} (--replicas), got {self.min_replicas}"
+            )
+        if not self.lease_s > 0 or not 0 < self.heartbeat_s < self.lease_s:
+            raise ValueError("--lease must be > 0 and larger than the heartbeat interval")
+        for f in self.faults:
+            if f.replica >= self.replicas:
+                raise ValueError(
+                    f"--fault names replica {f.replica}, but replicas are 0..{self.replicas - 1}"
+                )
+
+
+def train_flags(cfg: TrainConfig) -> list[str]:
+    """The command-line flags that rebuild `cfg` in a child process."""
+    out: list[str] = []
+    for f in fields(TrainConfig):
+        out += ["--" + f.name.replace("_", "-"), str(getattr(cfg, f.name))]
+    return out
+
+
+def fault_flag(spec: FaultSpec) -> str:
+    parts = [f"replica={spec.replica}", f"step={spec.step}"]
+    if spec.kind == "slow":
+        parts.append(f"factor={spec.factor}")
+    else:
+        parts.append(f"phase={spec.phase}")
+        if spec.phase in ("forward", "backward"):
+            parts.append(f"microbatch={spec.microbatch}")
+        if spec.wake_after is not None:
+            parts.append(f"wake_after={spec.wake_after}")
+    return f"{spec.kind}:" + ",".join(parts)
+
+
+def _pump(stream, prefix: str, console: TextIO | None) -> None:
+    for line in iter(stream.readline, ""):
+        if console is not None:
+            console.write(prefix + line)
+            console.flush()
+    stream.close()
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
+class LocalLauncher:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        lcfg: LaunchConfig,
+        *,
+        data: Path,
+        out: Path,
+        resume: bool,
+        data_info: dict,
+        console: TextIO | None = sys.stdout,
+    ) -> None:
+        self.cfg, self.lcfg = cfg, lcfg
+        self.data, self.paths, self.resume = data, RunPaths(out=out), resume
+        self.data_info = data_info
+        self.console = console
+        self.token = secrets.token_hex(16)
+        self.children: dict[str, subprocess.Popen] = {}
+        self._pumps: list[threading.Thread] = []
+
+    def say(self, line: str) -> None:
+        if self.console is not None:
+            print(f"[launcher] {line}", file=self.console, flush=True)
+
+    def _spawn(self, name: str, argv: list[str], prefix: str) -> subprocess.Popen:
+        env = dict(os.environ)
+        env[TOKEN_ENV] = self.token  # never on the command line, where `ps` would show it
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["PYTHONUNBUFFERED"] = "1"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "recover.cli", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        self.children[name] = proc
+        pump = threading.Thread(target=_pump, args=(proc.stdout, prefix, self.console), daemon=True)
+        pump.start()
+        self._pumps.append(pump)
+        return proc
+
+    def _start_coordinator(self) -> tuple[str, int]:
+        address_file = self.paths.out / "coordinator.json"
+        address_file.unlink(missing_ok=True)
+        lc = self.lcfg
+        self._spawn(
+            "coordinator",
+            [
+                "coordinator", "serve", "--port", "0", "--store-port", "0",
+                "--replicas", str(lc.replicas), "--microbatches", str(self.cfg.microbatches),
+                "--min-replicas", str(lc.min_replicas), "--lease", str(lc.lease_s),
+                "--start-deadline", str(lc.start_timeout_s),
+                "--events", str(self.paths.metrics), "--address-file", str(address_file),
+            ],
+            "[coordinator] ",
+        )  # fmt: skip
+        deadline = time.monotonic() + self.lcfg.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.children["coordinator"].poll() is not None:
+                raise RuntimeError("the coordinator exited during start-up (see its output above)")
+            if address_file.exists():
+                info = json.loads(address_file.read_text())
+                return info["host"], int(info["port"])
+            time.sleep(0.02)
+        raise RuntimeError(f"the coordinator did not start within {self.lcfg.start_timeout_s} s")
+
+    def _start_replica(self, r: int, host: str, port: int) -> None:
+        argv = [
+            "worker", "--coordinator", f"{host}:{port}", "--replica-id", str(r),
+            "--data", str(self.data), "--out", str(self.paths.out),
+            "--heartbeat", str(self.lcfg.heartbeat_s), "--check-every", str(self.lcfg.check_every),
+            *train_flags(self.cfg),
+        ]  # fmt: skip
+        if self.resume:
+            argv.append("--resume")
+        for spec in faults_for(list(self.lcfg.faults), r):
+            argv += ["--fault", fault_flag(spec)]
+        self._spawn(f"replica {r}", argv, f"[replica {r}] ")
+
+    def run(self) -> int:
+        open_run_folder(
+            self.paths,
+            self.cfg,
+            data_info=self.data_info,
+            resume=self.resume,
+            launch={"replicas": self.lcfg.replicas, "min_replicas": self.lcfg.min_replicas,
+                    "faults": [fault_flag(f) for f in self.lcfg.faults]},
+        )  # fmt: skip
+        try:
+            host, port = self._start_coordinator()
+            self.say(f"coordinator on {host}:{port}; starting {self.lcfg.replicas} replicas")
+            for r in range(self.lcfg.replicas):
+                self._start_replica(r, host, port)
+            return self._supervise()
+        except KeyboardInterrupt:
+            self.say("interrupted: stopping every process")
+            return 130
+        finally:
+            self._reap_all()
+
+    def _supervise(self) -> int:
+        codes: dict[int, int] = {}
+        stopped_since: dict[int, float] = {}
+        wake = {f.replica: f.wake_after for f in self.lcfg.faults if f.kind == "hang"}
+        faulty = {f.replica for f in self.lcfg.faults if f.kind != "slow"}
+        replicas = range(self.lcfg.replicas)
+        while len(codes) < self.lcfg.replicas:
+            coordinator = self.children["coordinator"]
+            if coordinator.poll() is not None:
+                self.say(f"the coordinator died (exit {coordinator.returncode}); stopping the run")
+                return 1
+            for r in replicas:
+                proc = self.children[f"replica {r}"]
+                if r in codes:
+                    continue
+                code = proc.poll()
+                if code is not None:
+                    codes[r] = code
+                    if code != 0:
+                        self.say(f"replica {r} exited with status {code}")
+                    continue
+                if wake.get(r) is not None and _is_stopped(proc.pid):
+                    since = stopped_since.setdefault(r, time.monotonic())
+                    if time.monotonic() - since >= wake[r]:
+                        self.say(f"waking replica {r} (SIGCONT) after {wake[r]:g} s stopped")
+                        proc.send_signal(signal.SIGCONT)
+                        wake[r] = None
+            if len(codes) < self.lcfg.replicas and self._only_hung_left(codes, wake):
+                break
+            time.sleep(0.02)
+        for pump in self._pumps:
+            pump.join(timeout=2.0)
+        failures = [
+            f"replica {r}: {RUN_FAILURE_EXITS.get(c, f'exit {c}')}"
+            for r, c in codes.items()
+            if c != 0 and not (r in faulty and c in EXPECTED_FAULT_EXITS)
+        ]
+        if failures or not any(c == 0 for c in codes.values()):
+            self.say("training failed: " + ("; ".join(failures) or "no replica finished"))
+            return 1
+        return 0
+
+    def _only_hung_left(self, codes: dict[int, int], wake: dict[int, float | None]) -> bool:
+        """True when every replica still running is one we leave stopped for ever."""
+        running = [r for r in range(self.lcfg.replicas) if r not in codes]
+        if not any(c == 0 for c in codes.values()):
+            return False
+        return all(
+            r in wake and wake[r] is None and _is_stopped(self.children[f"replica {r}"].pid)
+            for r in running
+        )
+
+    def _reap_all(self) -> None:
+        """SIGTERM, then SIGKILL, every child still alive; wait for each (no orphans)."""
+        alive = [p for p in self.children.values() if p.poll() is None]
+        for p in alive:
+            try:
+                p.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+                p.terminate()
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for p in alive:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -1,0 +1,318 @@
+"""One replica of a multi-replica run: the step of DESIGN.md, through the coordinator.
+
+Job: register with the coordinator, then for every step: compute the microbatch ids the published
+view holds for this replica and that are not yet in the local sum, take the snapshot, all-reduce a
+fresh copy of it over the epoch's group (fault-tolerant collective), report the outcome, and apply
+the optimizer step only when the coordinator commits. On a Redo the local sum (never touched by
+the reduce) is kept, the newly held ids are computed on top, and the reduce is redone in the new
+epoch. This is the in-step recovery state machine; its record of which ids are in the snapshot is
+`StepAttempt.computed`.
+
+Invariants kept here:
+- constant batch: the committed update is apply_commit(sum over the M ids) whatever failed; a
+  survivor never recomputes its own finished microbatches (it only computes `held - computed`);
+- no corruption: the reduce works on a buffer made for that attempt only; after an abort the
+  buffer is dropped and the local sum is the snapshot;
+- agreement: every `check_every` steps the parameter hash travels with the done report and the
+  coordinator stops the run on a mismatch;
+- bounded waits: every call to the coordinator and every collective has a deadline.
+
+What it must not do: decide membership or plans (the coordinator does), or reach into the model.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from recover.collective import CollectiveAborted, CollectiveConfig, GroupCache
+from recover.config import RunPaths, TrainConfig
+from recover.coordinator.client import (
+    Committed,
+    CoordinatorClient,
+    Evicted,
+    Redo,
+    Stopped,
+)
+from recover.coordinator.client import QuorumLost as ClientQuorumLost
+from recover.data.addressing import TokenDataset
+from recover.faults import FaultInjector, FaultSpec
+from recover.metrics import MetricsWriter
+from recover.run import RunRecorder, unigram_loss
+from recover.train import build_trainer_for_run
+
+EXIT_OK = 0
+EXIT_QUORUM_LOST = 3
+EXIT_EVICTED = 4
+EXIT_DIVERGED = 5
+
+
+class QuorumLostError(RuntimeError):
+    """Fewer than min_replicas survive: the run stopped; resume it from its last checkpoint."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    replica_id: int
+    coordinator_host: str
+    coordinator_port: int
+    token: str | None = None
+    data: Path
+    out: Path
+    resume: bool = False
+    faults: tuple[FaultSpec, ...] = ()
+    check_every: int = 50  # compare parameter hashes across replicas every N steps (0: never)
+    register_timeout_s: float = 60.0  # start-up: all replicas must show up by then
+    outcome_timeout_s: float = 120.0  # longest wait for the coordinator's decision on a step
+    heartbeat_s: float = 0.1
+    collective: CollectiveConfig = field(default_factory=CollectiveConfig)
+
+    def __post_init__(self) -> None:
+        if self.replica_id < 0:
+            raise ValueError(f"--replica-id must be >= 0, got {self.replica_id}")
+        if not 0 < self.coordinator_port < 65536:
+            raise ValueError(f"--coordinator port must be in 1..65535, got {self.coordinator_port}")
+        if self.check_every < 0:
+            raise ValueError(f"--check-every must be >= 0, got {self.check_every}")
+        for name in ("register_timeout_s", "outcome_timeout_s", "heartbeat_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+def parameter_hash(trainer) -> str:
+    """A cheap, exact fingerprint of the parameters (sha256 of their bytes, first 16 hex)."""
+    flat = trainer.flat_parameters()
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+
+
+def fingerprint(cfg: TrainConfig, dataset: TokenDataset) -> dict:
+    """What every replica of a run must agree on; a joiner with another one is refused."""
+    return {
+        "preset": cfg.preset,
+        "microbatches": cfg.microbatches,
+        "microbatch_size": cfg.microbatch_size,
+        "seq_len": cfg.seq_len,
+        "seed": cfg.seed,
+        "steps": cfg.steps,
+        "data_hash": dataset.content_hash,
+    }
+
+
+@dataclass
+class StepAttempt:
+    """The record of one step in progress: which ids are in the local sum, and its timings."""
+
+    step: int
+    computed: set[int] = field(default_factory=set)
+    redos: int = 0
+    t_first_fault: float | None = None
+
+
+@dataclass
+class RecoveryTotals:
+    failures_survived: int = 0
+    microbatches_recomputed: int = 0
+    recovery_s: float = 0.0
+
+
+def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None = sys.stdout) -> int:
+    """Run one replica to the end of training; return its exit status."""
+    me = wcfg.replica_id
+    dataset = TokenDataset.open(wcfg.data)
+    paths = RunPaths(out=wcfg.out)
+    writer = MetricsWriter(paths.metrics)
+    injector = FaultInjector(list(wcfg.faults), emit=writer.event)
+    trainer, start = build_trainer_for_run(cfg, paths=paths, dataset=dataset, resume=wcfg.resume)
+    trainer.phase_hook = injector
+    client = CoordinatorClient(
+        wcfg.coordinator_host,
+        wcfg.coordinator_port,
+        replica_id=me,
+        token=wcfg.token,
+        heartbeat_s=wcfg.heartbeat_s,
+    )
+    recorder = RunRecorder(
+        cfg=cfg,
+        paths=paths,
+        trainer=trainer,
+        data_hash=dataset.content_hash,
+        writer=writer,
+        console=console,
+        start_step=start,
+        holds_pen=False,
+    )
+    totals = RecoveryTotals()
+    try:
+        view = client.register(
+            fingerprint=fingerprint(cfg, dataset),
+            next_step=start,
+            deadline_s=wcfg.register_timeout_s,
+        )
+        store_host, store_port = client.store_address
+        store = torch.distributed.TCPStore(
+            store_host,
+            store_port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=wcfg.register_timeout_s),
+        )
+        groups = GroupCache(store, config=wcfg.collective)
+        step = view.step
+        if step != start:
+            raise RuntimeError(f"replica {me} holds step {start}, the run is at step {step}")
+        while step < cfg.steps:
+            stats = _run_step(step, trainer, client, groups, injector, recorder, totals, wcfg)
+            step = stats + 1
+        recorder.holds_pen = me == min(client.view.live)
+        summary_extra = {
+            "failures_survived": totals.failures_survived,
+            "microbatches_recomputed": totals.microbatches_recomputed,
+            "recovery_s": round(totals.recovery_s, 3),
+        }
+        recorder.finish(
+            unigram_loss=unigram_loss(
+                dataset.shards("train"), dataset.shards("val"), dataset.vocab_size
+            )
+            if recorder.holds_pen
+            else None,
+            extra=summary_extra,
+        )
+        client.leave(step=step)
+        return EXIT_OK
+    except Evicted as e:
+        print(
+            f"replica {me}: evicted by the coordinator ({e}); exiting without touching the run",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_EVICTED
+    except (QuorumLostError, ClientQuorumLost) as e:
+        # Every survivor holds the last committed state; the lowest one saves it.
+        if recorder.holds_pen:
+            recorder.checkpoint(trainer_step(recorder), block=True)
+        print(f"replica {me}: {e}", file=sys.stderr, flush=True)
+        return EXIT_QUORUM_LOST
+    finally:
+        client.close()
+        writer.close()
+
+
+def trainer_step(recorder: RunRecorder) -> int:
+    return recorder.last_committed + 1
+
+
+def _run_step(step, trainer, client, groups, injector, recorder, totals, wcfg) -> int:
+    """Run step `step` until it commits; return it. The recovery loop lives here."""
+    me = wcfg.replica_id
+    attempt = StepAttempt(step=step)
+    view = client.view
+    while True:
+        if view.status in ("quorum_lost", "diverged", "finished"):
+            _stop(view.status, view.reason)
+        held = view.holdings.get(me, ())
+        todo = [j for j in held if j not in attempt.computed]
+        if attempt.redos:
+            totals.microbatches_recomputed += len(todo)
+        trainer.compute_microbatches(step, todo)
+        attempt.computed.update(todo)
+        snapshot = trainer.gradient_snapshot()  # the local sum; the reduce never touches it
+        epoch = view.attempt_epoch
+        param_hash = (
+            parameter_hash(trainer) if wcfg.check_every and step % wcfg.check_every == 0 else None
+        )
+        reduced = _reduce(snapshot, view, epoch, client, groups, injector, step, recorder, attempt)
+        if reduced is not None:
+            client.report_done(step=step, epoch=epoch, param_hash=param_hash)
+            injector("commit", step, None)
+        outcome = client.wait_outcome(step=step, epoch=epoch, deadline_s=wcfg.outcome_timeout_s)
+        if isinstance(outcome, Committed):
+            if reduced is None:
+                raise RuntimeError(f"step {step} committed although this replica's reduce failed")
+            recorder.holds_pen = me == min(client.view.live)
+            stats = trainer.apply_commit(step, reduced)
+            extra = {"epoch": epoch, "replicas": len(view.live), "attempts": attempt.redos + 1}
+            recorder.on_commit(stats, microbatches=trainer.cfg.microbatches, **extra)
+            if attempt.t_first_fault is not None:
+                seconds = time.perf_counter() - attempt.t_first_fault
+                totals.failures_survived += 1
+                totals.recovery_s += seconds
+                recorder.event(
+                    "recovered",
+                    replica=me,
+                    step=step,
+                    seconds=round(seconds, 4),
+                    attempts=attempt.redos + 1,
+                )
+            return step
+        if isinstance(outcome, Redo):
+            # The local sum (p.grad) was never touched by the reduce: it is the snapshot.
+            if attempt.t_first_fault is None:
+                attempt.t_first_fault = time.perf_counter()
+            attempt.redos += 1
+            view = outcome.view
+            continue
+        if isinstance(outcome, Stopped):
+            _stop(outcome.status, outcome.reason)
+        raise RuntimeError(f"unexpected outcome {outcome!r}")
+
+
+def _stop(status: str, reason: str) -> None:
+    if status == "quorum_lost":
+        raise QuorumLostError(
+            f"quorum lost: {reason}. Resume with --resume from the last checkpoint"
+        )
+    if status == "diverged":
+        raise RuntimeError(f"replicas diverged, training stopped: {reason}")
+    raise RuntimeError(f"the run stopped ({status}): {reason}")
+
+
+def _reduce(snapshot, view, epoch, client, groups, injector, step, recorder, attempt):
+    """All-reduce a fresh copy of the snapshot in `epoch`; None if the collective aborted."""
+    me = client.replica_id
+    fired = False
+
+    def should_abort() -> str | None:
+        nonlocal fired
+        if not fired:  # the `reduce` fault fires while the collective is in flight
+            fired = True
+            injector("reduce", step, None)
+        newer = client.view
+        if newer.epoch > epoch or newer.status != "running":
+            return f"epoch {newer.epoch} announced ({newer.reason})"
+        return None
+
+    buffer = snapshot.clone()  # for this attempt only; dropped on abort
+    t0 = time.perf_counter()
+    try:
+        group = groups.get(epoch=epoch, rank=view.live.index(me), world_size=len(view.live))
+        if len(view.live) > 1:
+            group.allreduce_sum(buffer, should_abort=should_abort)
+        else:
+            should_abort()
+        return buffer
+    except CollectiveAborted as e:
+        if attempt.t_first_fault is None:
+            attempt.t_first_fault = t0
+        suspects = []
+        recorder.event(
+            "failure_detected",
+            replica=me,
+            step=step,
+            epoch=epoch,
+            how=e.kind,
+            detail=str(e.detail)[:200],
+            after_s=round(time.perf_counter() - t0, 4),
+        )
+        client.report_failed(
+            step=step, epoch=epoch, suspects=suspects, reason=f"{e.kind}: {e.detail}"[:300]
+        )
+        return None
+
+
+__all__ = ["run_worker", "WorkerConfig"]
