@@ -195,11 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tolerance for both the loss and the parameter distance (default: 1e-4)",
     )
 
+    from recover.bench import add_bench_parser
     from recover.coordinator.cli import add_coordinator_parser
     from recover.data.cli import add_prepare_parser
 
     add_prepare_parser(sub)
     add_coordinator_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -209,11 +211,11 @@ def _error(message: str) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from recover.checkpoint import CheckpointError
-    from recover.data import DataError, TokenDataset, ensure_dataset
+    # The launcher path stays torch-free: only the replica processes pay for importing torch.
+    from recover.data.corpus import DataError
+    from recover.data.prepare import ensure_dataset
     from recover.launch import LaunchConfig, LocalLauncher
-    from recover.run import RunFolderError
-    from recover.train import dataset_info, train_single
+    from recover.runfolder import RunFolderError, read_dataset_info
 
     try:
         cfg = train_config_from_args(args)
@@ -236,15 +238,21 @@ def run_train(args: argparse.Namespace) -> int:
         if data is None:
             data = ensure_dataset(args.data_root, show_progress=sys.stderr.isatty())
         if lcfg.replicas == 1 and not lcfg.faults:
-            train_single(cfg, out=out, data_path=data, resume=args.resume, console=console)
+            from recover.checkpoint import CheckpointError
+            from recover.train import train_single
+
+            try:
+                train_single(cfg, out=out, data_path=data, resume=args.resume, console=console)
+            except CheckpointError as e:
+                return _error(str(e))
             return 0
-        info = dataset_info(TokenDataset.open(data), data)
+        info = read_dataset_info(data)
         launcher = LocalLauncher(
             cfg, lcfg, data=Path(data).resolve(), out=out, resume=args.resume,
             data_info=info, console=console,
         )  # fmt: skip
         return launcher.run()
-    except (DataError, RunFolderError, CheckpointError) as e:
+    except (DataError, RunFolderError) as e:
         return _error(str(e))
 
 
@@ -277,9 +285,14 @@ def run_worker_cli(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)  # one core per replica process
     try:
-        return run_worker(cfg, wcfg)
+        code = run_worker(cfg, wcfg)
     except (DataError, CheckpointError) as e:
-        return _error(str(e))
+        code = _error(str(e))
+    # Everything the replica owns is closed and flushed by now. Skip the interpreter's teardown:
+    # destroying gloo process groups joins their I/O threads, which takes seconds at exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -308,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         from recover.coordinator.cli import run_coordinator_cli
 
         return run_coordinator_cli(args)
+    if args.command == "bench":
+        from recover.bench import run_bench
+
+        return run_bench(args)
     if args.command == "prepare":
         from recover.data.cli import run_prepare
 

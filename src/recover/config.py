@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from recover.model import PRESETS
+from recover.presets import PRESETS
 
 
 def _flag(name: str) -> str:

@@ -19,10 +19,10 @@ It must not touch the trajectory: it only starts, watches and stops processes.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +33,7 @@ from typing import TextIO
 
 from recover.config import RunPaths, TrainConfig
 from recover.faults import FaultSpec, faults_for
-from recover.run import open_run_folder
+from recover.runfolder import open_run_folder
 
 TOKEN_ENV = "RECOVER_TOKEN"
 EXPECTED_FAULT_EXITS = (17, -signal.SIGKILL, 4)  # exit fault, kill fault, evicted after a hang
@@ -147,29 +147,30 @@ class LocalLauncher:
         return proc
 
     def _start_coordinator(self) -> tuple[str, int]:
+        """Start the coordinator on a free loopback port; return its address at once.
+
+        The replicas are started right after, without waiting for it: they retry registering
+        until it listens, so torch's import in every process overlaps (start-up is CPU-bound).
+        """
         address_file = self.paths.out / "coordinator.json"
         address_file.unlink(missing_ok=True)
+        with socket.socket() as probe:  # a free port; the coordinator binds it a moment later
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
         lc = self.lcfg
         self._spawn(
             "coordinator",
             [
-                "coordinator", "serve", "--port", "0", "--store-port", "0",
-                "--replicas", str(lc.replicas), "--microbatches", str(self.cfg.microbatches),
+                "coordinator", "serve", "--host", "127.0.0.1", "--port", str(port),
+                "--store-port", "0", "--replicas", str(lc.replicas),
+                "--microbatches", str(self.cfg.microbatches),
                 "--min-replicas", str(lc.min_replicas), "--lease", str(lc.lease_s),
                 "--start-deadline", str(lc.start_timeout_s),
                 "--events", str(self.paths.metrics), "--address-file", str(address_file),
             ],
             "[coordinator] ",
         )  # fmt: skip
-        deadline = time.monotonic() + self.lcfg.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.children["coordinator"].poll() is not None:
-                raise RuntimeError("the coordinator exited during start-up (see its output above)")
-            if address_file.exists():
-                info = json.loads(address_file.read_text())
-                return info["host"], int(info["port"])
-            time.sleep(0.02)
-        raise RuntimeError(f"the coordinator did not start within {self.lcfg.start_timeout_s} s")
+        return "127.0.0.1", port
 
     def _start_replica(self, r: int, host: str, port: int) -> None:
         argv = [
@@ -195,7 +196,7 @@ class LocalLauncher:
         )  # fmt: skip
         try:
             host, port = self._start_coordinator()
-            self.say(f"coordinator on {host}:{port}; starting {self.lcfg.replicas} replicas")
+            self.say(f"coordinator at {host}:{port}; starting {self.lcfg.replicas} replicas")
             for r in range(self.lcfg.replicas):
                 self._start_replica(r, host, port)
             return self._supervise()
@@ -204,6 +205,8 @@ class LocalLauncher:
             return 130
         finally:
             self._reap_all()
+            for pump in self._pumps:  # every pipe is closed now: the pumps end at once
+                pump.join(timeout=2.0)
 
     def _supervise(self) -> int:
         codes: dict[int, int] = {}
@@ -235,8 +238,6 @@ class LocalLauncher:
             if len(codes) < self.lcfg.replicas and self._only_hung_left(codes, wake):
                 break
             time.sleep(0.02)
-        for pump in self._pumps:
-            pump.join(timeout=2.0)
         failures = [
             f"replica {r}: {RUN_FAILURE_EXITS.get(c, f'exit {c}')}"
             for r, c in codes.items()

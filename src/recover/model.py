@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from recover.presets import PRESETS
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
@@ -41,17 +43,6 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-# Shapes of the presets; vocab_size and block_size come from the dataset and --seq-len.
-PRESETS: dict[str, dict] = {
-    "tiny": dict(n_layer=2, n_head=2, n_embd=64),
-    "small": dict(n_layer=4, n_head=4, n_embd=128),
-    "medium": dict(n_layer=6, n_head=6, n_embd=384),
-    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768),
-    "gpt2-350m": dict(n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-1b": dict(n_layer=24, n_head=16, n_embd=2048),
-}
 
 
 def build_config(

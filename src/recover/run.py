@@ -11,7 +11,6 @@ It must not decide anything about the trajectory: it only records and persists c
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -21,63 +20,9 @@ from typing import TextIO
 import numpy as np
 
 from recover.checkpoint import CheckpointError, CheckpointWriter, load_latest
-from recover.config import RESUMABLE_CHANGES, RunPaths, TrainConfig
+from recover.config import RunPaths, TrainConfig
 from recover.metrics import MetricsWriter, format_duration, format_rate, format_step_line
 from recover.trainer import CommitStats, ReplicaTrainer
-
-CONFIG_FORMAT = 1
-
-
-class RunFolderError(ValueError):
-    """--out names a folder that cannot hold this run (another run, or a different config)."""
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
-def open_run_folder(
-    paths: RunPaths, cfg: TrainConfig, *, data_info: dict, resume: bool, launch: dict | None = None
-) -> None:
-    """Create or validate the run folder; write config.json. Raise RunFolderError on conflict."""
-    out = paths.out
-    if out.exists() and not out.is_dir():
-        raise RunFolderError(f"--out {out}: exists and is not a folder")
-    has_run = paths.config.exists()
-    if resume:
-        if not has_run:
-            raise RunFolderError(f"--resume: {out} holds no run (no config.json) to resume")
-        saved = json.loads(paths.config.read_text())
-        old = TrainConfig.from_dict(saved["train"]).to_dict()
-        new = cfg.to_dict()
-        changed = sorted(k for k in new if old.get(k) != new[k] and k not in RESUMABLE_CHANGES)
-        if changed:
-            diffs = ", ".join(
-                f"--{k.replace('_', '-')} {old.get(k)!r} -> {new[k]!r}" for k in changed
-            )
-            raise RunFolderError(
-                f"--resume: {out} holds a run with other settings ({diffs}); "
-                "resume with the run's own settings or choose another --out"
-            )
-        if saved.get("data", {}).get("content_hash") != data_info.get("content_hash"):
-            raise RunFolderError(
-                f"--resume: {out} was trained on another dataset "
-                f"(hash {saved.get('data', {}).get('content_hash')!r}, "
-                f"now {data_info.get('content_hash')!r})"
-            )
-    elif out.exists() and any(out.iterdir()):
-        what = "another run" if has_run else "other files"
-        raise RunFolderError(
-            f"--out {out}: the folder holds {what}; pass --resume to continue it or choose an "
-            "empty or new folder"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"format": CONFIG_FORMAT, "train": cfg.to_dict(), "data": data_info}
-    if launch:
-        record["launch"] = launch
-    _write_json_atomic(paths.config, record)
 
 
 def load_resume_state(paths: RunPaths) -> dict | None:

@@ -16,23 +16,9 @@ from recover.checkpoint import CheckpointError
 from recover.config import RunPaths, TrainConfig
 from recover.data.addressing import TokenDataset
 from recover.metrics import MetricsWriter
-from recover.run import (
-    RunRecorder,
-    check_resume_state,
-    load_resume_state,
-    open_run_folder,
-    unigram_loss,
-)
+from recover.run import RunRecorder, check_resume_state, load_resume_state, unigram_loss
+from recover.runfolder import open_run_folder, read_dataset_info
 from recover.trainer import ReplicaTrainer
-
-
-def dataset_info(dataset: TokenDataset, path: Path) -> dict:
-    return {
-        "path": str(path),
-        "content_hash": dataset.content_hash,
-        "vocab_size": dataset.vocab_size,
-        "tokenizer": dataset.meta.get("tokenizer"),
-    }
 
 
 def build_trainer_for_run(
@@ -62,7 +48,7 @@ def train_single(
     """Train one replica; return the run summary. Raises RunFolderError / CheckpointError."""
     dataset = TokenDataset.open(data_path)
     paths = RunPaths(out=out)
-    info = dataset_info(dataset, data_path)
+    info = read_dataset_info(data_path)
     open_run_folder(paths, cfg, data_info=info, resume=resume, launch={"replicas": 1})
     trainer, start = build_trainer_for_run(cfg, paths=paths, dataset=dataset, resume=resume)
     writer = MetricsWriter(paths.metrics)

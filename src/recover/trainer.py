@@ -89,10 +89,15 @@ class ReplicaTrainer:
         self._eval_set: list | None = None
 
     # ---- microbatches -------------------------------------------------------------------------
-    def compute_microbatches(self, step: int, ids: Iterable[int]) -> None:
-        """Add the gradients and losses of microbatch ids `(step, j)` to the local sum."""
+    def compute_microbatches(self, step: int, ids: Iterable[int], *, first_index: int = 0) -> None:
+        """Add the gradients and losses of microbatch ids `(step, j)` to the local sum.
+
+        `first_index` numbers the ids for the phase hook: the position of the first id among all
+        ids this replica has computed in the step (ids reassigned during recovery come after its
+        own), so a fault can target "the K-th microbatch this replica computes in step t".
+        """
         self.model.train()
-        for index, j in enumerate(ids):
+        for index, j in enumerate(ids, start=first_index):
             x, y = microbatch_tokens(
                 self.dataset,
                 seed=self.cfg.seed,

@@ -183,6 +183,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             else None,
             extra=summary_extra,
         )
+        writer.event("replica_finished", replica=me, step=step, param_hash=parameter_hash(trainer))
         client.leave(step=step)
         return EXIT_OK
     except Evicted as e:
@@ -219,7 +220,7 @@ def _run_step(step, trainer, client, groups, injector, recorder, totals, wcfg) -
         todo = [j for j in held if j not in attempt.computed]
         if attempt.redos:
             totals.microbatches_recomputed += len(todo)
-        trainer.compute_microbatches(step, todo)
+        trainer.compute_microbatches(step, todo, first_index=len(attempt.computed))
         attempt.computed.update(todo)
         snapshot = trainer.gradient_snapshot()  # the local sum; the reduce never touches it
         epoch = view.attempt_epoch
@@ -282,6 +283,8 @@ def _reduce(snapshot, view, epoch, client, groups, injector, step, recorder, att
         if not fired:  # the `reduce` fault fires while the collective is in flight
             fired = True
             injector("reduce", step, None)
+        if client.evicted:
+            return "this replica was evicted"
         newer = client.view
         if newer.epoch > epoch or newer.status != "running":
             return f"epoch {newer.epoch} announced ({newer.reason})"

@@ -4,66 +4,47 @@ The public surface for the rest of recover: ``ensure_dataset``/``prepare_dataset
 dataset folder, ``TokenDataset.open`` reads it, and ``microbatch_tokens(ds, seed=, step=, j=, ...)``
 and ``microbatch_seed(seed, step, j)`` give the tokens and the RNG seed of a microbatch id as pure
 functions (no rank, no replica, no global state).
+
+Names are imported on first use, so a process that only prepares or validates data (the launcher)
+does not pay for importing torch, which the addressing module needs.
 """
 
-from recover.data.addressing import (
-    TokenDataset,
-    compute_pass_permutation,
-    microbatch_seed,
-    microbatch_tokens,
-    validation_batches,
-)
-from recover.data.corpus import (
-    STDLIB_SOURCE,
-    Corpus,
-    DataError,
-    Document,
-    list_corpus_files,
-    load_corpus,
-    read_corpus,
-)
-from recover.data.prepare import (
-    DEFAULT_DATASET_NAME,
-    DEFAULT_SHARD_TOKENS,
-    PrepareConfig,
-    assign_splits,
-    default_dataset_name,
-    dtype_for_vocab,
-    ensure_dataset,
-    prepare_dataset,
-)
-from recover.data.tokenizer import (
-    BpeTokenizer,
-    ByteTokenizer,
-    Tokenizer,
-    load_tokenizer,
-    train_bpe,
-)
+from importlib import import_module
 
-__all__ = [
-    "DEFAULT_DATASET_NAME",
-    "DEFAULT_SHARD_TOKENS",
-    "STDLIB_SOURCE",
-    "BpeTokenizer",
-    "ByteTokenizer",
-    "Corpus",
-    "DataError",
-    "Document",
-    "PrepareConfig",
-    "TokenDataset",
-    "Tokenizer",
-    "assign_splits",
-    "compute_pass_permutation",
-    "default_dataset_name",
-    "dtype_for_vocab",
-    "ensure_dataset",
-    "list_corpus_files",
-    "load_corpus",
-    "load_tokenizer",
-    "microbatch_seed",
-    "microbatch_tokens",
-    "prepare_dataset",
-    "read_corpus",
-    "train_bpe",
-    "validation_batches",
-]
+_WHERE = {
+    "TokenDataset": "addressing",
+    "compute_pass_permutation": "addressing",
+    "microbatch_seed": "addressing",
+    "microbatch_tokens": "addressing",
+    "validation_batches": "addressing",
+    "STDLIB_SOURCE": "corpus",
+    "Corpus": "corpus",
+    "DataError": "corpus",
+    "Document": "corpus",
+    "list_corpus_files": "corpus",
+    "load_corpus": "corpus",
+    "read_corpus": "corpus",
+    "DEFAULT_DATASET_NAME": "prepare",
+    "DEFAULT_SHARD_TOKENS": "prepare",
+    "PrepareConfig": "prepare",
+    "assign_splits": "prepare",
+    "default_dataset_name": "prepare",
+    "dtype_for_vocab": "prepare",
+    "ensure_dataset": "prepare",
+    "prepare_dataset": "prepare",
+    "BpeTokenizer": "tokenizer",
+    "ByteTokenizer": "tokenizer",
+    "Tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "train_bpe": "tokenizer",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'recover.data' has no attribute {name!r}")
+    value = getattr(import_module(f"recover.data.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,297 @@
+"""`recover bench`: measurements that are code, with results that are data.
+
+- `overhead`: the cost of the fault-tolerance path when nothing fails. Alternates, on the same
+  machine, (a) a plain data-parallel loop (one static gloo group from init_process_group, the same
+  ReplicaTrainer, a flat all-reduce of the gradients, no coordinator, no snapshot, no commit) and
+  (b) `recover train --replicas R` with the same model, data, M and seed; prints the median
+  step-time ratio b/a and its spread over the pairs.
+- `recovery`: kills one replica at each phase of a step and prints, per phase, the median seconds
+  from the kill (`failure_injected`) to the next commit (`coordinator.committed`) beside the median
+  failure-free step time of the same runs.
+
+Both write a JSON file with the machine, the versions, the method and every raw figure. Timed runs
+include no start-up: step times come from the runs' own metrics (steps after the first few).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from recover.metrics import committed_steps, read_metrics
+
+WARMUP_STEPS = 3  # steps excluded from step-time medians (allocation, first rendezvous)
+
+
+def machine_info() -> dict:
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_recover(flags: list[str], out: Path, *, timeout_s: float) -> Path:
+    cmd = [sys.executable, "-m", "recover.cli", "train", *flags, "--out", str(out), "--quiet"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=_child_env())
+    if r.returncode != 0:
+        raise RuntimeError(
+            f"benchmark run failed ({r.returncode}): {r.stdout[-2000:]}{r.stderr[-2000:]}"
+        )
+    return out
+
+
+def median_step_s(out: Path, *, skip: int = WARMUP_STEPS) -> float:
+    steps = committed_steps(out / "metrics.jsonl")
+    times = [s["step_s"] for k, s in sorted(steps.items()) if k >= skip]
+    return statistics.median(times)
+
+
+# ---- (a) the plain data-parallel loop --------------------------------------------------------
+
+
+def _plain_replica(rank: int, world: int, port: int, cfg_dict: dict, data: str, result_path: str):
+    import torch
+    import torch.distributed as dist
+
+    from recover.config import TrainConfig
+    from recover.data.addressing import TokenDataset
+    from recover.policy import assign
+    from recover.trainer import ReplicaTrainer
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig.from_dict(cfg_dict)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    trainer = ReplicaTrainer(cfg, TokenDataset.open(data))
+    mine = assign(cfg.microbatches, list(range(world)))[rank]
+    times = []
+    last = time.perf_counter()
+    for step in range(cfg.steps):
+        trainer.compute_microbatches(step, mine)
+        flat = trainer.gradient_snapshot()
+        dist.all_reduce(flat)
+        trainer.apply_commit(step, flat)
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    if rank == 0:
+        Path(result_path).write_text(json.dumps({"step_s": times}))
+    dist.destroy_process_group()
+
+
+def run_plain(cfg_dict: dict, data: Path, replicas: int, *, timeout_s: float) -> list[float]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "plain.json"
+        procs = [
+            ctx.Process(
+                target=_plain_replica, args=(r, replicas, port, cfg_dict, str(data), str(result))
+            )
+            for r in range(replicas)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + timeout_s
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            if any(p.exitcode != 0 for p in procs):
+                raise RuntimeError(f"plain loop failed: exit codes {[p.exitcode for p in procs]}")
+            return json.loads(result.read_text())["step_s"]
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+
+
+def bench_overhead(args: argparse.Namespace) -> dict:
+    from recover.config import TrainConfig
+    from recover.data.prepare import ensure_dataset
+
+    data = (
+        Path(args.data) if args.data else ensure_dataset(Path(args.data_root), show_progress=False)
+    )
+    cfg = TrainConfig(
+        preset=args.preset, steps=args.steps, microbatches=args.microbatches,
+        microbatch_size=args.microbatch_size, seq_len=args.seq_len, eval_every=0, ckpt_every=0,
+    )  # fmt: skip
+    flags = [
+        "--preset", cfg.preset, "--steps", str(cfg.steps), "--microbatches", str(cfg.microbatches),
+        "--microbatch-size", str(cfg.microbatch_size), "--seq-len", str(cfg.seq_len),
+        "--eval-every", "0", "--ckpt-every", "0", "--replicas", str(args.replicas),
+        "--data", str(data),
+    ]  # fmt: skip
+    pairs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            plain = run_plain(cfg.to_dict(), data, args.replicas, timeout_s=args.timeout)
+            a = statistics.median(plain[WARMUP_STEPS:])
+            out = run_recover(flags, Path(tmp) / f"recover-{i}", timeout_s=args.timeout)
+            b = median_step_s(out)
+            pairs.append({"plain_step_s": a, "recover_step_s": b, "ratio": b / a})
+            print(f"  pair {i + 1}/{args.repeats}: plain {a * 1000:.1f} ms, recover {b * 1000:.1f} ms, "
+                  f"ratio {b / a:.3f}", flush=True)  # fmt: skip
+    ratios = [p["ratio"] for p in pairs]
+    result = {
+        "benchmark": "overhead",
+        "method": "alternating pairs on one machine; per run the median step time after "
+        f"{WARMUP_STEPS} warm-up steps; ratio = recover / plain data-parallel loop",
+        "config": {**cfg.to_dict(), "replicas": args.replicas},
+        "machine": machine_info(),
+        "pairs": pairs,
+        "median_ratio": statistics.median(ratios),
+        "min_ratio": min(ratios),
+        "max_ratio": max(ratios),
+    }
+    print(
+        f"overhead ({args.preset}, {args.replicas} replicas, M={args.microbatches}): "
+        f"median ratio {result['median_ratio']:.3f} (min {result['min_ratio']:.3f}, "
+        f"max {result['max_ratio']:.3f}) over {len(pairs)} pairs"
+    )
+    return result
+
+
+# ---- recovery -------------------------------------------------------------------------------
+
+PHASES = ("forward", "backward", "reduce", "commit", "optimizer")
+
+
+def kill_to_commit_s(out: Path) -> float:
+    """Seconds from the injected kill to the first commit after it."""
+    records = list(read_metrics(out / "metrics.jsonl"))
+    kill = next(r for r in records if r.get("name") == "failure_injected")
+    commits = [
+        r["t_wall"]
+        for r in records
+        if r.get("name") == "coordinator.committed" and r["t_wall"] > kill["t_wall"]
+    ]
+    return min(commits) - kill["t_wall"]
+
+
+def bench_recovery(args: argparse.Namespace) -> dict:
+    from recover.data.prepare import ensure_dataset
+
+    data = (
+        Path(args.data) if args.data else ensure_dataset(Path(args.data_root), show_progress=False)
+    )
+    base = [
+        "--preset", args.preset, "--steps", str(args.steps), "--microbatches", str(args.microbatches),
+        "--microbatch-size", str(args.microbatch_size), "--seq-len", str(args.seq_len),
+        "--eval-every", "0", "--ckpt-every", "0", "--replicas", str(args.replicas),
+        "--data", str(data),
+    ]  # fmt: skip
+    kill_step = args.steps // 2
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for phase in PHASES:
+            recov, steps = [], []
+            for i in range(args.repeats):
+                spec = f"kill:replica={args.replicas - 1},step={kill_step},phase={phase}"
+                if phase in ("forward", "backward"):
+                    spec += ",microbatch=0"
+                out = run_recover([*base, "--fault", spec], Path(tmp) / f"{phase}-{i}",
+                                  timeout_s=args.timeout)  # fmt: skip
+                recov.append(kill_to_commit_s(out))
+                step_times = committed_steps(out / "metrics.jsonl")
+                steps.append(statistics.median(
+                    s["step_s"] for k, s in step_times.items() if k >= WARMUP_STEPS and k != kill_step
+                ))  # fmt: skip
+            row = {
+                "phase": phase,
+                "kill_to_commit_s": statistics.median(recov),
+                "step_s": statistics.median(steps),
+                "raw_kill_to_commit_s": recov,
+            }
+            rows.append(row)
+            print(f"  {phase:<10} kill -> next commit {row['kill_to_commit_s']:.3f} s "
+                  f"(median step {row['step_s']:.3f} s)", flush=True)  # fmt: skip
+    result = {
+        "benchmark": "recovery",
+        "method": f"{args.replicas} replicas, replica {args.replicas - 1} SIGKILLed at step "
+        f"{kill_step}; seconds from its failure_injected event to the next coordinator commit; "
+        f"median of {args.repeats} runs per phase",
+        "config": vars(args) | {"func": None},
+        "machine": machine_info(),
+        "rows": rows,
+    }
+    print(format_recovery_table(rows))
+    return result
+
+
+def format_recovery_table(rows: list[dict]) -> str:
+    lines = ["| phase | kill -> next commit (s) | failure-free step (s) |", "|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['phase']} | {r['kill_to_commit_s']:.3f} | {r['step_s']:.3f} |")
+    return "\n".join(lines)
+
+
+def add_bench_parser(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks (overhead, recovery)")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    for name, helptext, defaults in (
+        ("overhead", "failure-free overhead against a plain data-parallel loop",
+         dict(preset="small", replicas=4, steps=20, repeats=3)),
+        ("recovery", "seconds from a kill to the next commit, per phase",
+         dict(preset="tiny", replicas=4, steps=12, repeats=3)),
+    ):  # fmt: skip
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--preset", default=defaults["preset"])
+        p.add_argument("--replicas", type=int, default=defaults["replicas"])
+        p.add_argument("--steps", type=int, default=defaults["steps"])
+        p.add_argument("--repeats", type=int, default=defaults["repeats"])
+        p.add_argument("--microbatches", type=int, default=8)
+        p.add_argument("--microbatch-size", type=int, default=8)
+        p.add_argument("--seq-len", type=int, default=128)
+        p.add_argument("--data", default=None, help="dataset folder (default: the built-in corpus)")
+        p.add_argument("--data-root", default="data")
+        p.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
+        p.add_argument(
+            "--json",
+            default=f"bench-{name}.json",
+            metavar="PATH",
+            help=f"where to write the result (default: bench-{name}.json)",
+        )
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    for name in ("replicas", "steps", "repeats", "microbatches", "microbatch_size", "seq_len"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if args.bench_command == "recovery" and args.replicas < 2:
+        print("error: --replicas must be >= 2 to survive a kill", file=sys.stderr)
+        return 2
+    fn = bench_overhead if args.bench_command == "overhead" else bench_recovery
+    result = fn(args)
+    Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {args.json}")
+    return 0
