@@ -1,0 +1,473 @@
+"""Tests of the fault-tolerant cross-replica collective (src/recover/collective.py).
+
+Tiers: pure functions (config, buckets, verdict); in-process groups (two ranks on two threads,
+or one rank); real processes (multiprocessing spawn, a TCPStore hosted by the test process) that
+are SIGKILLed or SIGSTOPped mid-collective. Every child is reaped in a finally block.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+import weakref
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from recover.collective import (
+    CollectiveAborted,
+    CollectiveConfig,
+    EpochGroup,
+    GroupCache,
+    compute_buckets,
+    compute_verdict,
+)
+
+STORE_TIMEOUT = datetime.timedelta(seconds=15)
+
+
+# ---- pure parts -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("build_timeout_s", 0),
+        ("op_deadline_s", -1.0),
+        ("pg_timeout_s", 0.5),  # below op_deadline_s
+        ("poll_interval_s", "fast"),
+        ("abort_check_interval_s", 0),
+        ("bucket_bytes", -1),
+        ("bucket_bytes", 1.5),
+        ("gloo_hostname", ""),
+    ],
+)
+def test_config_rejects_bad_field_naming_it(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=field):
+        CollectiveConfig(**{field: value})
+
+
+@given(
+    numel=st.integers(0, 5000),
+    element_size=st.sampled_from([1, 2, 4, 8]),
+    bucket_bytes=st.integers(0, 9000),
+)
+def test_buckets_cover_every_element_once(numel: int, element_size: int, bucket_bytes: int) -> None:
+    buckets = compute_buckets(numel, element_size, bucket_bytes)
+    covered = [i for start, stop in buckets for i in range(start, stop)]
+    assert covered == list(range(numel))
+    if bucket_bytes == 0:
+        assert len(buckets) == (1 if numel else 0)
+    else:
+        assert all(
+            (stop - start) * element_size <= max(bucket_bytes, element_size)
+            for start, stop in buckets
+        )
+
+
+def test_verdict_precedence_error_then_epoch_then_deadline() -> None:
+    text = "[pair.cc:553] Connection closed by peer [127.0.0.1]:4242. This is typically"
+    err = compute_verdict(elapsed_s=9, deadline_s=1, error_text=text, abort_reason="epoch 3")
+    assert err is not None and err.kind == "error" and err.peer == "127.0.0.1:4242"
+    assert text in err.detail
+    ep = compute_verdict(elapsed_s=9, deadline_s=1, error_text=None, abort_reason="epoch 3")
+    assert ep is not None and ep.kind == "epoch" and ep.detail == "epoch 3"
+    dl = compute_verdict(elapsed_s=1.0, deadline_s=1.0, error_text=None, abort_reason=None)
+    assert dl is not None and dl.kind == "deadline"
+    assert compute_verdict(elapsed_s=0.99, deadline_s=1, error_text=None, abort_reason="") is None
+
+
+# ---- in-process groups ------------------------------------------------------------------------
+
+
+def _host_store() -> dist.TCPStore:
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT
+    )
+
+
+def _build_pair(
+    store: dist.Store, epoch: int, config: CollectiveConfig
+) -> tuple[EpochGroup, EpochGroup]:
+    """Ranks 0 and 1 of one epoch in this process (rank 0 built on a helper thread)."""
+    box: dict[str, Any] = {}
+
+    def build_rank0() -> None:
+        try:
+            box["g"] = EpochGroup.build(store, epoch=epoch, rank=0, world_size=2, config=config)
+        except Exception as exc:  # recorded and re-raised below
+            box["e"] = exc
+
+    thread = threading.Thread(target=build_rank0, daemon=True)
+    thread.start()
+    g1 = EpochGroup.build(store, epoch=epoch, rank=1, world_size=2, config=config)
+    thread.join(timeout=config.build_timeout_s + 2)
+    if "e" in box:
+        raise box["e"]
+    return box["g"], g1
+
+
+@pytest.mark.timeout(30)
+def test_abort_poisons_refuses_at_once_and_graveyard_keeps_buffer() -> None:
+    store = _host_store()
+    config = CollectiveConfig(build_timeout_s=5, op_deadline_s=5, pg_timeout_s=20)
+    g0, g1 = _build_pair(store, epoch=1, config=config)
+    try:
+        buf = torch.ones(1 << 16)
+        ref = weakref.ref(buf)
+        freed_on: list[int] = []
+        weakref.finalize(buf, lambda: freed_on.append(threading.get_ident()))
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveAborted) as info:
+            # rank 1 never joins; the epoch watch fires at its first look
+            g0.allreduce_sum(buf, should_abort=lambda: "epoch 2 announced")
+        assert time.monotonic() - t0 < 1.0
+        assert info.value.kind == "epoch" and info.value.epoch == 1
+        del info  # its traceback pins the frame that held the buffer
+        poison = g0.poisoned
+        assert poison is not None and (poison.kind, poison.detail) == ("epoch", "epoch 2 announced")
+        del buf
+        gc.collect()
+        teardown0 = g0.abandon()  # idempotent: the abort already scheduled it
+        assert teardown0 is not None
+        # gloo's worker thread is still blocked on rank 1 (its group is alive), so the teardown
+        # cannot have finished and the buffer it may write into must still be referenced.
+        assert teardown0.is_alive() and ref() is not None
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveAborted) as again:
+            g0.allreduce_sum(torch.ones(8), should_abort=lambda: None)
+        with pytest.raises(CollectiveAborted):
+            g0.broadcast(torch.ones(8), src=0, should_abort=lambda: None)
+        assert time.monotonic() - t0 < 0.05
+        assert again.value.kind == "epoch" and "poisoned" in again.value.detail
+    finally:
+        teardown1 = g1.abandon()
+    # Closing rank 1's connections releases rank 0's blocked worker: both teardowns finish.
+    for thread in (teardown0, teardown1):
+        assert thread is not None
+        thread.join(timeout=15)
+        assert not thread.is_alive()
+    del again
+    gc.collect()
+    assert ref() is None
+    assert freed_on and freed_on[0] != threading.get_ident()  # never freed on the caller's thread
+
+
+@pytest.mark.timeout(20)
+def test_build_deadline_when_peer_never_shows_up() -> None:
+    store = _host_store()
+    config = CollectiveConfig(build_timeout_s=0.5, op_deadline_s=1, pg_timeout_s=5)
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveAborted) as info:
+        EpochGroup.build(store, epoch=7, rank=0, world_size=2, config=config)
+    assert info.value.kind == "deadline"
+    assert 0.4 < time.monotonic() - t0 < 3.0
+
+
+@pytest.mark.timeout(20)
+def test_group_cache_fences_old_epochs_and_abandons_older_groups() -> None:
+    store = _host_store()
+    cache = GroupCache(store, config=CollectiveConfig(build_timeout_s=5))
+    g3 = cache.get(epoch=3, rank=0, world_size=1)
+    assert cache.get(epoch=3, rank=0, world_size=1) is g3
+    with pytest.raises(ValueError, match="rank"):
+        cache.get(epoch=3, rank=1, world_size=2)
+    with pytest.raises(CollectiveAborted) as info:
+        cache.get(epoch=2, rank=0, world_size=1)
+    assert info.value.kind == "epoch"
+    g4 = cache.get(epoch=4, rank=0, world_size=1)
+    assert g4 is not g3 and g3.poisoned is not None and g4.poisoned is None
+    x = torch.arange(10, dtype=torch.float32)
+    g4.allreduce_sum(x, should_abort=lambda: None)  # one rank: the sum is the input
+    assert torch.equal(x, torch.arange(10, dtype=torch.float32))
+    with pytest.raises(CollectiveAborted):
+        g3.allreduce_sum(torch.ones(4), should_abort=lambda: None)
+    cache.abandon_all()
+    for thread in cache.teardown_threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
+# ---- real processes ---------------------------------------------------------------------------
+
+
+def _ints(rank: int, n: int) -> torch.Tensor:
+    """Integer-valued float32 data: sums are exact in any order, so equality is meaningful."""
+    return ((torch.arange(n, dtype=torch.int64) * (rank + 3)) % 1009 - 500).to(torch.float32)
+
+
+def _child(scenario: str, rank: int, port: int, out: Any, args: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT)
+    world = args["world"]
+    if scenario == "sum":
+        _child_sum(store, rank, world, out)
+    elif scenario == "sigkill":
+        _child_sigkill(store, rank, world, out, args)
+    elif scenario == "sigstop":
+        _child_sigstop(store, rank, world, out, args)
+
+
+def _child_sum(store: dist.Store, rank: int, world: int, out: Any) -> None:
+    n = 100_003  # odd, so the last bucket is short
+    one = EpochGroup.build(
+        store, epoch=1, rank=rank, world_size=world, config=CollectiveConfig(bucket_bytes=0)
+    )
+    many = EpochGroup.build(
+        store, epoch=2, rank=rank, world_size=world, config=CollectiveConfig(bucket_bytes=4000)
+    )
+    expected = sum(_ints(r, n) for r in range(world))
+    x_one, x_many = _ints(rank, n), _ints(rank, n)
+    one.allreduce_sum(x_one, should_abort=lambda: None)
+    many.allreduce_sum(x_many, should_abort=lambda: None)
+    gen = torch.Generator().manual_seed(rank)
+    rnd = torch.randn(n, generator=gen)
+    rnd_one, rnd_many = rnd.clone(), rnd.clone()
+    one.allreduce_sum(rnd_one, should_abort=lambda: None)
+    many.allreduce_sum(rnd_many, should_abort=lambda: None)
+    rnd_expected = sum(
+        torch.randn(n, generator=torch.Generator().manual_seed(r)).double() for r in range(world)
+    )
+    payload = _ints(rank, 3 * 1001).view(3, 1001)
+    many.broadcast(payload, src=1, should_abort=lambda: None)
+    out.put(
+        {
+            "rank": rank,
+            "one_exact": torch.equal(x_one, expected),
+            "many_exact": torch.equal(x_many, expected),
+            "rnd_close": torch.allclose(rnd_one.double(), rnd_expected, atol=1e-5)
+            and torch.allclose(rnd_many.double(), rnd_expected, atol=1e-5),
+            "broadcast_ok": torch.equal(payload, _ints(1, 3 * 1001).view(3, 1001)),
+        }
+    )
+
+
+def _child_sigkill(
+    store: dist.Store, rank: int, world: int, out: Any, args: dict[str, Any]
+) -> None:
+    config = CollectiveConfig(
+        build_timeout_s=10, op_deadline_s=10, pg_timeout_s=60, bucket_bytes=4 * 2**20
+    )
+    cache = GroupCache(store, config=config)
+    old = cache.get(epoch=1, rank=rank, world_size=world)
+    snapshot = _ints(rank, args["numel"])
+    flat = snapshot.clone()  # this attempt's buffer
+
+    def should_abort() -> str | None:
+        epoch = store.add("epoch", 0)  # one store round trip, never blocks
+        return f"epoch {epoch} announced" if epoch > 1 else None
+
+    def die() -> str | None:  # the victim: first look after issuing its buckets
+        store.set("kill_time", repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+        return None
+
+    try:
+        old.allreduce_sum(flat, should_abort=die if rank == args["victim"] else should_abort)
+        out.put({"rank": rank, "aborted": False})
+        return
+    except CollectiveAborted as exc:
+        t_raise, kind, detail = time.time(), exc.kind, exc.detail
+    t0 = time.monotonic()
+    try:
+        old.allreduce_sum(snapshot.clone(), should_abort=should_abort)
+        refused = False
+    except CollectiveAborted:
+        refused = True
+    refuse_s = time.monotonic() - t0
+    store.wait(["live"], datetime.timedelta(seconds=10))  # the coordinator's new view
+    live = [int(r) for r in store.get("live").decode().split(",")]
+    t0 = time.monotonic()
+    new = cache.get(epoch=2, rank=live.index(rank), world_size=len(live))
+    rebuild_s = time.monotonic() - t0
+    fresh = snapshot.clone()  # redo from the snapshot, never from `flat`
+    t0 = time.monotonic()
+    new.allreduce_sum(fresh, should_abort=lambda: None)
+    redo_s = time.monotonic() - t0
+    expected = sum(_ints(r, args["numel"]) for r in live)
+    teardown = cache.teardown_threads[0]
+    teardown.join(timeout=20)
+    out.put(
+        {
+            "rank": rank,
+            "aborted": True,
+            "kind": kind,
+            "detail": detail[:200],
+            "t_raise": t_raise,
+            "refused": refused,
+            "refuse_s": refuse_s,
+            "rebuild_s": rebuild_s,
+            "redo_s": redo_s,
+            "redo_exact": torch.equal(fresh, expected),
+            "teardown_done": not teardown.is_alive(),
+            "teardown_s": old.teardown_s,
+            "old_poisoned": old.poisoned is not None,
+        }
+    )
+    cache.abandon_all()
+    for thread in cache.teardown_threads:
+        thread.join(timeout=10)
+
+
+def _child_sigstop(
+    store: dist.Store, rank: int, world: int, out: Any, args: dict[str, Any]
+) -> None:
+    config = CollectiveConfig(build_timeout_s=10, op_deadline_s=args["deadline"], pg_timeout_s=120)
+    group = EpochGroup.build(store, epoch=1, rank=rank, world_size=world, config=config)
+    if rank == args["victim"]:
+        os.kill(os.getpid(), signal.SIGSTOP)  # hangs: holds its sockets open, never joins
+        return
+    t0 = time.monotonic()
+    try:
+        group.allreduce_sum(_ints(rank, 1 << 20), should_abort=lambda: None)
+        out.put({"rank": rank, "aborted": False})
+        return
+    except CollectiveAborted as exc:
+        elapsed, kind = time.monotonic() - t0, exc.kind
+    t1 = time.monotonic()
+    try:
+        group.allreduce_sum(torch.ones(4), should_abort=lambda: None)
+        refused = False
+    except CollectiveAborted:
+        refused = True
+    out.put(
+        {
+            "rank": rank,
+            "aborted": True,
+            "kind": kind,
+            "elapsed_s": elapsed,
+            "refused": refused,
+            "refuse_s": time.monotonic() - t1,
+        }
+    )
+    # The teardown was scheduled at the abort; it ends once the hung peer's sockets close.
+    teardown = group.abandon()
+    assert teardown is not None
+    store.wait(["victim_killed"], datetime.timedelta(seconds=15))
+    t2 = time.monotonic()
+    teardown.join(timeout=15)
+    out.put(
+        {
+            "rank": rank,
+            "teardown_done": not teardown.is_alive(),
+            "teardown_after_kill_s": time.monotonic() - t2,
+        }
+    )
+
+
+def _start(
+    scenario: str, store: dist.TCPStore, world: int, args: dict[str, Any]
+) -> tuple[list[Any], Any]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(scenario, r, store.port, out, {"world": world, **args}),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    return procs, out
+
+
+def _collect(out: Any, count: int, deadline_s: float, procs: list[Any]) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    end = time.monotonic() + deadline_s
+    while len(results) < count:
+        left = end - time.monotonic()
+        if left <= 0:
+            codes = [p.exitcode for p in procs]
+            raise AssertionError(
+                f"got {len(results)}/{count} reports in {deadline_s} s; exit codes {codes}"
+            )
+        try:
+            results.append(out.get(timeout=min(left, 0.5)))
+        except queue.Empty:
+            continue
+    return results
+
+
+def _reap(procs: list[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()  # SIGKILL by PID: also ends a SIGSTOPped child
+    for p in procs:
+        p.join(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_allreduce_exact_sum_bucketing_and_broadcast_three_processes() -> None:
+    assert len(compute_buckets(100_003, 4, 4000)) > 1  # the bucketed group really splits
+    store = _host_store()
+    procs, out = _start("sum", store, 3, {})
+    try:
+        results = _collect(out, 3, 40, procs)
+    finally:
+        _reap(procs)
+    assert sorted(r["rank"] for r in results) == [0, 1, 2]
+    for r in results:
+        assert r["one_exact"] and r["many_exact"], r
+        assert r["rnd_close"] and r["broadcast_ok"], r
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_mid_reduce_survivors_abort_fast_and_redo_in_next_epoch() -> None:
+    store = _host_store()
+    store.add("epoch", 1)
+    victim, world = 1, 3
+    procs, out = _start("sigkill", store, world, {"victim": victim, "numel": 4 * 2**20})
+    try:
+        procs[victim].join(timeout=40)
+        assert procs[victim].exitcode == -signal.SIGKILL
+        # the coordinator's part: announce epoch 2 without the victim (ranks renumbered 0, 1)
+        store.set("live", ",".join(str(r) for r in range(world) if r != victim))
+        store.add("epoch", 1)
+        results = _collect(out, world - 1, 30, procs)
+    finally:
+        _reap(procs)
+    kill_time = float(store.get("kill_time").decode())
+    for r in results:
+        assert r["aborted"], r
+        assert r["kind"] in ("error", "epoch"), r
+        detect_s = r["t_raise"] - kill_time
+        assert detect_s < 3.0, (detect_s, r)  # not gloo's pg_timeout_s (60 s)
+        assert r["refused"] and r["refuse_s"] < 0.05 and r["old_poisoned"], r
+        assert r["redo_exact"], r
+        assert r["rebuild_s"] < 1.0, r
+        assert r["teardown_done"] and r["teardown_s"] is not None, r
+
+
+@pytest.mark.timeout(60)
+def test_sigstopped_peer_hits_deadline_not_gloo_timeout() -> None:
+    # pg_timeout_s is 120 s: without the deadline polling the survivors would block past this
+    # test's timeout.
+    store = _host_store()
+    victim, world, deadline = 2, 3, 1.0
+    procs, out = _start("sigstop", store, world, {"victim": victim, "deadline": deadline})
+    try:
+        first = _collect(out, world - 1, 40, procs)
+        procs[victim].kill()
+        procs[victim].join(timeout=10)
+        store.set("victim_killed", "1")
+        second = _collect(out, world - 1, 30, procs)
+    finally:
+        _reap(procs)
+    for r in first:
+        assert r["aborted"] and r["kind"] == "deadline", r
+        assert deadline <= r["elapsed_s"] < deadline + 1.5, r
+        assert r["refused"] and r["refuse_s"] < 0.05, r
+    for r in second:
+        assert r["teardown_done"], r
