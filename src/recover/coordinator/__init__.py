@@ -1,0 +1,46 @@
+"""The membership coordinator: heartbeats with leases, epochs, plans, commit and redo decisions.
+
+- `decide.py`: the pure rules `decide(now, state, message)`; `state_store.py`: options, state,
+  JSON form, stores; `protocol.py`: messages, the view, framing; `server.py`: the asyncio server
+  (also hosts the torch TCPStore); `client.py`: what a replica's training loop uses (torch-free);
+  `cli.py`: `recover coordinator serve|status`.
+
+Importing this package does not import torch (the server imports it only when it starts a store).
+"""
+
+from recover.coordinator.client import (
+    Committed,
+    CoordinatorClient,
+    CoordinatorError,
+    CoordinatorUnreachable,
+    DeadlineExceeded,
+    Evicted,
+    Outcome,
+    QuorumLost,
+    Redo,
+    RequestRefused,
+    Stopped,
+)
+from recover.coordinator.protocol import View
+from recover.coordinator.server import CoordinatorServer, run_coordinator_process
+from recover.coordinator.state_store import CoordinatorOptions, InMemoryStateStore, StateStore
+
+__all__ = [
+    "Committed",
+    "CoordinatorClient",
+    "CoordinatorError",
+    "CoordinatorOptions",
+    "CoordinatorServer",
+    "CoordinatorUnreachable",
+    "DeadlineExceeded",
+    "Evicted",
+    "InMemoryStateStore",
+    "Outcome",
+    "QuorumLost",
+    "Redo",
+    "RequestRefused",
+    "StateStore",
+    "Stopped",
+    "View",
+    "run_coordinator_process",
+]

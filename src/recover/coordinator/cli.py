@@ -1,0 +1,189 @@
+"""`recover coordinator serve|status`, and the coordinator's process main.
+
+Job: parse flags into `CoordinatorOptions` and serve with `run_coordinator_process` (also usable
+directly as a multiprocessing target or subprocess main); `status` prints members, epoch, step,
+lease ages and the last decisions with their reasons. The token comes from --token or, read once
+here, the environment variable RECOVER_TOKEN; nothing below the CLI reads the environment.
+Binding anything other than 127.0.0.1 must be asked for with --host (and warns without a token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from recover.coordinator.client import CoordinatorUnreachable, request_once
+from recover.coordinator.state_store import CoordinatorOptions
+
+__all__ = ["add_coordinator_parser", "run_coordinator_cli", "run_coordinator_process"]
+
+log = logging.getLogger("recover.coordinator")
+
+TOKEN_ENV = "RECOVER_TOKEN"
+
+
+def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("coordinator", help="run or inspect the membership coordinator")
+    sub = p.add_subparsers(dest="coordinator_command", required=True)
+
+    serve = sub.add_parser("serve", help="run the coordinator (and the torch TCPStore)")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=29400)
+    serve.add_argument("--store-port", type=int, default=0, help="TCPStore port (0: any)")
+    serve.add_argument("--replicas", type=int, required=True, help="replicas expected at start")
+    serve.add_argument("--microbatches", type=int, required=True, help="M, per step")
+    serve.add_argument("--min-replicas", type=int, default=1)
+    serve.add_argument("--lease", type=float, default=1.0, help="lease in seconds")
+    serve.add_argument("--suspect-grace", type=float, default=0.3)
+    serve.add_argument("--start-deadline", type=float, default=300.0)
+    serve.add_argument("--token", default=None, help=f"shared secret (default: ${TOKEN_ENV})")
+    serve.add_argument("--events", default=None, metavar="PATH", help="append decisions here")
+    serve.add_argument("--address-file", default=None, help="write host/ports here when up")
+
+    status = sub.add_parser("status", help="print members, epoch, step and recent decisions")
+    status.add_argument("--addr", required=True, metavar="HOST:PORT")
+    status.add_argument("--token", default=None, help=f"shared secret (default: ${TOKEN_ENV})")
+    status.add_argument("--decisions", type=int, default=20, help="how many recent decisions")
+    status.add_argument("--json", action="store_true", help="print the raw status reply")
+    return p
+
+
+def _parse_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--addr must be HOST:PORT, got {addr!r}")
+    return host, int(port)
+
+
+def format_status(reply: dict[str, Any], n_decisions: int) -> str:
+    v = reply["view"]
+    lines = [
+        f"status {v['status']} | epoch {v['epoch']} | step {v['step']} | committed "
+        f"{v['committed_step']} | attempt epoch {v['attempt_epoch']} | live {v['live']} | "
+        f"pending {v.get('pending', [])}",
+        f"reason: {v.get('reason', '')}",
+        "members:",
+    ]
+    for m in reply["members"]:
+        how = f" ({m['how']})" if m.get("how") else ""
+        tp = "" if m.get("throughput") is None else f" {m['throughput']:.2f} mb/s"
+        lines.append(
+            f"  replica {m['replica_id']:>4} {m['state']:<7}{how} lease age "
+            f"{m['lease_age_s']:.3f} s incarnation {m['incarnation'][:8]}{tp}"
+        )
+    lines.append(f"last {n_decisions} decisions:")
+    for d in reply["decisions"][-n_decisions:]:
+        lines.append(f"  {d['decision']:<14} {d['reason']}")
+    return "\n".join(lines)
+
+
+def run_coordinator_cli(args: argparse.Namespace) -> int:
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    if args.coordinator_command == "serve":
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        if args.host != "127.0.0.1" and token is None:
+            print(
+                f"warning: serving on {args.host} without a token; set --token or {TOKEN_ENV}",
+                file=sys.stderr,
+            )
+        options = CoordinatorOptions(
+            expected_replicas=args.replicas,
+            microbatches=args.microbatches,
+            min_replicas=args.min_replicas,
+            lease_s=args.lease,
+            suspect_grace_s=args.suspect_grace,
+            start_deadline_s=args.start_deadline,
+        )
+        return run_coordinator_process(
+            options,
+            host=args.host,
+            port=args.port,
+            store_port=args.store_port,
+            token=token,
+            events_path=args.events,
+            address_file=args.address_file,
+        )
+    host, port = _parse_addr(args.addr)
+    try:
+        reply = request_once(host, port, {"kind": "status"}, token=token)
+    except CoordinatorUnreachable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not reply.get("ok"):
+        print(f"error: refused ({reply.get('code')}): {reply.get('reason')}", file=sys.stderr)
+        return 2
+    print(json.dumps(reply, indent=2) if args.json else format_status(reply, args.decisions))
+    return 0
+
+
+def run_coordinator_process(
+    options: CoordinatorOptions | dict[str, Any],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    store_port: int | None = 0,
+    token: str | None = None,
+    events_path: str | None = None,
+    address_file: str | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT. Usable as a multiprocessing target or a subprocess main.
+
+    When listening, writes {"host", "port", "store_host", "store_port", "pid"} to
+    `address_file` atomically (write then rename), so a parent can poll for it.
+    """
+    if isinstance(options, dict):
+        options = CoordinatorOptions(**options)
+    try:
+        import torch  # noqa: PLC0415 - only to keep this process to one thread
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    from recover.coordinator.server import CoordinatorServer
+
+    server = CoordinatorServer(
+        options, host=host, port=port, store_port=store_port, token=token, events_path=events_path
+    )
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    try:
+        if address_file is not None:
+            store = server.store_address or (None, None)
+            info = {
+                "host": server.address[0],
+                "port": server.address[1],
+                "store_host": store[0],
+                "store_port": store[1],
+                "pid": os.getpid(),
+            }
+            tmp = f"{address_file}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(info, f)
+            os.replace(tmp, address_file)
+        log.info("coordinator listening on %s:%s", *server.address)
+        while not stop.wait(0.2):
+            if server.failed is not None:
+                return 1
+        return 0
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m recover.coordinator.cli coordinator status ...`)."""
+    parser = argparse.ArgumentParser(prog="recover")
+    add_coordinator_parser(parser.add_subparsers(dest="command", required=True))
+    return run_coordinator_cli(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

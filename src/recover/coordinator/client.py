@@ -1,0 +1,407 @@
+"""The replica's side of the coordinator: register, heartbeat, report, wait. Thread-safe.
+
+Job: give each replica's training loop a small blocking API over two TCP connections. The
+*session* connection carries register, heartbeats (every `heartbeat_s`, from a daemon thread) and
+leave; closing it without `leave()` tells the coordinator this process is gone. The *rpc*
+connection carries reports and long-polls from the training thread.
+
+Invariants:
+- every call has a deadline; no call blocks longer than its `deadline_s` (+ `rpc_timeout_s` for
+  the last reply) and failures raise named exceptions: `Evicted` (fenced: restart the process to
+  rejoin as a new member), `CoordinatorUnreachable`, `DeadlineExceeded`, `QuorumLost` (resume from
+  the last checkpoint), `RequestRefused` (e.g. code "stale").
+- when the heartbeat thread learns that this incarnation was evicted, the next call of the
+  training thread raises `Evicted`.
+This module imports no torch, so replica helpers and tests start fast.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from recover.coordinator.protocol import ProtocolError, View, recv_frame, send_frame
+
+__all__ = [
+    "Committed",
+    "CoordinatorClient",
+    "CoordinatorError",
+    "CoordinatorUnreachable",
+    "DeadlineExceeded",
+    "Evicted",
+    "Outcome",
+    "QuorumLost",
+    "Redo",
+    "RequestRefused",
+    "Stopped",
+    "request_once",
+]
+
+_POLL_CHUNK_S = 5.0  # a long-poll is split into server waits of at most this long
+
+
+class CoordinatorError(RuntimeError):
+    """Base class of the coordinator client's errors."""
+
+
+class Evicted(CoordinatorError):
+    """This incarnation was declared dead and is fenced; restart the process to rejoin."""
+
+
+class CoordinatorUnreachable(CoordinatorError):
+    """No reply from the coordinator within rpc_timeout_s (after one reconnect)."""
+
+
+class DeadlineExceeded(CoordinatorError):
+    """The awaited view or outcome did not come before the caller's deadline."""
+
+
+class QuorumLost(CoordinatorError):
+    """Too few replicas are live; stop and resume from the last checkpoint."""
+
+
+class RequestRefused(CoordinatorError):
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Committed:
+    step: int
+
+
+@dataclass(frozen=True)
+class Redo:
+    step: int
+    view: View  # holdings for the survivors, attempt_epoch = the epoch to reduce in
+
+
+@dataclass(frozen=True)
+class Stopped:
+    status: str  # quorum_lost | diverged | finished
+    reason: str
+
+
+Outcome = Committed | Redo | Stopped
+
+
+def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def request_once(
+    host: str, port: int, req: dict[str, Any], *, token: str | None = None, timeout_s: float = 5.0
+) -> dict[str, Any]:
+    """One request on a fresh connection (tools, the CLI's `status`)."""
+    try:
+        with _connect(host, port, timeout_s) as sock:
+            send_frame(sock, {**req, "token": token} if token else req)
+            return recv_frame(sock)
+    except (OSError, ProtocolError) as e:
+        raise CoordinatorUnreachable(f"coordinator {host}:{port}: {e}") from e
+
+
+class _Channel:
+    """One persistent connection with a lock; reconnects lazily after an error."""
+
+    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self.lock = threading.Lock()
+        self.sock: socket.socket | None = None
+
+    def call(self, req: dict[str, Any], wait_s: float = 0.0) -> dict[str, Any]:
+        """Send one request, return its reply; caller holds `lock`."""
+        try:
+            if self.sock is None:
+                self.sock = _connect(self.host, self.port, self.timeout_s)
+            self.sock.settimeout(wait_s + self.timeout_s)
+            send_frame(self.sock, req)
+            return recv_frame(self.sock)
+        except (OSError, ProtocolError) as e:
+            self.close()
+            raise CoordinatorUnreachable(f"coordinator {self.host}:{self.port}: {e!r}") from e
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            finally:
+                self.sock = None
+
+
+class CoordinatorClient:
+    """The coordinator as one replica sees it (see the module docstring)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        replica_id: int,
+        token: str | None = None,
+        heartbeat_s: float = 0.1,
+        rpc_timeout_s: float = 5.0,
+        incarnation: str | None = None,
+    ) -> None:
+        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or replica_id < 0:
+            raise ValueError(f"replica_id must be an int >= 0, got {replica_id!r}")
+        for name, v in (("heartbeat_s", heartbeat_s), ("rpc_timeout_s", rpc_timeout_s)):
+            if not (isinstance(v, int | float) and v > 0):
+                raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        self.replica_id = replica_id
+        # Fresh per process start. A launcher may choose it (to send process_exit for its child);
+        # it must never reuse one.
+        self.incarnation = incarnation or uuid.uuid4().hex
+        self._token = token
+        self._heartbeat_s = heartbeat_s
+        self._rpc_timeout_s = rpc_timeout_s
+        self._session = _Channel(host, port, rpc_timeout_s)
+        self._rpc = _Channel(host, port, rpc_timeout_s)
+        self._lock = threading.Lock()  # guards the fields below
+        self._view: View | None = None
+        self._store_address: tuple[str, int] | None = None
+        self._evicted: str | None = None
+        self._unreachable: str | None = None
+        self._throughput: float | None = None
+        self._fingerprint: dict[str, Any] = {}
+        self._next_step = 0
+        self._stop = threading.Event()
+        self._heartbeats: threading.Thread | None = None
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def view(self) -> View | None:
+        with self._lock:
+            return self._view
+
+    @property
+    def store_address(self) -> tuple[str, int] | None:
+        return self._store_address
+
+    @property
+    def evicted(self) -> bool:
+        return self._evicted is not None
+
+    def set_throughput(self, microbatches_per_s: float) -> None:
+        """Reported with the next heartbeats (feeds the throughput weights)."""
+        self._throughput = float(microbatches_per_s)
+
+    # ------------------------------------------------------------ API of the training loop
+
+    def register(self, *, fingerprint: dict[str, Any], next_step: int, deadline_s: float) -> View:
+        """Join; block until admitted into a running epoch. Starts the heartbeat thread."""
+        if self._heartbeats is not None:
+            raise RuntimeError("register() called twice; make a new client (new incarnation)")
+        end = time.monotonic() + deadline_s
+        self._fingerprint, self._next_step = dict(fingerprint), next_step
+        while True:  # the coordinator may still be starting
+            try:
+                reply = self._register_session()
+                break
+            except CoordinatorUnreachable:
+                if time.monotonic() + 0.05 >= end:
+                    raise
+                time.sleep(0.05)
+        self._raise_refusal(reply)
+        store = reply.get("store")
+        self._store_address = (str(store[0]), int(store[1])) if store else None
+        self._heartbeats = threading.Thread(
+            target=self._heartbeat_loop, name=f"heartbeat-{self.replica_id}", daemon=True
+        )
+        self._heartbeats.start()
+        while True:
+            view = self.view
+            if view.status == "running" and self.replica_id in view.live:
+                return view
+            if view.status not in ("forming", "running"):
+                self._raise_status(view)
+                raise RequestRefused(view.status, f"the run is {view.status}: {view.reason}")
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded(
+                    f"replica {self.replica_id} not admitted within {deadline_s} s "
+                    f"(status {view.status}, live {list(view.live)})"
+                )
+            try:
+                self.wait_view(newer_than_epoch=view.epoch, deadline_s=remaining)
+            except DeadlineExceeded:
+                continue
+
+    def wait_view(self, *, newer_than_epoch: int, deadline_s: float) -> View:
+        """The first view with epoch > newer_than_epoch (or a terminal status)."""
+        end = time.monotonic() + deadline_s
+        while True:
+            self._check()
+            view = self.view
+            if view is not None and view.epoch > newer_than_epoch:
+                return self._raise_status(view)
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded(f"no view newer than epoch {newer_than_epoch} in time")
+            wait = min(remaining, _POLL_CHUNK_S)
+            req = {"kind": "wait_view", "newer_than_epoch": newer_than_epoch, "deadline_s": wait}
+            reply = self._rpc_call(self._member(req), wait)
+            self._raise_refusal(reply)
+            if not reply.get("timeout"):
+                return self._raise_status(self.view)
+
+    def report_done(self, *, step: int, epoch: int, param_hash: str | None = None) -> None:
+        req = {"kind": "done", "step": step, "epoch": epoch, "param_hash": param_hash}
+        self._raise_refusal(self._rpc_call(self._member(req)))
+
+    def report_failed(self, *, step: int, epoch: int, suspects: list[int], reason: str) -> None:
+        req = {"kind": "failed", "step": step, "epoch": epoch}
+        req.update(suspects=[int(q) for q in suspects], reason=str(reason)[:1000])
+        self._raise_refusal(self._rpc_call(self._member(req)))
+
+    def wait_outcome(self, *, step: int, epoch: int, deadline_s: float) -> Outcome:
+        """Committed(step), Redo(step, view) or Stopped(status, reason) for attempt (step, epoch)."""
+        end = time.monotonic() + deadline_s
+        while True:
+            self._check()
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded(f"no outcome for step {step} epoch {epoch} in time")
+            wait = min(remaining, _POLL_CHUNK_S)
+            req = {"kind": "wait_outcome", "step": step, "epoch": epoch, "deadline_s": wait}
+            reply = self._rpc_call(self._member(req), wait)
+            self._raise_refusal(reply)
+            outcome = reply.get("outcome")
+            if outcome == "committed":
+                return Committed(step)
+            if outcome == "redo":
+                return Redo(step, self.view)
+            if outcome == "stopped":
+                return Stopped(self.view.status, str(reply.get("reason", "")))
+            if outcome != "timeout":
+                raise CoordinatorUnreachable(f"unexpected outcome reply {reply!r}"[:300])
+
+    def leave(self, *, step: int) -> None:
+        """Clean exit after the last step: not a failure. Stops the heartbeats."""
+        self._stop.set()
+        with self._session.lock:
+            reply = self._session.call(self._member({"kind": "leave", "step": step}))
+        self._join_heartbeats()
+        self._session.close()
+        if not reply.get("ok") and reply.get("code") not in ("left",):
+            self._raise_refusal(reply)
+
+    def close(self) -> None:
+        """Drop both connections. Without a prior leave() the coordinator counts this as the
+        process exiting (a death, how="exit")."""
+        self._stop.set()
+        self._join_heartbeats()
+        with self._session.lock:
+            self._session.close()
+        with self._rpc.lock:
+            self._rpc.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _member(self, req: dict[str, Any]) -> dict[str, Any]:
+        req = {**req, "replica_id": self.replica_id, "incarnation": self.incarnation}
+        if self._token is not None:
+            req["token"] = self._token
+        return req
+
+    def _register_session(self) -> dict[str, Any]:
+        req = {"kind": "register", "fingerprint": self._fingerprint, "next_step": self._next_step}
+        with self._session.lock:
+            reply = self._session.call(self._member(req))
+        self._absorb(reply)
+        return reply
+
+    def _rpc_call(self, req: dict[str, Any], wait_s: float = 0.0) -> dict[str, Any]:
+        self._check()
+        if not self._rpc.lock.acquire(timeout=wait_s + 2 * self._rpc_timeout_s):
+            raise DeadlineExceeded("another thread holds the coordinator connection")
+        try:
+            try:
+                reply = self._rpc.call(req, wait_s)
+            except CoordinatorUnreachable:
+                reply = self._rpc.call(req, wait_s)  # one reconnect; requests are idempotent
+        finally:
+            self._rpc.lock.release()
+        self._absorb(reply)
+        return reply
+
+    def _absorb(self, reply: dict[str, Any]) -> None:
+        raw = reply.get("view")
+        if raw is None:
+            return
+        view = View.from_dict(raw)
+        with self._lock:
+            if self._view is None or view.version >= self._view.version:
+                self._view = view
+
+    def _check(self) -> None:
+        if self._evicted is not None:
+            raise Evicted(self._evicted)
+        if self._unreachable is not None:
+            raise CoordinatorUnreachable(self._unreachable)
+
+    def _raise_refusal(self, reply: dict[str, Any]) -> None:
+        if reply.get("ok"):
+            return
+        code, why = str(reply.get("code", "")), str(reply.get("reason", ""))
+        if code in ("evicted", "unknown"):
+            self._evicted = self._evicted or (
+                f"replica {self.replica_id} incarnation {self.incarnation}: {why}"
+            )
+            raise Evicted(self._evicted)
+        if code == "quorum_lost":
+            raise QuorumLost(why)
+        raise RequestRefused(code, why)
+
+    def _raise_status(self, view: View) -> View:
+        if view.status == "quorum_lost":
+            raise QuorumLost(f"quorum lost: {view.reason}")
+        return view
+
+    def _heartbeat_loop(self) -> None:
+        failing_since: float | None = None
+        next_at = time.monotonic()
+        while True:
+            next_at += self._heartbeat_s
+            if self._stop.wait(max(0.0, next_at - time.monotonic())):
+                return
+            view = self.view
+            req = {"kind": "heartbeat", "epoch": view.epoch if view else 0}
+            req["view_version"] = view.version if view else -1
+            if self._throughput is not None:
+                req["throughput"] = self._throughput
+            try:
+                with self._session.lock:
+                    if self._stop.is_set():
+                        return
+                    fresh = self._session.sock is None
+                    reply = self._session.call(self._member(req)) if not fresh else None
+                if fresh:  # a new session must start with a (same-incarnation) register
+                    reply = self._register_session()
+                self._absorb(reply)
+                failing_since, self._unreachable = None, None
+            except CoordinatorUnreachable as e:
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since > self._rpc_timeout_s:
+                    self._unreachable = str(e)
+                continue
+            if not reply.get("ok"):
+                try:
+                    self._raise_refusal(reply)
+                except Evicted:
+                    return  # the training thread sees it at its next call
+                except CoordinatorError:
+                    pass  # e.g. the run stopped: the view says so
+
+    def _join_heartbeats(self) -> None:
+        if self._heartbeats is not None and self._heartbeats is not threading.current_thread():
+            self._heartbeats.join(timeout=self._rpc_timeout_s + self._heartbeat_s + 1.0)

@@ -1,0 +1,491 @@
+"""The coordinator's rules: a pure function from (now, state, message) to (state, decisions, reason).
+
+Job: membership (pending -> live -> dead/left), epochs, the plan of every step attempt, commit and
+redo decisions, lease expiry and accusations. No sockets, threads or clocks: the caller passes
+`now` (a monotonic clock), so tests drive every race with an injected clock.
+
+Rules (docs/design.md has the narrative):
+- Forming: the run forms at epoch 1 when `expected_replicas` registrations with one fingerprint
+  and one `next_step` are there (or, at `start_deadline_s`, with >= min_replicas of them).
+- Every membership change (death, clean leave, regroup, admission) bumps the epoch by one.
+- An attempt (t, a) is reduced by its members A (the live set when it began). When every member
+  of A that is still live has reported: all done -> Committed(t); any failed -> Redo(t, e') where
+  the ids held by the dead members of A are reassigned over the survivors and e' > a is the
+  current epoch (bumped by a regroup if no membership change happened since a).
+  A redo also waits (at most suspect_grace_s) for open accusations of this attempt to resolve.
+- A failed report accuses suspects: an accused replica that does not heartbeat within
+  suspect_grace_s dies (how="report"); one that does is cleared and, if the epoch has not moved
+  since the attempt began, a regroup bumps the epoch so that the attempt is redone in a fresh
+  group. A failed report without a live suspect regroups at once for the same reason.
+- Joiners wait as pending and are admitted only at a commit (step boundary).
+- A dead or left incarnation is fenced forever; (t, a) reports that are not the current attempt
+  are refused as "stale".
+
+Invariants (tested): `decide` never mutates its input; while running, the holdings of the
+attempt's members split 0..M-1 with every id exactly once; epochs never decrease.
+Costs: O(R + M) per message (a clone and a key comparison).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import replace
+
+from recover.coordinator.protocol import (
+    Admitted,
+    Committed,
+    Decision,
+    Diverged,
+    EpochChanged,
+    Finished,
+    Heartbeat,
+    Leave,
+    MemberDead,
+    Message,
+    ProcessExit,
+    QuorumLost,
+    Redo,
+    Refused,
+    Register,
+    Registered,
+    ReportDone,
+    ReportFailed,
+    Tick,
+)
+from recover.coordinator.state_store import (
+    DEAD,
+    DIVERGED,
+    FINISHED,
+    FORMING,
+    LEFT,
+    LIVE,
+    PENDING,
+    QUORUM_LOST,
+    RUNNING,
+    TERMINAL,
+    Accusation,
+    CoordinatorState,
+    Member,
+    check_member,
+    initial_state,
+    pending_ids,
+    resume_state,
+    view_of,
+)
+from recover.policy import assign, reassign
+
+__all__ = [
+    "attempt_outcome",
+    "check_member",
+    "decide",
+    "initial_state",
+    "resume_state",
+    "tick",
+    "view_of",
+]
+
+# ---------------------------------------------------------------- public entry points
+
+
+def decide(
+    now: float, state: CoordinatorState, msg: Message
+) -> tuple[CoordinatorState, list[Decision], str]:
+    """Apply one message. Returns the new state, the decisions taken, and a human reason."""
+    s = state.clone()
+    out: list[Decision] = []
+    note = _HANDLERS[type(msg)](s, now, msg, out) or ""
+    view_changed = _view_key(s) != _view_key(state)
+    if view_changed:
+        s.view_version += 1
+        s.reason = "; ".join(d.reason for d in out if not isinstance(d, Refused)) or note
+    if view_changed or _durable_key(s) != _durable_key(state):
+        s.revision += 1
+    reason = "; ".join(d.reason for d in out) or note
+    return s, out, reason
+
+
+def tick(now: float, state: CoordinatorState) -> tuple[CoordinatorState, list[Decision], str]:
+    return decide(now, state, Tick())
+
+
+def attempt_outcome(state: CoordinatorState, step: int, epoch: int) -> tuple[str, str] | None:
+    """The outcome of attempt (step, epoch): (committed|redo|stopped|stale, reason) or None."""
+    if state.status in (QUORUM_LOST, DIVERGED):
+        return "stopped", state.reason
+    if step <= state.committed_step:
+        return "committed", f"step {step} is committed"
+    if state.status != RUNNING:
+        return "stopped", f"the run is {state.status}: {state.reason}"
+    if step == state.step and epoch < state.attempt_epoch:
+        return "redo", f"step {step} is redone in epoch {state.attempt_epoch}"
+    if step == state.step and epoch == state.attempt_epoch:
+        return None
+    return "stale", (
+        f"({step}, {epoch}) is not an attempt of the current step "
+        f"({state.step}, {state.attempt_epoch})"
+    )
+
+
+# ---------------------------------------------------------------- handlers
+
+
+def _on_register(s: CoordinatorState, now: float, m: Register, out: list) -> str:
+    r, inc = m.replica_id, m.incarnation
+    fence = s.fenced.get(inc)
+    if fence:
+        return _refuse(out, m, fence, check_member(s, r, inc)[1])
+    cur = s.members.get(r)
+    if cur is not None and cur.incarnation == inc:
+        s.members[r] = replace(cur, last_seen=now)
+        return f"replica {r} registered again (new session, same incarnation)"
+    if s.status in TERMINAL:
+        return _refuse(out, m, s.status, f"the run is {s.status}: {s.reason}")
+    if cur is not None and cur.state in (PENDING, LIVE):
+        why = f"replica id {r} is held by live incarnation {cur.incarnation}"
+        return _refuse(out, m, "duplicate", why)
+    if why := _mismatch(s, m):
+        return _refuse(out, m, "mismatch", why)
+    s.members[r] = Member(
+        replica_id=r,
+        incarnation=inc,
+        state=PENDING,
+        last_seen=now,
+        fingerprint=dict(m.fingerprint),
+        next_step=m.next_step,
+    )
+    wait = "the run forms" if s.status == FORMING else f"the commit of step {s.step}"
+    out.append(
+        Registered(replica_id=r, incarnation=inc, reason=f"replica {r} registered, pending {wait}")
+    )
+    if s.status == FORMING and len(pending_ids(s)) >= s.options.expected_replicas:
+        _form(s, out, f"all {s.options.expected_replicas} expected replicas registered")
+    return ""
+
+
+def _mismatch(s: CoordinatorState, m: Register) -> str:
+    """Why `m` cannot join this run ("" if it can): its fingerprint or next_step differ."""
+    peers = [s.members[p] for p in pending_ids(s)]
+    ref = s.fingerprint if s.status == RUNNING else (peers[0].fingerprint if peers else None)
+    for key in sorted(set(ref) | set(m.fingerprint)) if ref is not None else ():
+        if ref.get(key) != m.fingerprint.get(key):
+            theirs, mine = ref.get(key), m.fingerprint.get(key)
+            return f"fingerprint field {key!r} differs: run has {theirs!r}, replica has {mine!r}"
+    if s.status == FORMING and peers and peers[0].next_step != m.next_step:
+        first = peers[0]
+        return f"next_step differs: replica {first.replica_id} has {first.next_step}, not {m.next_step}"
+    return ""
+
+
+def _on_heartbeat(s: CoordinatorState, now: float, m: Heartbeat, out: list) -> str:
+    member, code, why = _lookup(s, m.replica_id, m.incarnation)
+    if member is None:
+        return _refuse(out, m, code, why)
+    tp = member.throughput
+    x = m.throughput
+    if x is not None and math.isfinite(x) and x >= 0:
+        alpha = s.options.throughput_ema_alpha
+        tp = x if tp is None else alpha * x + (1 - alpha) * tp
+    s.members[m.replica_id] = replace(member, last_seen=now, throughput=tp)
+    acc = s.accusations.pop(m.replica_id, None)
+    if acc is None:
+        return "heartbeat"
+    why = (
+        f"accusation of replica {acc.suspect} by replica {acc.accuser} dismissed: "
+        "it heartbeated after the accusation"
+    )
+    if _is_current_attempt(s, acc.step, acc.epoch) and s.epoch == s.attempt_epoch:
+        _bump_epoch(s, out, f"{why}; regroup with the same live set to redo step {s.step}")
+    _evaluate_attempt(s, out)
+    return why
+
+
+def _on_process_exit(s: CoordinatorState, now: float, m: ProcessExit, out: list) -> str:
+    member, code, why = _lookup(s, m.replica_id, m.incarnation)
+    if member is None:
+        return _refuse(out, m, code, why)
+    _kill(s, m.replica_id, "exit", f"replica {m.replica_id} process exited", out)
+    return ""
+
+
+def _check_report(s: CoordinatorState, m: ReportDone | ReportFailed, out: list) -> bool:
+    member, code, why = _lookup(s, m.replica_id, m.incarnation)
+    if member is None:
+        _refuse(out, m, code, why)
+    elif s.status != RUNNING:
+        _refuse(out, m, s.status, f"the run is {s.status}: {s.reason}")
+    elif not _is_current_attempt(s, m.step, m.epoch) or m.replica_id not in s.attempt_members:
+        _refuse(
+            out,
+            m,
+            "stale",
+            f"report of replica {m.replica_id} for ({m.step}, {m.epoch}) is stale: the current "
+            f"attempt is ({s.step}, {s.attempt_epoch}) with members {list(s.attempt_members)}",
+        )
+    else:
+        return True
+    return False
+
+
+def _on_done(s: CoordinatorState, now: float, m: ReportDone, out: list) -> str:
+    if not _check_report(s, m, out):
+        return ""
+    if s.reports.get(m.replica_id) != "failed":  # a failure within an attempt is sticky
+        s.reports[m.replica_id] = "done"
+    if m.param_hash is not None:
+        s.param_hashes[m.replica_id] = m.param_hash
+    _evaluate_attempt(s, out)
+    return f"replica {m.replica_id} reported done ({m.step}, {m.epoch})"
+
+
+def _on_failed(s: CoordinatorState, now: float, m: ReportFailed, out: list) -> str:
+    if not _check_report(s, m, out):
+        return ""
+    r = m.replica_id
+    s.reports[r] = "failed"
+    accused = []
+    for q in sorted(set(m.suspects)):
+        if q != r and q in s.live:
+            accused.append(q)
+            if q not in s.accusations:
+                s.accusations[q] = Accusation(
+                    suspect=q, accuser=r, at=now, step=m.step, epoch=m.epoch
+                )
+    why = f"replica {r} reported a failed collective in ({m.step}, {m.epoch}): {m.reason!r}"
+    if not accused and s.epoch == s.attempt_epoch:
+        _bump_epoch(s, out, f"{why} without a live suspect; regroup to redo step {s.step}")
+    _evaluate_attempt(s, out)
+    return f"{why}; accused {accused}"
+
+
+def _on_leave(s: CoordinatorState, now: float, m: Leave, out: list) -> str:
+    member, code, why = _lookup(s, m.replica_id, m.incarnation)
+    if member is None:
+        return _refuse(out, m, code, why)
+    s.leaving = True
+    _kill(s, m.replica_id, "leave", f"replica {m.replica_id} left cleanly at step {m.step}", out)
+    return f"replica {m.replica_id} left"
+
+
+def _on_tick(s: CoordinatorState, now: float, m: Tick, out: list) -> str:
+    opts = s.options
+    for r, member in sorted(s.members.items()):
+        if member.state in (PENDING, LIVE) and now - member.last_seen > opts.lease_s:
+            why = (
+                f"replica {r} lease expired: no heartbeat for {now - member.last_seen:.3f} s "
+                f"> lease_s={opts.lease_s}"
+            )
+            _kill(s, r, "lease", why, out)
+    for q, acc in sorted(s.accusations.items()):
+        if q in s.accusations and now - acc.at > opts.suspect_grace_s:
+            why = (
+                f"replica {q} accused by replica {acc.accuser} in ({acc.step}, {acc.epoch}) did "
+                f"not heartbeat within suspect_grace_s={opts.suspect_grace_s}"
+            )
+            _kill(s, q, "report", why, out)
+    if s.status == FORMING and now >= s.start_deadline:
+        n = len(pending_ids(s))
+        head = f"start deadline passed with {n} of {opts.expected_replicas} replicas registered"
+        if n >= opts.min_replicas:
+            _form(s, out, f"{head}; starting with them")
+        else:
+            _lose_quorum(s, out, f"{head}; check that every replica can reach the coordinator")
+    return ""
+
+
+_HANDLERS = {
+    Register: _on_register,
+    Heartbeat: _on_heartbeat,
+    ProcessExit: _on_process_exit,
+    ReportDone: _on_done,
+    ReportFailed: _on_failed,
+    Leave: _on_leave,
+    Tick: _on_tick,
+}
+
+# ---------------------------------------------------------------- state transitions
+
+
+def _form(s: CoordinatorState, out: list, why: str) -> None:
+    ids = pending_ids(s)
+    s.fingerprint = dict(s.members[ids[0]].fingerprint)
+    s.step = s.members[ids[0]].next_step
+    for r in ids:
+        s.members[r] = replace(s.members[r], state=LIVE)
+    s.status = RUNNING
+    s.live = ids
+    s.epoch += 1
+    _new_attempt(s)
+    out.append(Admitted(replica_ids=ids, epoch=s.epoch, reason=f"{why}: run formed"))
+    out.append(EpochChanged(epoch=s.epoch, live=s.live, reason=f"epoch {s.epoch}: {why}"))
+
+
+def _kill(s: CoordinatorState, r: int, how: str, why: str, out: list) -> None:
+    member = s.members[r]
+    was_live = member.state == LIVE
+    left = how == "leave"
+    s.members[r] = replace(member, state=LEFT if left else DEAD, how=how)
+    s.fenced[member.incarnation] = "left" if left else "evicted"
+    s.accusations.pop(r, None)
+    if not left:
+        out.append(MemberDead(replica_id=r, incarnation=member.incarnation, how=how, reason=why))
+    if not was_live:
+        return
+    s.live = tuple(x for x in s.live if x != r)
+    _bump_epoch(s, out, why)
+    if s.status != RUNNING:
+        return
+    if not s.live and s.leaving:
+        s.status = FINISHED
+        out.append(Finished(reason="every replica has left (or died after others left)"))
+    elif len(s.live) < s.options.min_replicas and not s.leaving:
+        why = f"only {len(s.live)} live replicas remain, below min_replicas"
+        _lose_quorum(s, out, f"{why}: stop and resume from the last checkpoint")
+    else:
+        _evaluate_attempt(s, out)
+
+
+def _lose_quorum(s: CoordinatorState, out: list, why: str) -> None:
+    s.status = QUORUM_LOST
+    m, c = s.options.min_replicas, s.committed_step
+    why = f"{why} (min_replicas={m}, last committed step {c})"
+    out.append(QuorumLost(live=s.live, min_replicas=m, committed_step=c, reason=why))
+
+
+def _evaluate_attempt(s: CoordinatorState, out: list) -> None:
+    if s.status != RUNNING:
+        return
+    survivors = [r for r in s.attempt_members if _alive_in_attempt(s, r)]
+    if not survivors or any(r not in s.reports for r in survivors):
+        return
+    if all(s.reports[r] == "done" for r in survivors):
+        _commit(s, out, survivors)
+    elif not any(_is_current_attempt(s, a.step, a.epoch) for a in s.accusations.values()):
+        _redo(s, out, survivors)
+
+
+def _commit(s: CoordinatorState, out: list, survivors: list[int]) -> None:
+    t, a = s.step, s.attempt_epoch
+    gone = [r for r in s.attempt_members if r not in survivors]
+    why = f"step {t} committed: all {len(survivors)} live members of epoch {a} reported done"
+    if gone:
+        why += f" (replicas {gone} left the epoch after the reduce; the sum is complete)"
+    s.committed_step = t
+    s.step = t + 1
+    out.append(Committed(step=t, epoch=a, reason=why))
+    hashes = {r: s.param_hashes[r] for r in survivors if r in s.param_hashes}
+    if len(set(hashes.values())) > 1:
+        by_hash: dict[str, list[int]] = {}
+        for r, h in hashes.items():
+            by_hash.setdefault(h, []).append(r)
+        groups = "; ".join(f"replicas {rs} hold {h}" for h, rs in sorted(by_hash.items()))
+        s.status = DIVERGED
+        s.reports, s.param_hashes = {}, {}
+        out.append(
+            Diverged(
+                step=t,
+                hashes=hashes,
+                reason=f"PARAMETERS DIVERGED at step {t}: {groups}. Stop; investigate; resume "
+                "from the last checkpoint",
+            )
+        )
+        return
+    joiners = pending_ids(s)
+    if joiners:
+        for r in joiners:
+            s.members[r] = replace(s.members[r], state=LIVE, throughput=None)
+        s.live = tuple(sorted(set(s.live) | set(joiners)))
+        s.epoch += 1
+        why = f"replicas {list(joiners)} admitted at the boundary of step {s.step}"
+        out.append(Admitted(replica_ids=joiners, epoch=s.epoch, reason=why))
+        out.append(EpochChanged(epoch=s.epoch, live=s.live, reason=why))
+    _new_attempt(s)
+
+
+def _redo(s: CoordinatorState, out: list, survivors: list[int]) -> None:
+    t, a = s.step, s.attempt_epoch
+    dead = [r for r in s.attempt_members if r not in survivors]
+    failed = [r for r in survivors if s.reports[r] == "failed"]
+    if s.epoch == a:
+        _bump_epoch(s, out, f"regroup to redo step {t}: replicas {failed} failed in epoch {a}")
+    if tuple(survivors) != s.live:  # pragma: no cover - joiners only enter at commits
+        raise AssertionError(f"survivors {survivors} != live {s.live}")
+    lost = tuple(sorted(j for r in dead for j in s.holdings[r]))
+    weights = {r: s.weights[r] for r in survivors}
+    extra = reassign(lost, survivors, weights)
+    s.holdings = {r: s.holdings[r] + extra[r] for r in survivors}
+    s.weights = weights
+    s.attempt_epoch = s.epoch
+    s.attempt_members = tuple(survivors)
+    s.reports, s.param_hashes = {}, {}
+    moved = {r: ids for r, ids in extra.items() if ids}
+    why = (
+        f"redo step {t} in epoch {s.epoch}: failed attempt epoch {a}, dead {dead}, "
+        f"failed reports {failed}; {len(lost)} lost ids reassigned as {moved}"
+    )
+    out.append(Redo(step=t, epoch=s.epoch, lost=lost, reassigned=moved, reason=why))
+
+
+def _new_attempt(s: CoordinatorState) -> None:
+    s.weights = _weights(s, s.live)
+    s.holdings = assign(s.options.microbatches, s.live, s.weights)
+    s.attempt_epoch = s.epoch
+    s.attempt_members = s.live
+    s.reports, s.param_hashes = {}, {}
+
+
+def _weights(s: CoordinatorState, ids: tuple[int, ...]) -> dict[int, float]:
+    measured = {r: s.members[r].throughput for r in ids}
+    known = [w for w in measured.values() if w is not None and w > 0]
+    if not s.options.throughput_weights or not known:
+        return {r: 1.0 for r in ids}
+    median = statistics.median(known)
+    floor = max(known) * 1e-3  # a stalled replica keeps a tiny positive share
+    return {r: max(w if w is not None and w > 0 else median, floor) for r, w in measured.items()}
+
+
+# ---------------------------------------------------------------- small helpers
+
+
+def _bump_epoch(s: CoordinatorState, out: list, why: str) -> None:
+    s.epoch += 1
+    out.append(EpochChanged(epoch=s.epoch, live=s.live, reason=f"epoch {s.epoch}: {why}"))
+
+
+def _refuse(out: list, m: Message, code: str, why: str) -> str:
+    r, inc = m.replica_id, m.incarnation
+    out.append(Refused(replica_id=r, incarnation=inc, code=code, reason=f"refused ({code}): {why}"))
+    return ""
+
+
+def _lookup(s: CoordinatorState, r: int, inc: str) -> tuple[Member | None, str, str]:
+    code, why = check_member(s, r, inc)
+    return (None, code, why) if code else (s.members[r], "", "")
+
+
+def _alive_in_attempt(s: CoordinatorState, r: int) -> bool:
+    m = s.members.get(r)
+    return m is not None and m.state == LIVE
+
+
+def _is_current_attempt(s: CoordinatorState, step: int, epoch: int) -> bool:
+    return s.status == RUNNING and step == s.step and epoch == s.attempt_epoch
+
+
+def _view_key(s: CoordinatorState) -> tuple:
+    return (
+        s.epoch,
+        s.live,
+        s.step,
+        s.holdings,
+        s.weights,
+        s.status,
+        s.committed_step,
+        s.attempt_epoch,
+        pending_ids(s),
+    )
+
+
+def _durable_key(s: CoordinatorState) -> tuple:
+    members = tuple((r, m.incarnation, m.state) for r, m in sorted(s.members.items()))
+    return (s.reports, s.param_hashes, tuple(s.accusations), members, len(s.fenced), s.leaving)

@@ -1,0 +1,434 @@
+"""What replicas and the coordinator say to each other, and how it travels.
+
+Job: the message types that `decide()` consumes, the published `View`, their JSON codec with
+strict validation, and the frame format: a 4-byte big-endian length, then that many bytes of a
+UTF-8 JSON object. One request frame gets one reply frame, in order, on one TCP connection.
+
+Invariants:
+- A frame longer than MAX_FRAME (1 MiB) is never read into memory: `FrameTooLarge`.
+- Decoding either returns a well-typed message or raises `ProtocolError` naming the field; no
+  partially valid message reaches the rules.
+- Every request may carry `token`; the server, not this module, checks it.
+
+This module holds no sockets and no clocks: the framing helpers take a socket or an asyncio
+stream from the caller. Costs: one json.dumps/loads per message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any, ClassVar
+
+__all__ = [
+    "MAX_FRAME",
+    "FrameTooLarge",
+    "ProtocolError",
+    "Register",
+    "Heartbeat",
+    "ProcessExit",
+    "ReportDone",
+    "ReportFailed",
+    "Leave",
+    "Tick",
+    "Message",
+    "View",
+    "Decision",
+    "Admitted",
+    "Committed",
+    "Diverged",
+    "EpochChanged",
+    "Finished",
+    "MemberDead",
+    "QuorumLost",
+    "Redo",
+    "Refused",
+    "Registered",
+    "decode_message",
+    "encode_message",
+    "read_frame_async",
+    "write_frame_async",
+    "recv_frame",
+    "send_frame",
+]
+
+MAX_FRAME = 1 << 20
+_HEADER = struct.Struct(">I")
+
+
+class ProtocolError(ValueError):
+    """A peer sent something that is not a valid request or reply."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame header announced more than MAX_FRAME bytes."""
+
+
+# ---------------------------------------------------------------- messages (inputs of decide)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Register:
+    replica_id: int
+    incarnation: str
+    fingerprint: dict[str, Any]
+    next_step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat:
+    replica_id: int
+    incarnation: str
+    epoch: int  # the epoch the replica knows (older is fine: it gets the new view)
+    throughput: float | None = None  # microbatches per second, measured by the replica
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessExit:
+    replica_id: int
+    incarnation: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportDone:
+    replica_id: int
+    incarnation: str
+    step: int
+    epoch: int
+    param_hash: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportFailed:
+    replica_id: int
+    incarnation: str
+    step: int
+    epoch: int
+    suspects: tuple[int, ...] = ()
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Leave:
+    replica_id: int
+    incarnation: str
+    step: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The clock moved: expire leases and unanswered accusations, check the start deadline."""
+
+
+Message = Register | Heartbeat | ProcessExit | ReportDone | ReportFailed | Leave | Tick
+
+MESSAGE_KINDS: dict[str, type] = {
+    "register": Register,
+    "heartbeat": Heartbeat,
+    "process_exit": ProcessExit,
+    "done": ReportDone,
+    "failed": ReportFailed,
+    "leave": Leave,
+}
+_KIND_OF = {cls: kind for kind, cls in MESSAGE_KINDS.items()}
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_CHECKS = {
+    "replica_id": (_int, "an int"),
+    "incarnation": (lambda v: isinstance(v, str) and 0 < len(v) <= 128, "a non-empty string"),
+    "fingerprint": (lambda v: isinstance(v, dict), "an object"),
+    "next_step": (lambda v: _int(v) and v >= 0, "an int >= 0"),
+    "epoch": (_int, "an int"),
+    "step": (_int, "an int"),
+    "throughput": (
+        lambda v: v is None or (isinstance(v, int | float) and not isinstance(v, bool)),
+        "a number or null",
+    ),
+    "param_hash": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "suspects": (lambda v: isinstance(v, list) and all(_int(x) for x in v), "a list of ints"),
+    "reason": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def check_field(name: str, value: Any) -> Any:
+    ok, what = _CHECKS[name]
+    if not ok(value):
+        raise ProtocolError(f"field {name!r} must be {what}, got {value!r}"[:300])
+    return value
+
+
+def decode_message(req: dict[str, Any]) -> Message:
+    """A request dict -> a typed message, or ProtocolError naming the bad field."""
+    kind = req.get("kind")
+    cls = MESSAGE_KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r}"[:200])
+    args = {}
+    for f in fields(cls):
+        if f.name in req:
+            args[f.name] = check_field(f.name, req[f.name])
+        elif f.default is not MISSING:  # optional field
+            continue
+        else:
+            raise ProtocolError(f"{kind}: missing field {f.name!r}")
+    if "suspects" in args:
+        args["suspects"] = tuple(args["suspects"])
+    if isinstance(args.get("throughput"), int):
+        args["throughput"] = float(args["throughput"])
+    return cls(**args)
+
+
+def encode_message(msg: Message) -> dict[str, Any]:
+    d = asdict(msg)
+    if "suspects" in d:
+        d["suspects"] = list(d["suspects"])
+    d["kind"] = _KIND_OF[type(msg)]
+    return d
+
+
+# ---------------------------------------------------------------- the published view
+
+
+@dataclass(frozen=True, kw_only=True)
+class View:
+    """What the coordinator publishes after every change (see docs/design.md).
+
+    `holdings` is the plan of the current attempt (step, attempt_epoch): its keys are the
+    attempt's members, i.e. the group that reduces in attempt_epoch. `live` can already lack a
+    member that died during the attempt (then epoch > attempt_epoch, and a Redo follows unless
+    every survivor reports done).
+    """
+
+    epoch: int
+    live: tuple[int, ...]
+    step: int  # the step being worked on now (committed_step + 1 while running)
+    holdings: dict[int, tuple[int, ...]]  # replica -> microbatch ids of (step, attempt_epoch)
+    weights: dict[int, float]
+    status: str  # forming | running | quorum_lost | finished | diverged
+    committed_step: int  # -1 before any commit
+    attempt_epoch: int  # the epoch in which the current attempt of `step` reduces
+    pending: tuple[int, ...] = ()  # registered, admitted at the next commit
+    version: int = 0
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "live": list(self.live),
+            "step": self.step,
+            "holdings": {str(r): list(ids) for r, ids in self.holdings.items()},
+            "weights": {str(r): w for r, w in self.weights.items()},
+            "status": self.status,
+            "committed_step": self.committed_step,
+            "attempt_epoch": self.attempt_epoch,
+            "pending": list(self.pending),
+            "version": self.version,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> View:
+        try:
+            return cls(
+                epoch=int(d["epoch"]),
+                live=tuple(int(r) for r in d["live"]),
+                step=int(d["step"]),
+                holdings={int(r): tuple(int(j) for j in ids) for r, ids in d["holdings"].items()},
+                weights={int(r): float(w) for r, w in d["weights"].items()},
+                status=str(d["status"]),
+                committed_step=int(d["committed_step"]),
+                attempt_epoch=int(d["attempt_epoch"]),
+                pending=tuple(int(r) for r in d.get("pending", ())),
+                version=int(d.get("version", 0)),
+                reason=str(d.get("reason", "")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ProtocolError(f"malformed view: {e!r}") from e
+
+
+# ---------------------------------------------------------------- decisions (outputs of decide)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Decision:
+    name: ClassVar[str] = "decision"
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k, v in list(d.items()):
+            if isinstance(v, dict):
+                d[k] = {str(r): (list(x) if isinstance(x, tuple) else x) for r, x in v.items()}
+            elif isinstance(v, tuple):
+                d[k] = list(v)
+        return {"decision": self.name, **d}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpochChanged(_Decision):
+    name: ClassVar[str] = "epoch_changed"
+    epoch: int
+    live: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemberDead(_Decision):
+    name: ClassVar[str] = "member_dead"
+    replica_id: int
+    incarnation: str
+    how: str  # exit | lease | report
+
+
+@dataclass(frozen=True, kw_only=True)
+class Committed(_Decision):
+    name: ClassVar[str] = "committed"
+    step: int
+    epoch: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Redo(_Decision):
+    name: ClassVar[str] = "redo"
+    step: int
+    epoch: int  # the new attempt epoch
+    lost: tuple[int, ...]  # ids the dead members of the failed attempt held
+    reassigned: dict[int, tuple[int, ...]]  # survivor -> lost ids it now also holds
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuorumLost(_Decision):
+    name: ClassVar[str] = "quorum_lost"
+    live: tuple[int, ...]
+    min_replicas: int
+    committed_step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refused(_Decision):
+    name: ClassVar[str] = "refused"
+    replica_id: int | None
+    incarnation: str | None
+    code: str  # evicted | left | unknown | stale | mismatch | duplicate | <status>
+
+
+@dataclass(frozen=True, kw_only=True)
+class Registered(_Decision):
+    name: ClassVar[str] = "registered"
+    replica_id: int
+    incarnation: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Admitted(_Decision):
+    name: ClassVar[str] = "admitted"
+    replica_ids: tuple[int, ...]
+    epoch: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Diverged(_Decision):
+    name: ClassVar[str] = "diverged"
+    step: int
+    hashes: dict[int, str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finished(_Decision):
+    name: ClassVar[str] = "finished"
+
+
+Decision = (
+    EpochChanged
+    | MemberDead
+    | Committed
+    | Redo
+    | QuorumLost
+    | Refused
+    | Registered
+    | Admitted
+    | Diverged
+    | Finished
+)
+
+# ---------------------------------------------------------------- framing
+
+
+def _encode_frame(obj: dict[str, Any]) -> bytes:
+    body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    if len(body) > MAX_FRAME:
+        raise FrameTooLarge(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
+    return _HEADER.pack(len(body)) + body
+
+
+def _decode_body(body: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"frame is not UTF-8 JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"frame must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _reject_constant(name: str) -> float:
+    raise ProtocolError(f"non-finite number {name} is not allowed")
+
+
+def _check_length(n: int) -> None:
+    if n > MAX_FRAME:
+        raise FrameTooLarge(f"frame header announces {n} bytes, the limit is {MAX_FRAME}")
+
+
+def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
+    sock.sendall(_encode_frame(obj))
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("connection closed by the coordinator")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> dict[str, Any]:
+    """One frame from a blocking socket; the socket's own timeout bounds the wait."""
+    (n,) = _HEADER.unpack(_recv_exactly(sock, 4))
+    _check_length(n)
+    return _decode_body(_recv_exactly(sock, n))
+
+
+async def read_frame_async(
+    reader: asyncio.StreamReader, body_timeout_s: float
+) -> dict[str, Any] | None:
+    """One frame, or None on a clean EOF between frames. The body must follow its header
+    within `body_timeout_s` (a stalled sender cannot hold a half-read frame forever)."""
+    try:
+        header = await reader.readexactly(4)
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            return None
+        raise ProtocolError("connection closed inside a frame header") from e
+    (n,) = _HEADER.unpack(header)
+    _check_length(n)
+    try:
+        body = await asyncio.wait_for(reader.readexactly(n), body_timeout_s)
+    except asyncio.IncompleteReadError as e:
+        raise ProtocolError("connection closed inside a frame body") from e
+    except TimeoutError as e:
+        raise ProtocolError(f"frame body did not arrive within {body_timeout_s} s") from e
+    return _decode_body(body)
+
+
+async def write_frame_async(writer: asyncio.StreamWriter, obj: dict[str, Any]) -> None:
+    writer.write(_encode_frame(obj))
+    await writer.drain()

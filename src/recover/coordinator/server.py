@@ -1,0 +1,469 @@
+"""The coordinator server: the transport around `decide()`, plus the torch TCPStore host.
+
+Job: accept length-prefixed JSON requests on TCP, run every message through `decide()`, tick
+every ~20 ms for leases, answer long-polls (new view, outcome of an attempt), log decisions
+(last ~200 in memory; every one as a JSON line in `events_path`), save the state through a
+`StateStore`, and host the `TCPStore` that per-epoch process groups are built on.
+
+Design (justified in docs/design.md, "Coordinator transport"): one asyncio event loop in one
+background thread owns the state, so `decide()` runs strictly one message at a time without
+locks; long-polls are coroutines parked on a "view changed" event. The connection on which a
+replica registered is its *session*: EOF on it without a prior `leave` is reported to the rules
+as `ProcessExit`, which makes a SIGKILLed replica visible within milliseconds.
+
+Invariants: a bad frame, a wrong token, an unknown kind or a malformed field closes only that
+connection (after an error reply when possible); every wait has a deadline (long-polls are capped
+at `max_wait_s`, a frame body must arrive within `body_timeout_s`).
+Limits: `StateStore.save` and event writes run on the event loop (fine for memory and a local
+file; a remote store should move saves off the loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from recover.coordinator.decide import (
+    attempt_outcome,
+    check_member,
+    decide,
+    initial_state,
+    resume_state,
+    view_of,
+)
+from recover.coordinator.protocol import (
+    MESSAGE_KINDS,
+    Decision,
+    Heartbeat,
+    Leave,
+    ProcessExit,
+    ProtocolError,
+    Refused,
+    Register,
+    Tick,
+    check_field,
+    decode_message,
+    read_frame_async,
+    write_frame_async,
+)
+from recover.coordinator.state_store import (
+    TERMINAL,
+    CoordinatorOptions,
+    CoordinatorState,
+    InMemoryStateStore,
+    StateStore,
+)
+
+__all__ = ["CoordinatorServer", "run_coordinator_process"]
+
+log = logging.getLogger("recover.coordinator")
+
+
+@dataclass
+class _Conn:
+    id: int
+    peer: str
+    session: tuple[int, str] | None = None  # (replica_id, incarnation) registered here
+    left: bool = False
+
+
+def _number(req: dict[str, Any], name: str) -> float:
+    v = req.get(name)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
+        raise ProtocolError(f"field {name!r} must be a number >= 0, got {v!r}"[:200])
+    return float(v)
+
+
+class CoordinatorServer:
+    """`CoordinatorServer(options).start()`; `.address`, `.store_address`; `.stop()`.
+
+    `store_port=None` hosts no TCPStore (tools and tests that build no process groups);
+    `state_store` defaults to an `InMemoryStateStore`.
+    """
+
+    def __init__(
+        self,
+        options: CoordinatorOptions,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        store_port: int | None = 0,
+        token: str | None = None,
+        events_path: str | os.PathLike | None = None,
+        *,
+        state_store: StateStore | None = None,
+        tick_s: float = 0.02,
+        max_wait_s: float = 60.0,
+        body_timeout_s: float = 10.0,
+        log_size: int = 200,
+    ) -> None:
+        if not isinstance(options, CoordinatorOptions):
+            raise ValueError(f"options must be CoordinatorOptions, got {type(options).__name__}")
+        if token is not None and not token:
+            raise ValueError("token must be a non-empty string or None")
+        for name, v in (("tick_s", tick_s), ("max_wait_s", max_wait_s)):
+            if not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+        self._options = options
+        self._host, self._port, self._store_port = host, port, store_port
+        self._token = token.encode() if token else None
+        self._events_path = events_path
+        self._state_store = state_store if state_store is not None else InMemoryStateStore()
+        self._tick_s, self._max_wait_s, self._body_timeout_s = tick_s, max_wait_s, body_timeout_s
+        self._log: deque[dict[str, Any]] = deque(maxlen=log_size)
+        self._log_lock = threading.Lock()
+        self._state: CoordinatorState | None = None
+        self._address: tuple[str, int] | None = None
+        self._store_address: tuple[str, int] | None = None
+        self._tcp_store: Any = None
+        self._events_fd: int | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
+        self._stopping = False
+        self._sessions: dict[tuple[int, str], int] = {}
+        self._conn_ids = itertools.count(1)
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Bind, host the TCPStore, load the state; returns when listening."""
+        if self._thread is not None:
+            raise RuntimeError("CoordinatorServer.start() called twice")
+        now = time.monotonic()
+        loaded = self._state_store.load()
+        if loaded is not None and loaded.options != self._options:
+            raise ValueError(f"options differ from the saved state's: {loaded.options}")
+        self._state = (
+            initial_state(self._options, now) if loaded is None else (resume_state(loaded, now))
+        )
+        if self._store_port is not None:
+            from torch.distributed import TCPStore  # the only torch use; clients stay torch-free
+
+            self._tcp_store = TCPStore(
+                self._host, self._store_port, is_master=True, wait_for_workers=False
+            )
+            self._store_address = (self._host, int(self._tcp_store.port))
+        if self._events_path is not None:
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+            self._events_fd = os.open(self._events_path, flags, 0o644)
+        self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"coordinator did not start listening within {timeout_s} s")
+        if self._error is not None:
+            self.stop()
+            raise RuntimeError(f"coordinator failed to start: {self._error!r}") from self._error
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._loop is not None and self._stop_event is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop_event.set)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.error("coordinator thread did not stop within %s s", timeout_s)
+        if self._events_fd is not None:
+            os.close(self._events_fd)
+            self._events_fd = None
+        self._tcp_store = None
+
+    def __enter__(self) -> CoordinatorServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        if self._address is None:
+            raise RuntimeError("coordinator not started")
+        return self._address
+
+    @property
+    def store_address(self) -> tuple[str, int] | None:
+        return self._store_address
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self._error
+
+    def state(self) -> CoordinatorState:
+        """The current state (never mutated after publication: safe to read from any thread)."""
+        return self._state
+
+    def decisions(self) -> list[dict[str, Any]]:
+        with self._log_lock:
+            return list(self._log)
+
+    # ------------------------------------------------------------ the event loop
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # recorded; start() or the owner reads self.failed
+            log.exception("coordinator loop failed")
+            self._error = e
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        self._changed = asyncio.Event()
+        server = await asyncio.start_server(self._handle, self._host, self._port)
+        self._address = tuple(server.sockets[0].getsockname()[:2])
+        self._ready.set()
+        ticker = asyncio.create_task(self._tick_loop())
+        try:
+            await self._stop_event.wait()
+        finally:
+            self._stopping = True
+            ticker.cancel()
+            server.close()
+            self._changed.set()  # wake long-polls: they see _stopping and return
+            for w in list(self._writers):
+                w.close()
+            if self._tasks:  # let handlers end on their own (cancelling them logs noise)
+                await asyncio.wait(list(self._tasks), timeout=2.0)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick_s)
+            try:
+                self._apply(Tick())
+            except Exception as e:  # a broken rule must stop the service loudly
+                log.critical("coordinator tick failed; stopping", exc_info=True)
+                self._error = e
+                self._stop_event.set()
+                return
+
+    def _apply(self, msg: Any) -> tuple[list[Decision], str]:
+        old = self._state
+        new, decisions, reason = decide(time.monotonic(), old, msg)
+        if new.revision != old.revision:
+            self._state_store.save(new)
+        self._state = new
+        for d in decisions:
+            self._record(d)
+        if new.view_version != old.view_version:
+            self._changed.set()
+            self._changed = asyncio.Event()
+        return decisions, reason
+
+    def _record(self, d: Decision) -> None:
+        entry = {"t_wall": time.time(), "t_mono": time.monotonic(), **d.to_dict()}
+        with self._log_lock:
+            self._log.append(entry)
+        level = logging.DEBUG if d.name == "registered" else logging.INFO
+        log.log(level, "%s: %s", d.name, d.reason)
+        if self._events_fd is not None:
+            fields = {k: v for k, v in d.to_dict().items() if k not in ("decision", "reason")}
+            if "replica_id" in fields:  # docs/metrics.md names a replica `replica` in events
+                fields["replica"] = fields["replica_id"]
+            line = {
+                "kind": "event",
+                "name": f"coordinator.{d.name}",
+                "t_wall": entry["t_wall"],
+                "reason": d.reason,
+                **fields,
+            }
+            os.write(self._events_fd, (json.dumps(line) + "\n").encode())  # one whole line
+
+    async def _wait_for(self, pred: Callable[[], Any], deadline_s: float) -> Any:
+        """Poll `pred` at every view change until it returns non-None or the deadline passes."""
+        end = time.monotonic() + min(deadline_s, self._max_wait_s)
+        while True:
+            result = pred()
+            if result is not None:
+                return result
+            remaining = end - time.monotonic()
+            if remaining <= 0 or self._stopping:
+                return None
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    # ------------------------------------------------------------ connections
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        conn = _Conn(id=next(self._conn_ids), peer=str(peer))
+        self._writers.add(writer)
+        self._tasks.add(asyncio.current_task())
+        try:
+            while not self._stopping:
+                try:
+                    req = await read_frame_async(reader, self._body_timeout_s)
+                    if req is None:
+                        break
+                    if not self._token_ok(req):
+                        log.warning("refused a request from %s: wrong or missing token", peer)
+                        await self._reply_and_close(
+                            writer, "unauthorized", "wrong or missing token"
+                        )
+                        break
+                    reply = await self._dispatch(req, conn)
+                except ProtocolError as e:
+                    log.warning("closing connection from %s: %s", peer, e)
+                    await self._reply_and_close(writer, "bad_request", str(e))
+                    break
+                await write_frame_async(writer, reply)
+        except (ConnectionError, OSError):
+            pass  # the peer went away; a session's loss is handled below
+        except Exception:
+            log.exception("internal error serving %s; closing that connection", peer)
+            await self._reply_and_close(writer, "internal", "internal coordinator error")
+        finally:
+            self._writers.discard(writer)
+            self._tasks.discard(asyncio.current_task())
+            if conn.session is not None and not conn.left and not self._stopping:
+                self._session_lost(conn)
+            writer.close()
+
+    def _token_ok(self, req: dict[str, Any]) -> bool:
+        if self._token is None:
+            return True
+        got = req.get("token")
+        return isinstance(got, str) and hmac.compare_digest(got.encode(), self._token)
+
+    async def _reply_and_close(self, writer: asyncio.StreamWriter, code: str, why: str) -> None:
+        try:
+            await asyncio.wait_for(
+                write_frame_async(writer, {"ok": False, "code": code, "reason": why[:500]}), 1.0
+            )
+        except (ConnectionError, OSError, TimeoutError):
+            pass
+
+    def _session_lost(self, conn: _Conn) -> None:
+        r, inc = conn.session
+        if self._sessions.get((r, inc)) != conn.id:
+            return  # the replica re-registered on a newer connection
+        del self._sessions[(r, inc)]
+        if not check_member(self._state, r, inc)[0]:
+            self._apply(ProcessExit(replica_id=r, incarnation=inc))
+
+    async def _dispatch(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
+        kind = req.get("kind")
+        if kind in MESSAGE_KINDS:
+            return self._handle_message(req, conn)
+        if kind == "wait_view":
+            return await self._handle_wait_view(req)
+        if kind == "wait_outcome":
+            return await self._handle_wait_outcome(req)
+        if kind == "view":
+            return {"ok": True, "view": view_of(self._state).to_dict()}
+        if kind == "status":
+            return self._status()
+        raise ProtocolError(f"unknown request kind {kind!r}"[:200])
+
+    def _handle_message(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
+        msg = decode_message(req)
+        decisions, reason = self._apply(msg)
+        view = view_of(self._state)
+        for d in decisions:
+            if isinstance(d, Refused) and d.incarnation == getattr(msg, "incarnation", None):
+                return {"ok": False, "code": d.code, "reason": d.reason, "view": view.to_dict()}
+        reply: dict[str, Any] = {"ok": True, "reason": reason}
+        if isinstance(msg, Register):
+            conn.session = (msg.replica_id, msg.incarnation)
+            self._sessions[conn.session] = conn.id
+            reply["store"] = list(self._store_address) if self._store_address else None
+        if isinstance(msg, Leave):
+            conn.left = True
+        if not isinstance(msg, Heartbeat) or req.get("view_version") != view.version:
+            reply["view"] = view.to_dict()
+        return reply
+
+    async def _handle_wait_view(self, req: dict[str, Any]) -> dict[str, Any]:
+        after = check_field("epoch", req.get("newer_than_epoch"))
+        deadline_s = _number(req, "deadline_s")
+        who = self._who(req, required=False)
+
+        def ready() -> dict[str, Any] | None:
+            if who is not None and (refusal := self._refusal(*who)):
+                return refusal
+            s = self._state
+            if s.epoch > after or s.status in TERMINAL:
+                return {"ok": True, "view": view_of(s).to_dict()}
+            return None
+
+        result = await self._wait_for(ready, deadline_s)
+        return result or {"ok": True, "timeout": True, "view": view_of(self._state).to_dict()}
+
+    async def _handle_wait_outcome(self, req: dict[str, Any]) -> dict[str, Any]:
+        who = self._who(req, required=True)
+        step = check_field("step", req.get("step"))
+        epoch = check_field("epoch", req.get("epoch"))
+        deadline_s = _number(req, "deadline_s")
+
+        def ready() -> dict[str, Any] | None:
+            if refusal := self._refusal(*who):
+                return refusal
+            out = attempt_outcome(self._state, step, epoch)
+            if out is None:
+                return None
+            view = view_of(self._state).to_dict()
+            if out[0] == "stale":
+                return {"ok": False, "code": "stale", "reason": out[1], "view": view}
+            return {"ok": True, "outcome": out[0], "reason": out[1], "view": view}
+
+        result = await self._wait_for(ready, deadline_s)
+        if result is None:
+            view = view_of(self._state).to_dict()
+            return {"ok": True, "outcome": "timeout", "reason": "deadline passed", "view": view}
+        return result
+
+    def _who(self, req: dict[str, Any], *, required: bool) -> tuple[int, str] | None:
+        if not required and "replica_id" not in req:
+            return None
+        return check_field("replica_id", req.get("replica_id")), check_field(
+            "incarnation", req.get("incarnation")
+        )
+
+    def _refusal(self, replica_id: int, incarnation: str) -> dict[str, Any] | None:
+        code, why = check_member(self._state, replica_id, incarnation)
+        if not code:
+            return None
+        return {"ok": False, "code": code, "reason": f"refused ({code}): {why}"}
+
+    def _status(self) -> dict[str, Any]:
+        s, now = self._state, time.monotonic()
+        members = [
+            {
+                "replica_id": m.replica_id,
+                "incarnation": m.incarnation,
+                "state": m.state,
+                "how": m.how,
+                "lease_age_s": round(now - m.last_seen, 3),
+                "throughput": m.throughput,
+            }
+            for _, m in sorted(s.members.items())
+        ]
+        return {
+            "ok": True,
+            "view": view_of(s).to_dict(),
+            "members": members,
+            "decisions": self.decisions(),
+            "store": list(self._store_address) if self._store_address else None,
+            "options": vars(s.options),
+        }
+
+
+# Re-exported: the process main lives with the CLI that also calls it.
+from recover.coordinator.cli import run_coordinator_process  # noqa: E402

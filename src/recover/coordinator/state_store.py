@@ -1,0 +1,262 @@
+"""The coordinator's state: its options, its shape, its JSON form, and where it is kept.
+
+Job: define `CoordinatorOptions` (validated once), the `CoordinatorState` that the pure rules in
+`decide.py` map to a new state, and the `StateStore` interface the server saves it through, with
+an in-memory implementation. A later etcd-backed store implements the same two methods.
+
+Invariants:
+- `decide()` never mutates a state it is given: it works on `state.clone()`. Members and
+  accusations are frozen records, replaced and never edited, so a shallow copy of the containers
+  is a full copy.
+- `state_from_json(state_to_json(s)) == s` for every reachable state (tested), so a store that
+  keeps JSON loses nothing.
+- `revision` grows whenever anything other than lease bookkeeping (last_seen, throughput)
+  changes; the server saves exactly then. `view_version` grows whenever the published view does.
+
+Costs: a clone copies O(R) references; the JSON form is O(R + M). Limits: `fenced` keeps every
+dead incarnation for the life of the run (a few dozen bytes each).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import threading
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Protocol
+
+from recover.coordinator.protocol import View
+
+__all__ = [
+    "Accusation",
+    "CoordinatorOptions",
+    "CoordinatorState",
+    "InMemoryStateStore",
+    "Member",
+    "StateStore",
+    "check_member",
+    "initial_state",
+    "pending_ids",
+    "resume_state",
+    "view_of",
+    "state_from_json",
+    "state_to_json",
+]
+
+PENDING, LIVE, DEAD, LEFT = "pending", "live", "dead", "left"
+FORMING, RUNNING, QUORUM_LOST, FINISHED, DIVERGED = (
+    "forming",
+    "running",
+    "quorum_lost",
+    "finished",
+    "diverged",
+)
+TERMINAL = (QUORUM_LOST, FINISHED, DIVERGED)
+
+
+def _positive(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be positive and finite, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorOptions:
+    expected_replicas: int  # R: the run forms when R replicas have registered
+    microbatches: int  # M: microbatch ids 0..M-1 are summed in every step
+    min_replicas: int = 1  # fewer live replicas than this -> quorum_lost (resume from checkpoint)
+    lease_s: float = 1.0  # no heartbeat for this long -> dead (how="lease")
+    suspect_grace_s: float = 0.3  # an accused replica must heartbeat within this or it is dead
+    start_deadline_s: float = 300.0  # forming gives up (or starts with >= min_replicas) after this
+    throughput_weights: bool = False  # weight shares by measured throughput instead of equally
+    throughput_ema_alpha: float = 0.3  # weight of the newest sample in the throughput average
+
+    def __post_init__(self) -> None:
+        for name in ("expected_replicas", "microbatches", "min_replicas"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.min_replicas > self.expected_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) must be <= expected_replicas "
+                f"({self.expected_replicas})"
+            )
+        for name in ("lease_s", "suspect_grace_s", "start_deadline_s"):
+            _positive(name, getattr(self, name))
+        if not isinstance(self.throughput_weights, bool):
+            raise ValueError(f"throughput_weights must be a bool, got {self.throughput_weights!r}")
+        _positive("throughput_ema_alpha", self.throughput_ema_alpha)
+        if self.throughput_ema_alpha > 1:
+            raise ValueError(
+                f"throughput_ema_alpha must be in (0, 1], got {self.throughput_ema_alpha!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Member:
+    replica_id: int
+    incarnation: str  # a fresh uuid per process start; dead incarnations are fenced forever
+    state: str  # pending | live | dead | left
+    last_seen: float  # coordinator clock (monotonic) of the last message from this incarnation
+    fingerprint: dict[str, Any]  # the replica's config fingerprint
+    next_step: int  # from its checkpoint, at registration
+    throughput: float | None = None  # moving average of microbatches/s from heartbeats
+    how: str | None = None  # how it stopped: exit | lease | report | leave
+
+
+@dataclass(frozen=True, kw_only=True)
+class Accusation:
+    suspect: int
+    accuser: int
+    at: float  # coordinator clock of the accusation
+    step: int  # the attempt (step, epoch) whose collective failed
+    epoch: int
+
+
+@dataclass(kw_only=True)
+class CoordinatorState:
+    options: CoordinatorOptions
+    status: str = FORMING
+    epoch: int = 0
+    live: tuple[int, ...] = ()
+    step: int = 0
+    committed_step: int = -1
+    attempt_epoch: int = 0  # the epoch in which the current attempt of `step` reduces
+    attempt_members: tuple[int, ...] = ()  # live set when this attempt began (the dead stay)
+    holdings: dict[int, tuple[int, ...]] = field(default_factory=dict)  # attempt's plan
+    weights: dict[int, float] = field(default_factory=dict)  # weights used for `holdings`
+    reports: dict[int, str] = field(default_factory=dict)  # replica -> done | failed
+    param_hashes: dict[int, str] = field(default_factory=dict)
+    members: dict[int, Member] = field(default_factory=dict)  # latest incarnation per id
+    fenced: dict[str, str] = field(default_factory=dict)  # incarnation -> evicted | left
+    accusations: dict[int, Accusation] = field(default_factory=dict)  # by suspect
+    fingerprint: dict[str, Any] | None = None  # the run's fingerprint, pinned when it forms
+    start_deadline: float = 0.0  # coordinator clock by which the run must have formed
+    leaving: bool = False  # a member left cleanly: the run is winding down
+    view_version: int = 0
+    revision: int = 0
+    reason: str = "waiting for registrations"  # why the view last changed
+
+    def clone(self) -> CoordinatorState:
+        """A copy whose containers can be changed without touching `self`."""
+        out = copy.copy(self)
+        for f in ("holdings", "weights", "reports", "param_hashes", "members", "fenced"):
+            setattr(out, f, dict(getattr(self, f)))
+        out.accusations = dict(self.accusations)
+        return out
+
+
+_INT_KEYED = ("holdings", "weights", "reports", "param_hashes", "members", "accusations")
+
+
+def state_to_json(state: CoordinatorState) -> str:
+    """The whole state as one JSON document (int keys become strings)."""
+    d: dict[str, Any] = {}
+    for f in fields(state):
+        v = getattr(state, f.name)
+        if f.name == "options":
+            v = asdict(v)
+        elif f.name in ("members", "accusations"):
+            v = {str(k): asdict(m) for k, m in v.items()}
+        elif f.name in _INT_KEYED:
+            v = {str(k): (list(x) if isinstance(x, tuple) else x) for k, x in v.items()}
+        elif isinstance(v, tuple):
+            v = list(v)
+        d[f.name] = v
+    return json.dumps(d, sort_keys=True)
+
+
+def state_from_json(text: str) -> CoordinatorState:
+    d = json.loads(text)
+    d["options"] = CoordinatorOptions(**d["options"])
+    d["members"] = {int(k): Member(**m) for k, m in d["members"].items()}
+    d["accusations"] = {int(k): Accusation(**a) for k, a in d["accusations"].items()}
+    d["holdings"] = {int(k): tuple(v) for k, v in d["holdings"].items()}
+    for name in ("weights", "reports", "param_hashes"):
+        d[name] = {int(k): v for k, v in d[name].items()}
+    d["live"] = tuple(d["live"])
+    d["attempt_members"] = tuple(d["attempt_members"])
+    return CoordinatorState(**d)
+
+
+class StateStore(Protocol):
+    """Where the coordinator keeps its state so that a restarted coordinator loses nothing."""
+
+    def load(self) -> CoordinatorState | None: ...
+
+    def save(self, state: CoordinatorState) -> None: ...
+
+
+class InMemoryStateStore:
+    """Keeps the last saved state as JSON text in this process (exercises the JSON form).
+
+    Survives a `CoordinatorServer` restart inside one process (tests), not a process crash.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._text: str | None = None
+        self.saves = 0
+
+    def load(self) -> CoordinatorState | None:
+        with self._lock:
+            return None if self._text is None else state_from_json(self._text)
+
+    def save(self, state: CoordinatorState) -> None:
+        text = state_to_json(state)
+        with self._lock:
+            self._text = text
+            self.saves += 1
+
+
+# ---------------------------------------------------------------- small queries
+
+
+def pending_ids(state: CoordinatorState) -> tuple[int, ...]:
+    return tuple(sorted(r for r, m in state.members.items() if m.state == PENDING))
+
+
+def check_member(state: CoordinatorState, replica_id: int, incarnation: str) -> tuple[str, str]:
+    """("", "") for a current member, else (refusal code, reason)."""
+    fence = state.fenced.get(incarnation)
+    if fence:
+        return fence, (
+            f"replica {replica_id} incarnation {incarnation} was {fence}; it is fenced forever, "
+            "a new process must register with a new incarnation"
+        )
+    m = state.members.get(replica_id)
+    if m is None or m.incarnation != incarnation:
+        return "unknown", f"replica {replica_id} incarnation {incarnation} is not a member"
+    return "", ""
+
+
+def initial_state(options: CoordinatorOptions, now: float) -> CoordinatorState:
+    return CoordinatorState(options=options, start_deadline=now + options.start_deadline_s)
+
+
+def resume_state(state: CoordinatorState, now: float) -> CoordinatorState:
+    """A loaded state on a new clock: leases, accusations and the start deadline restart now."""
+    s = state.clone()
+    s.members = {r: replace(m, last_seen=now) for r, m in s.members.items()}
+    s.accusations = {q: replace(a, at=now) for q, a in s.accusations.items()}
+    if s.status == FORMING:
+        s.start_deadline = now + s.options.start_deadline_s
+    return s
+
+
+def view_of(state: CoordinatorState) -> View:
+    return View(
+        epoch=state.epoch,
+        live=state.live,
+        step=state.step,
+        holdings=dict(state.holdings),
+        weights=dict(state.weights),
+        status=state.status,
+        committed_step=state.committed_step,
+        attempt_epoch=state.attempt_epoch,
+        pending=pending_ids(state),
+        version=state.view_version,
+        reason=state.reason,
+    )

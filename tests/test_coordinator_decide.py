@@ -1,0 +1,520 @@
+"""The coordinator's pure rules, driven with an injected clock: every rule and the listed races."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from recover.coordinator.decide import attempt_outcome, decide
+from recover.coordinator.protocol import (
+    Heartbeat,
+    Leave,
+    ProcessExit,
+    Register,
+    ReportDone,
+    ReportFailed,
+    Tick,
+)
+from recover.coordinator.state_store import (
+    CoordinatorOptions,
+    InMemoryStateStore,
+    initial_state,
+    resume_state,
+    state_from_json,
+    state_to_json,
+    view_of,
+)
+from recover.policy import assign
+
+FP = {"model": "tiny", "seq_len": 64, "M": 8}
+
+
+class Sim:
+    """A coordinator state plus a clock that only moves when a test says so."""
+
+    def __init__(self, **over):
+        kw = dict(expected_replicas=4, microbatches=8, lease_s=1.0, suspect_grace_s=0.3)
+        kw.update(over)
+        self.opts = CoordinatorOptions(start_deadline_s=10.0, **kw)
+        self.now = 0.0
+        self.state = initial_state(self.opts, self.now)
+        self.inc = {}
+
+    def send(self, msg, dt=0.0):
+        self.now += dt
+        self.state, ds, reason = decide(self.now, self.state, msg)
+        check_invariants(self.state)
+        self.last_reason = reason
+        return ds
+
+    def reg(self, r, inc=None, fp=FP, next_step=0):
+        inc = inc or f"inc{r}"
+        self.inc[r] = inc
+        return self.send(
+            Register(replica_id=r, incarnation=inc, fingerprint=fp, next_step=next_step)
+        )
+
+    def hb(self, r, epoch=None, throughput=None):
+        e = self.state.epoch if epoch is None else epoch
+        return self.send(
+            Heartbeat(replica_id=r, incarnation=self.inc[r], epoch=e, throughput=throughput)
+        )
+
+    def hb_all(self, but=()):
+        for r in self.state.live:
+            if r not in but:
+                self.hb(r)
+
+    def tick(self, dt):
+        return self.send(Tick(), dt)
+
+    def done(self, r, step=None, epoch=None, h=None):
+        s = self.state
+        return self.send(
+            ReportDone(
+                replica_id=r,
+                incarnation=self.inc[r],
+                step=s.step if step is None else step,
+                epoch=s.attempt_epoch if epoch is None else epoch,
+                param_hash=h,
+            )
+        )
+
+    def failed(self, r, suspects=(), step=None, epoch=None):
+        s = self.state
+        return self.send(
+            ReportFailed(
+                replica_id=r,
+                incarnation=self.inc[r],
+                step=s.step if step is None else step,
+                epoch=s.attempt_epoch if epoch is None else epoch,
+                suspects=tuple(suspects),
+                reason="collective error",
+            )
+        )
+
+    def exit(self, r):
+        return self.send(ProcessExit(replica_id=r, incarnation=self.inc[r]))
+
+    def formed(self, n=4, next_step=0):
+        for r in range(n):
+            self.reg(r, next_step=next_step)
+        assert self.state.status == "running"
+        return self
+
+
+def names(ds):
+    return [d.name for d in ds]
+
+
+def one(ds, name):
+    found = [d for d in ds if d.name == name]
+    assert len(found) == 1, (name, names(ds))
+    return found[0]
+
+
+def check_invariants(s):
+    if s.status == "running":
+        assert set(s.holdings) == set(s.attempt_members)
+        flat = sorted(j for ids in s.holdings.values() for j in ids)
+        assert flat == list(range(s.options.microbatches))  # every id exactly once
+        assert set(s.live) <= set(s.attempt_members)
+        assert s.epoch >= s.attempt_epoch
+    assert list(s.live) == sorted(set(s.live))
+    assert state_from_json(state_to_json(s)) == s
+
+
+# ---------------------------------------------------------------- forming
+
+
+def test_forms_at_R_registrations_with_epoch_1_and_the_policy_plan():
+    sim = Sim()
+    for r in (3, 1, 2):
+        ds = sim.reg(r, next_step=5)
+        assert names(ds) == ["registered"] and sim.state.status == "forming"
+    ds = sim.reg(0, next_step=5)
+    assert names(ds) == ["registered", "admitted", "epoch_changed"]
+    v = view_of(sim.state)
+    assert (v.epoch, v.live, v.step, v.status) == (1, (0, 1, 2, 3), 5, "running")
+    assert v.holdings == assign(8, [0, 1, 2, 3]) and v.attempt_epoch == 1
+    assert v.committed_step == -1
+
+
+def test_mismatched_fingerprint_or_next_step_is_refused_naming_the_field():
+    sim = Sim()
+    sim.reg(0, next_step=3)
+    d = one(sim.reg(1, fp={**FP, "seq_len": 128}, next_step=3), "refused")
+    assert d.code == "mismatch" and "seq_len" in d.reason
+    d = one(sim.reg(2, next_step=4), "refused")
+    assert d.code == "mismatch" and "next_step" in d.reason
+    assert sim.state.members.keys() == {0}
+
+
+def test_a_joiner_must_match_the_pinned_fingerprint_but_not_next_step():
+    sim = Sim().formed(next_step=3)
+    d = one(sim.reg(9, fp={**FP, "model": "big"}), "refused")
+    assert d.code == "mismatch" and "'model'" in d.reason
+    assert d.code == one(sim.reg(8, fp={}), "refused").code  # missing fields differ too
+    assert names(sim.reg(7, next_step=0)) == ["registered"]  # gets state by transfer
+    assert one(sim.reg(1, inc="other"), "refused").code == "duplicate"
+
+
+def test_start_deadline_with_too_few_is_quorum_lost_and_with_enough_starts():
+    sim = Sim(min_replicas=2)
+    sim.reg(0)
+    sim.hb(0, epoch=0)
+    sim.tick(9.5)
+    sim.hb(0, epoch=0)
+    assert sim.state.status == "forming"
+    ds = sim.tick(0.6)
+    assert "quorum_lost" in names(ds) and sim.state.status == "quorum_lost"
+    assert one(sim.reg(1), "refused").code == "quorum_lost"
+
+    sim = Sim(min_replicas=2)
+    sim.reg(0)
+    sim.reg(1)
+    for _ in range(11):
+        sim.hb(0, epoch=0)
+        sim.hb(1, epoch=0)
+        sim.tick(0.95)
+    assert sim.state.status == "running" and sim.state.live == (0, 1)
+    assert sim.state.holdings == assign(8, [0, 1])
+
+
+# ---------------------------------------------------------------- liveness
+
+
+def test_heartbeats_keep_a_lease_and_silence_expires_it():
+    sim = Sim().formed()
+    seen = []
+    for _ in range(3):  # 0.9 s of silence from replica 2: still inside its lease
+        sim.hb_all(but=(2,))
+        seen += sim.tick(0.3)
+    assert seen == [] and sim.state.members[2].state == "live"
+    sim.hb_all(but=(2,))
+    ds = sim.tick(0.3)
+    dead = one(ds, "member_dead")
+    assert (dead.replica_id, dead.how) == (2, "lease")
+    assert sim.state.live == (0, 1, 3) and sim.state.epoch == 2
+
+
+def test_process_exit_is_an_immediate_death_with_a_new_epoch():
+    sim = Sim().formed()
+    ds = sim.exit(1)
+    assert one(ds, "member_dead").how == "exit"
+    assert one(ds, "epoch_changed").live == (0, 2, 3)
+    assert sim.state.epoch == 2
+
+
+# ---------------------------------------------------------------- commit and redo
+
+
+def test_all_done_commits_and_plans_the_next_step():
+    sim = Sim().formed(next_step=7)
+    for r in (0, 1, 2):
+        assert sim.done(r) == []
+    ds = sim.done(3)
+    c = one(ds, "committed")
+    assert (c.step, c.epoch) == (7, 1)
+    s = sim.state
+    assert (s.committed_step, s.step, s.epoch, s.attempt_epoch) == (7, 8, 1, 1)
+    assert s.holdings == assign(8, [0, 1, 2, 3]) and s.reports == {}
+
+
+def test_death_while_commit_pending_commits_when_all_survivors_are_done():
+    sim = Sim().formed()
+    for r in (0, 1, 2):
+        sim.done(r)
+    ds = sim.exit(3)  # died after the reduce completed: the sum is complete
+    assert names(ds) == ["member_dead", "epoch_changed", "committed"]
+    s = sim.state
+    assert (s.committed_step, s.step, s.epoch, s.attempt_epoch) == (0, 1, 2, 2)
+    assert s.holdings == assign(8, [0, 1, 2])
+
+
+def test_death_while_commit_pending_redoes_when_a_survivor_failed():
+    sim = Sim().formed()
+    lost = sim.state.holdings[3]
+    sim.done(0)
+    sim.done(1)
+    sim.failed(2, suspects=[3])
+    ds = sim.exit(3)
+    redo = one(ds, "redo")
+    assert (redo.step, redo.epoch) == (0, 2) and redo.lost == lost
+    assert sorted(j for ids in redo.reassigned.values() for j in ids) == list(lost)
+    s = sim.state
+    assert s.attempt_epoch == 2 and s.attempt_members == (0, 1, 2) and s.committed_step == -1
+    assert s.holdings[0][: len(assign(8, range(4))[0])] == assign(8, range(4))[0]
+    assert attempt_outcome(s, 0, 1)[0] == "redo" and attempt_outcome(s, 0, 2) is None
+
+
+def test_two_deaths_in_one_step_lose_the_union_of_their_holdings():
+    sim = Sim().formed()
+    h = dict(sim.state.holdings)
+    sim.exit(1)
+    sim.exit(3)
+    assert sim.state.epoch == 3
+    sim.failed(0)
+    ds = sim.failed(2)
+    redo = one(ds, "redo")
+    assert redo.epoch == 3 and redo.lost == tuple(sorted(h[1] + h[3]))
+    assert "epoch_changed" not in names(ds)  # the deaths already moved the epoch
+    assert set(sim.state.holdings) == {0, 2}
+
+
+def test_death_during_recovery_redoes_the_redo_with_the_reassigned_ids():
+    sim = Sim().formed()
+    sim.exit(3)
+    for r in (0, 1, 2):
+        sim.failed(r)
+    assert sim.state.attempt_epoch == 2
+    held_by_1 = sim.state.holdings[1]  # its own ids plus a share of 3's
+    assert len(held_by_1) > 2
+    sim.exit(1)  # dies during the redo
+    sim.done(0)
+    ds = sim.failed(2)
+    redo = one(ds, "redo")
+    assert redo.epoch == 3 and redo.lost == tuple(sorted(held_by_1))
+    sim.done(0)
+    ds = sim.done(2)
+    assert one(ds, "committed").step == 0 and sim.state.holdings == assign(8, [0, 2])
+
+
+def test_join_during_a_failure_is_admitted_only_at_the_next_commit():
+    sim = Sim().formed()
+    sim.exit(3)
+    ds = sim.reg(7)
+    assert names(ds) == ["registered"] and sim.state.members[7].state == "pending"
+    for r in (0, 1):
+        sim.failed(r)
+    ds = sim.failed(2)
+    assert one(ds, "redo").epoch == 2 and 7 not in sim.state.holdings
+    sim.hb(7)
+    sim.done(0)
+    sim.done(1)
+    ds = sim.done(2)
+    assert names(ds) == ["committed", "admitted", "epoch_changed"]
+    s = sim.state
+    assert s.live == (0, 1, 2, 7) and s.epoch == 3 and s.attempt_epoch == 3
+    assert s.holdings == assign(8, [0, 1, 2, 7])
+
+
+def test_hung_member_wakes_after_eviction_is_refused_and_may_rejoin_anew():
+    sim = Sim().formed()
+    for _ in range(4):
+        sim.hb_all(but=(2,))
+        sim.tick(0.3)
+    assert sim.state.members[2].how == "lease"
+    assert one(sim.hb(2), "refused").code == "evicted"
+    assert one(sim.done(2, epoch=1), "refused").code == "evicted"
+    assert one(sim.reg(2, inc="inc2"), "refused").code == "evicted"
+    ds = sim.reg(2, inc="fresh-2")
+    assert names(ds) == ["registered"] and sim.state.members[2].state == "pending"
+
+
+def test_false_accusation_is_dismissed_and_the_attempt_regroups():
+    sim = Sim().formed()
+    before = dict(sim.state.holdings)
+    sim.failed(0, suspects=[3])
+    for r in (1, 2):
+        assert "redo" not in names(sim.failed(r, suspects=[3]))
+    assert names(sim.done(3)) == []  # all reported, but the redo waits for the accusation
+    assert sim.state.epoch == 1
+    ds = sim.hb(3, epoch=1)
+    changed = one(ds, "epoch_changed")
+    assert "dismissed" in changed.reason
+    assert changed.live == (0, 1, 2, 3) and changed.epoch == 2
+    redo = one(ds, "redo")
+    assert redo.epoch == 2 and redo.lost == () and sim.state.holdings == before
+    assert "member_dead" not in names(ds)
+    sim.tick(1.0)
+    assert sim.state.members[3].state == "live"
+
+
+def test_unanswered_accusation_kills_after_the_grace():
+    sim = Sim().formed()
+    sim.failed(0, suspects=[3, 0, 99])  # self and unknown suspects are ignored
+    assert list(sim.state.accusations) == [3]
+    sim.hb_all(but=(3,))
+    assert sim.tick(0.2) == []
+    sim.hb_all(but=(3,))
+    ds = sim.tick(0.2)
+    assert one(ds, "member_dead").how == "report"
+    sim.failed(1)
+    ds = sim.failed(2)
+    assert one(ds, "redo").lost == assign(8, range(4))[3]
+
+
+def test_failure_without_a_suspect_regroups_at_once():
+    sim = Sim().formed()
+    ds = sim.failed(1)
+    assert one(ds, "epoch_changed").live == (0, 1, 2, 3) and sim.state.epoch == 2
+    sim.done(0)
+    sim.failed(2)
+    ds = sim.done(3)
+    assert one(ds, "redo").epoch == 2 and "epoch_changed" not in names(ds)
+
+
+# ---------------------------------------------------------------- fencing, quorum, divergence
+
+
+def test_stale_and_unknown_requests_are_refused_but_old_heartbeats_are_fine():
+    sim = Sim().formed()
+    sim.exit(3)
+    for r in (0, 1, 2):
+        sim.failed(r)
+    assert sim.state.attempt_epoch == 2
+    assert one(sim.done(0, epoch=1), "refused").code == "stale"
+    assert one(sim.done(0, step=1), "refused").code == "stale"
+    assert sim.hb(0, epoch=1) == []
+    ds = sim.send(Heartbeat(replica_id=5, incarnation="nobody", epoch=1))
+    assert one(ds, "refused").code == "unknown"
+    assert attempt_outcome(sim.state, 5, 2)[0] == "stale"
+
+
+def test_quorum_lost_says_to_resume_from_the_checkpoint():
+    sim = Sim(min_replicas=3).formed()
+    for r in range(4):
+        sim.done(r)
+    sim.exit(0)
+    ds = sim.exit(1)
+    q = one(ds, "quorum_lost")
+    assert "checkpoint" in q.reason and q.committed_step == 0
+    assert sim.state.status == "quorum_lost"
+    assert attempt_outcome(sim.state, 1, sim.state.attempt_epoch)[0] == "stopped"
+    assert one(sim.done(2), "refused").code == "quorum_lost"
+
+
+def test_divergent_param_hashes_stop_the_run_loudly():
+    sim = Sim().formed()
+    for r, h in ((0, "aa"), (1, "aa"), (2, "bb"), (3, "aa")):
+        ds = sim.done(r, h=h)
+    d = one(ds, "diverged")
+    assert d.step == 0 and d.hashes == {0: "aa", 1: "aa", 2: "bb", 3: "aa"}
+    assert "[2]" in d.reason and "bb" in d.reason and "[0, 1, 3]" in d.reason
+    assert sim.state.status == "diverged" and sim.state.committed_step == 0
+    assert attempt_outcome(sim.state, 0, 1)[0] == "stopped"
+
+
+def test_equal_hashes_commit_normally():
+    sim = Sim().formed()
+    for r in range(4):
+        ds = sim.done(r, h="same")
+    assert names(ds) == ["committed"] and sim.state.status == "running"
+
+
+def test_everyone_leaving_finishes_without_quorum_loss():
+    sim = Sim(min_replicas=4).formed()
+    for r in range(4):
+        sim.done(r)
+    for r in range(3):
+        ds = sim.send(Leave(replica_id=r, incarnation=sim.inc[r], step=1))
+        assert "quorum_lost" not in names(ds)
+    ds = sim.send(Leave(replica_id=3, incarnation=sim.inc[3], step=1))
+    assert "finished" in names(ds) and sim.state.status == "finished"
+    assert one(sim.hb(0), "refused").code == "left"
+
+
+# ---------------------------------------------------------------- weights, purity, persistence
+
+
+def test_throughput_weights_and_joiners_start_at_the_median():
+    sim = Sim(expected_replicas=3, microbatches=12, throughput_weights=True).formed(n=3)
+    for r, tp in ((0, 1.0), (1, 1.0), (2, 2.0)):
+        sim.hb(r, throughput=tp)
+    sim.reg(5)
+    for r in range(3):
+        sim.done(r)
+    s = sim.state
+    assert s.weights == {0: 1.0, 1: 1.0, 2: 2.0, 5: 1.0}
+    assert [len(s.holdings[r]) for r in (0, 1, 2, 5)] == [3, 2, 5, 2]
+
+
+def test_decide_never_mutates_its_input():
+    sim = Sim().formed()
+    before = copy.deepcopy(sim.state)
+    frozen = sim.state
+    decide(5.0, frozen, ProcessExit(replica_id=1, incarnation="inc1"))
+    decide(5.0, frozen, Tick())
+    assert frozen == before
+
+
+def test_store_round_trip_and_resume_restart_leases():
+    sim = Sim().formed()
+    sim.done(0)
+    store = InMemoryStateStore()
+    store.save(sim.state)
+    loaded = store.load()
+    assert loaded == sim.state
+    resumed = resume_state(loaded, 1000.0)
+    assert all(m.last_seen == 1000.0 for m in resumed.members.values())
+    s2, ds, _ = decide(1000.5, resumed, Tick())
+    assert ds == [] and s2.reports == {0: "done"}
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["hb", "done", "failed", "exit", "tick", "join", "silence", "round"]),
+        st.integers(0, 5),
+        st.lists(st.integers(0, 5), max_size=2),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=OPS)
+def test_random_histories_keep_every_invariant(ops):
+    sim = Sim(expected_replicas=4, microbatches=7)
+    sim.formed()
+    gen = {}
+    committed = []
+    epochs = [sim.state.epoch]
+    for op, r, suspects in ops:
+        m = sim.state.members.get(r)
+        if op == "tick":
+            ds = sim.tick(0.05 + 0.2 * r)
+        elif op == "silence":
+            ds = sim.tick(1.1)
+        elif op == "round":  # every live member of the attempt reports; odd r: one fails
+            ds = []
+            for q in [q for q in sim.state.attempt_members if q in sim.state.live]:
+                ds += sim.failed(q) if r % 2 and q == sim.state.live[0] else sim.done(q)
+        elif op == "join":
+            gen[r] = gen.get(r, 0) + 1
+            ds = sim.reg(r, inc=f"inc{r}-{gen[r]}")
+        elif m is None or r not in sim.inc:
+            continue
+        elif op == "hb":
+            ds = sim.hb(r)
+        elif op == "done":
+            ds = sim.done(r)
+        elif op == "failed":
+            ds = sim.failed(r, suspects=suspects)
+        else:
+            ds = sim.exit(r)
+        committed += [d.step for d in ds if d.name == "committed"]
+        epochs.append(sim.state.epoch)
+    assert committed == list(range(len(committed)))  # steps commit once, in order
+    assert sim.state.committed_step == (committed[-1] if committed else -1)
+    assert epochs == sorted(epochs)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(expected_replicas=0), "expected_replicas"),
+        (dict(microbatches=0), "microbatches"),
+        (dict(min_replicas=5), "min_replicas"),
+        (dict(lease_s=0.0), "lease_s"),
+        (dict(suspect_grace_s=float("nan")), "suspect_grace_s"),
+        (dict(throughput_ema_alpha=2.0), "throughput_ema_alpha"),
+    ],
+)
+def test_options_validation_names_the_field(kw, field):
+    base = dict(expected_replicas=4, microbatches=8)
+    with pytest.raises(ValueError, match=field):
+        CoordinatorOptions(**{**base, **kw})

@@ -1,0 +1,340 @@
+"""The coordinator server with real processes and real signals.
+
+Four torch-free replica processes register and heartbeat. SIGKILL one: it is dead (how="exit")
+within milliseconds through its session EOF. SIGSTOP another: it is dead (how="lease") after about
+one lease. The others see the new view; the stopped one, resumed, is refused as evicted and exits.
+Bad requests (wrong token, garbage, oversized frame, stale epoch) are refused on their connection
+only. Run as a script (`python tests/test_coordinator_server.py N`) to print median detection times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from recover.coordinator import CoordinatorOptions, CoordinatorServer
+from recover.coordinator.cli import add_coordinator_parser, run_coordinator_cli
+from recover.coordinator.client import CoordinatorClient, request_once
+from recover.coordinator.protocol import recv_frame, send_frame
+
+TOKEN = "test-token-1234"
+LEASE_S = 0.6
+
+REPLICA = r"""
+import json, sys
+from recover.coordinator.client import CoordinatorClient, DeadlineExceeded, Evicted
+
+host, port, rid, token, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+c = CoordinatorClient(host, port, replica_id=rid, token=token, heartbeat_s=0.1, rpc_timeout_s=2.0)
+
+def dump(v):
+    rec = {"epoch": v.epoch, "live": list(v.live), "status": v.status,
+           "incarnation": c.incarnation, "store": c.store_address}
+    with open(out, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+try:
+    v = c.register(fingerprint={"model": "tiny"}, next_step=0, deadline_s=30.0)
+    dump(v)
+    while True:
+        try:
+            v = c.wait_view(newer_than_epoch=v.epoch, deadline_s=0.3)
+            dump(v)
+        except DeadlineExceeded:
+            pass
+except Evicted as e:
+    print(f"EVICTED: {e}", file=sys.stderr, flush=True)
+    sys.exit(3)
+"""
+
+
+def _poll(cond, deadline_s, what):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.005)
+    raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
+
+
+def _last(path: Path):
+    if not path.exists():
+        return None
+    lines = path.read_text().splitlines()
+    return json.loads(lines[-1]) if lines else None
+
+
+def _death(server, rid):
+    for d in server.decisions():
+        if d["decision"] == "member_dead" and d["replica_id"] == rid:
+            return d
+    return None
+
+
+def _spawn_replicas(tmp: Path, server, n):
+    script = tmp / "replica.py"
+    script.write_text(REPLICA)
+    host, port = server.address
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for r in range(n):
+        args = [sys.executable, str(script), host, str(port), str(r), TOKEN, str(tmp / f"r{r}")]
+        err = open(tmp / f"r{r}.err", "w")  # noqa: SIM115 - closed with the process
+        procs.append((subprocess.Popen(args, stderr=err, env=env), err))
+    return procs
+
+
+def _reap(procs):
+    for p, err in procs:
+        if p.poll() is None:
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait(timeout=10)
+        err.close()
+
+
+def run_failure_scenario(tmp: Path) -> dict:
+    """Kill one replica, stop another; return detection times and what everyone saw."""
+    opts = CoordinatorOptions(expected_replicas=4, microbatches=8, lease_s=LEASE_S)
+    server = CoordinatorServer(opts, token=TOKEN, events_path=tmp / "events.jsonl")
+    server.start()
+    procs = []
+    try:
+        procs = _spawn_replicas(tmp, server, 4)
+        _poll(
+            lambda: all((_last(tmp / f"r{r}") or {}).get("status") == "running" for r in range(4)),
+            30.0,
+            "4 replicas running",
+        )
+        t_kill = time.monotonic()
+        os.kill(procs[0][0].pid, signal.SIGKILL)
+        dead0 = _poll(lambda: _death(server, 0), 5.0, "death of replica 0")
+        t_stop = time.monotonic()
+        os.kill(procs[1][0].pid, signal.SIGSTOP)
+        dead1 = _poll(lambda: _death(server, 1), 5.0 + LEASE_S, "death of replica 1")
+        seen = _poll(
+            lambda: all((_last(tmp / f"r{r}") or {}).get("live") == [2, 3] for r in (2, 3)),
+            5.0,
+            "survivors' new view",
+        )
+        os.kill(procs[1][0].pid, signal.SIGCONT)
+        rc1 = procs[1][0].wait(timeout=10)
+        procs[1][1].flush()
+        return {
+            "server": server,
+            "procs": procs,
+            "exit_s": dead0["t_mono"] - t_kill,
+            "exit_how": dead0["how"],
+            "lease_s": dead1["t_mono"] - t_stop,
+            "lease_how": dead1["how"],
+            "seen": seen,
+            "rc1": rc1,
+            "stderr1": (tmp / "r1.err").read_text(),
+        }
+    except BaseException:
+        _reap(procs)
+        server.stop()
+        raise
+
+
+def _raw(server, payload: bytes):
+    """Send raw bytes; return (reply or None, whether the server closed the connection)."""
+    with socket.create_connection(server.address, timeout=5.0) as s:
+        s.sendall(payload)
+        try:
+            reply = recv_frame(s)
+        except (ConnectionError, OSError):
+            reply = None
+        try:
+            closed = s.recv(1) == b""
+        except (ConnectionError, OSError):
+            closed = True
+    return reply, closed
+
+
+def _frame(obj) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack(">I", len(body)) + body
+
+
+@pytest.mark.timeout(90)
+def test_kill_stop_detection_fencing_and_bad_requests(tmp_path):
+    res = run_failure_scenario(tmp_path)
+    server, procs = res["server"], res["procs"]
+    try:
+        print(f"detection: exit {res['exit_s'] * 1e3:.1f} ms, lease {res['lease_s'] * 1e3:.0f} ms")
+        assert res["exit_how"] == "exit" and res["exit_s"] < 0.5
+        # The lease runs from the last heartbeat, up to one heartbeat period before the stop.
+        assert res["lease_how"] == "lease" and LEASE_S - 0.15 <= res["lease_s"] < LEASE_S + 1.0
+        view = server.state()
+        assert view.live == (2, 3) and view.epoch == 3
+        assert res["rc1"] == 3 and "EVICTED" in res["stderr1"] and "evicted" in res["stderr1"]
+
+        # The store address travels in the register reply and the TCPStore answers.
+        from torch.distributed import TCPStore
+
+        host, port = (_last(tmp_path / "r2") or {})["store"]
+        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=5))
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+
+        ok = {"kind": "view", "token": TOKEN}
+        cases = {  # name: (bytes sent, expected code, words the reason must contain)
+            "wrong token": (_frame({"kind": "view", "token": "nope"}), "unauthorized", "token"),
+            "missing token": (_frame({"kind": "view"}), "unauthorized", "token"),
+            "garbage": (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad_request", "limit"),
+            "bad json": (struct.pack(">I", 5) + b"{nope", "bad_request", "JSON"),
+            "oversized": (struct.pack(">I", 2 << 20) + b"x" * 1024, "bad_request", "limit"),
+            "unknown kind": (_frame({"kind": "boom", "token": TOKEN}), "bad_request", "kind"),
+            "bad field": (
+                _frame({"kind": "heartbeat", "token": TOKEN, "replica_id": "x"}),
+                "bad_request",
+                "replica_id",
+            ),
+        }
+        for name, (payload, code, word) in cases.items():
+            t0 = time.monotonic()
+            reply, closed = _raw(server, payload)
+            assert closed and time.monotonic() - t0 < 2.0, name  # refused at once, then closed
+            assert reply is not None and reply["ok"] is False, (name, reply)
+            assert reply["code"] == code and word in reply["reason"], (name, reply)
+            assert request_once(*server.address, ok, token=TOKEN)["ok"]  # still serving
+        # Stale epoch: a live replica's report for an attempt that is not the current one.
+        inc2 = _last(tmp_path / "r2")["incarnation"]
+        stale = {"kind": "done", "replica_id": 2, "incarnation": inc2, "step": 0, "epoch": 0}
+        reply = request_once(*server.address, stale, token=TOKEN)
+        assert (reply["ok"], reply["code"]) == (False, "stale")
+        poll = {**stale, "kind": "wait_outcome", "step": 3, "epoch": 1, "deadline_s": 0.1}
+        reply = request_once(*server.address, poll, token=TOKEN)
+        assert (reply["ok"], reply["code"]) == (False, "stale")
+        # None of that disturbed the live replicas' sessions.
+        assert server.state().live == (2, 3) and all(p.poll() is None for p, _ in procs[2:])
+
+        events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+        names = [e["name"] for e in events]
+        assert "coordinator.member_dead" in names and all(e["kind"] == "event" for e in events)
+        assert all("reason" in e and "t_wall" in e for e in events)
+        dead = [(e["replica"], e["how"]) for e in events if e["name"] == "coordinator.member_dead"]
+        assert dead == [(0, "exit"), (1, "lease")]
+    finally:
+        _reap(procs)
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_client_reports_commit_and_redo_through_the_server():
+    opts = CoordinatorOptions(expected_replicas=2, microbatches=4, lease_s=1.0)
+    with CoordinatorServer(opts, store_port=None) as server:
+        a = CoordinatorClient(*server.address, replica_id=0)
+        b = CoordinatorClient(*server.address, replica_id=1)
+        try:
+            tb = threading.Thread(
+                target=b.register, kwargs=dict(fingerprint={}, next_step=0, deadline_s=10)
+            )
+            tb.start()
+            v = a.register(fingerprint={}, next_step=0, deadline_s=10)
+            tb.join(10)
+            assert v.live == (0, 1) and v.holdings == {0: (0, 1), 1: (2, 3)}
+            a.report_done(step=0, epoch=1)
+            b.report_failed(step=0, epoch=1, suspects=[], reason="injected")
+            out = a.wait_outcome(step=0, epoch=1, deadline_s=5)
+            assert type(out).__name__ == "Redo" and out.view.attempt_epoch == 2
+            for c in (a, b):
+                c.report_done(step=0, epoch=2)
+            assert b.wait_outcome(step=0, epoch=2, deadline_s=5).step == 0
+            b.leave(step=1)
+            a.leave(step=1)
+            assert server.state().status == "finished"
+        finally:
+            a.close()
+            b.close()
+
+
+@pytest.mark.timeout(60)
+def test_coordinator_process_and_status_cli(tmp_path, capsys):
+    addr_file = tmp_path / "addr.json"
+    cmd = [sys.executable, "-m", "recover.coordinator.cli", "coordinator", "serve"]
+    cmd += ["--replicas", "1", "--microbatches", "2", "--port", "0", "--token", TOKEN]
+    cmd += ["--address-file", str(addr_file)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    client = None
+    try:
+        _poll(addr_file.exists, 30.0, "the coordinator's address file")
+        info = json.loads(addr_file.read_text())
+        assert info["store_port"] > 0
+        client = CoordinatorClient(info["host"], info["port"], replica_id=0, token=TOKEN)
+        client.register(fingerprint={}, next_step=0, deadline_s=10)
+        parser = argparse.ArgumentParser()
+        add_coordinator_parser(parser.add_subparsers(dest="command"))
+        args = parser.parse_args(
+            ["coordinator", "status", "--addr", f"{info['host']}:{info['port']}", "--token", TOKEN]
+        )
+        assert run_coordinator_cli(args) == 0
+        out = capsys.readouterr().out
+        assert "epoch 1" in out and "live [0]" in out and "lease age" in out
+        assert "admitted" in out
+        bad = parser.parse_args(
+            ["coordinator", "status", "--addr", f"{info['host']}:{info['port']}", "--token", "x"]
+        )
+        assert run_coordinator_cli(bad) == 2
+        client.leave(step=0)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if client is not None:
+            client.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        proc.stderr.close()
+
+
+def _frame_roundtrip_sanity():
+    a, b = socket.socketpair()
+    try:
+        send_frame(a, {"x": 1})
+        assert recv_frame(b) == {"x": 1}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_frame_roundtrip():
+    _frame_roundtrip_sanity()
+
+
+if __name__ == "__main__":  # python tests/test_coordinator_server.py N -> median detection times
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    exits, leases = [], []
+    for _ in range(n):
+        with tempfile.TemporaryDirectory() as d:
+            r = run_failure_scenario(Path(d))
+            try:
+                exits.append(r["exit_s"])
+                leases.append(r["lease_s"])
+            finally:
+                _reap(r["procs"])
+                r["server"].stop()
+    print(
+        f"n={n} lease_s={LEASE_S} heartbeat_s=0.1: median exit detection "
+        f"{statistics.median(exits) * 1e3:.1f} ms (max {max(exits) * 1e3:.1f}), median lease "
+        f"detection {statistics.median(leases) * 1e3:.0f} ms (max {max(leases) * 1e3:.0f})"
+    )
