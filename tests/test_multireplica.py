@@ -188,3 +188,54 @@ def test_malformed_fault_specs_are_refused_with_the_grammar(tiny_dataset, tmp_pa
         assert r.returncode == 2, (spec, r.stdout)
         assert "--fault" in r.stdout
         assert not (tmp_path / "bad").exists()
+
+
+def test_quorum_lost_stops_cleanly_and_resume_continues_the_trajectory(
+    reference, tiny_dataset, tmp_path
+):
+    out = tmp_path / "quorum"
+    r = train(
+        tiny_dataset, out, "--replicas", "2", "--min-replicas", "2",
+        "--fault", "kill:replica=1,step=2,phase=backward,microbatch=0",
+    )  # fmt: skip
+    assert r.returncode != 0
+    assert "quorum lost" in r.stdout
+    assert events(out, "coordinator.quorum_lost")
+    assert sorted(committed_steps(out / "metrics.jsonl")) == [0, 1]
+    assert [e["step"] for e in events(out, "checkpoint_saved")] == [2]
+    assert leftover_processes(str(out)) == []
+
+    r = train(tiny_dataset, out, "--replicas", "2", "--min-replicas", "2", "--resume")
+    assert_invariants(reference, out, r)
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_interrupting_the_launcher_leaves_no_process_behind(how, tiny_dataset, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / how
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "recover.cli", "train", *FLAGS, "--steps", "100000",
+         "--data", str(tiny_dataset), "--out", str(out), "--replicas", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(),
+        start_new_session=True,  # its own process group, as a shell gives a foreground job
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # wait until training is under way
+            if (out / "metrics.jsonl").exists() and committed_steps(out / "metrics.jsonl"):
+                break
+            time.sleep(0.05)
+        assert committed_steps(out / "metrics.jsonl"), "training never started"
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        else:
+            proc.terminate()  # the launcher alone
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert code != 0
+    assert leftover_processes(str(out)) == []

@@ -68,6 +68,23 @@ def median_step_s(out: Path, *, skip: int = WARMUP_STEPS) -> float:
     return statistics.median(times)
 
 
+def _bench_setup(args: argparse.Namespace):
+    """The dataset, the TrainConfig of a benchmark run, and the `recover train` flags for it."""
+    from recover.config import TrainConfig
+    from recover.data.prepare import ensure_dataset
+    from recover.launch import train_flags
+
+    data = (
+        Path(args.data) if args.data else ensure_dataset(Path(args.data_root), show_progress=False)
+    )
+    cfg = TrainConfig(
+        preset=args.preset, steps=args.steps, microbatches=args.microbatches,
+        microbatch_size=args.microbatch_size, seq_len=args.seq_len, eval_every=0, ckpt_every=0,
+    )  # fmt: skip
+    flags = [*train_flags(cfg), "--replicas", str(args.replicas), "--data", str(data)]
+    return data, cfg, flags
+
+
 # ---- (a) the plain data-parallel loop --------------------------------------------------------
 
 
@@ -134,22 +151,7 @@ def run_plain(cfg_dict: dict, data: Path, replicas: int, *, timeout_s: float) ->
 
 
 def bench_overhead(args: argparse.Namespace) -> dict:
-    from recover.config import TrainConfig
-    from recover.data.prepare import ensure_dataset
-
-    data = (
-        Path(args.data) if args.data else ensure_dataset(Path(args.data_root), show_progress=False)
-    )
-    cfg = TrainConfig(
-        preset=args.preset, steps=args.steps, microbatches=args.microbatches,
-        microbatch_size=args.microbatch_size, seq_len=args.seq_len, eval_every=0, ckpt_every=0,
-    )  # fmt: skip
-    flags = [
-        "--preset", cfg.preset, "--steps", str(cfg.steps), "--microbatches", str(cfg.microbatches),
-        "--microbatch-size", str(cfg.microbatch_size), "--seq-len", str(cfg.seq_len),
-        "--eval-every", "0", "--ckpt-every", "0", "--replicas", str(args.replicas),
-        "--data", str(data),
-    ]  # fmt: skip
+    data, cfg, flags = _bench_setup(args)
     pairs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
@@ -198,17 +200,7 @@ def kill_to_commit_s(out: Path) -> float:
 
 
 def bench_recovery(args: argparse.Namespace) -> dict:
-    from recover.data.prepare import ensure_dataset
-
-    data = (
-        Path(args.data) if args.data else ensure_dataset(Path(args.data_root), show_progress=False)
-    )
-    base = [
-        "--preset", args.preset, "--steps", str(args.steps), "--microbatches", str(args.microbatches),
-        "--microbatch-size", str(args.microbatch_size), "--seq-len", str(args.seq_len),
-        "--eval-every", "0", "--ckpt-every", "0", "--replicas", str(args.replicas),
-        "--data", str(data),
-    ]  # fmt: skip
+    _, _, base = _bench_setup(args)
     kill_step = args.steps // 2
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -195,6 +195,31 @@ def _teardown(epoch: int, holder: list[Any], on_done: Callable[[float], None]) -
     on_done(seconds)
 
 
+def _construct(prefixed, rank, world_size, options, config, epoch, should_abort):
+    """ProcessGroupGloo(...), abandoned (left to time out on its thread) if should_abort fires."""
+    if should_abort is None:
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["pg"] = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+        except BaseException as exc:  # handed to the caller below, or dropped if it gave up
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"gloo-build-epoch{epoch}", daemon=True).start()
+    while not done.wait(config.abort_check_interval_s):
+        reason = should_abort()
+        if reason is not None:
+            raise CollectiveAborted("epoch", f"group build abandoned: {reason}", epoch=epoch)
+    if "error" in box:
+        raise box["error"]
+    return box["pg"]
+
+
 class EpochGroup:
     """The cross-replica process group of one epoch. Build with ``EpochGroup.build``."""
 
@@ -222,8 +247,14 @@ class EpochGroup:
         rank: int,
         world_size: int,
         config: CollectiveConfig | None = None,
+        should_abort: ShouldAbort | None = None,
     ) -> EpochGroup:
         """Rendezvous with the ``world_size`` ranks of ``epoch`` on ``store``; bounded by build_timeout_s.
+
+        With ``should_abort``, the rendezvous runs on a helper thread and the caller gives up
+        (``CollectiveAborted("epoch")``) as soon as the callback returns a reason: a peer that died
+        after the epoch was announced never shows up, and the coordinator's next epoch says so
+        long before build_timeout_s. The abandoned rendezvous ends on its thread by its timeout.
 
         Raises ``CollectiveAborted("deadline")`` if the peers do not all show up in time and
         ``CollectiveAborted("error")`` if the rendezvous fails otherwise. Each epoch may be built
@@ -256,7 +287,7 @@ class EpochGroup:
         prefixed = dist.PrefixStore(f"{_STORE_PREFIX}{epoch}", own_client)
         started = time.monotonic()
         try:
-            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+            pg = _construct(prefixed, rank, world_size, options, config, epoch, should_abort)
         except dist.DistStoreError as exc:
             raise CollectiveAborted(
                 "deadline",
@@ -451,7 +482,9 @@ class GroupCache:
     def current(self) -> EpochGroup | None:
         return self._current
 
-    def get(self, *, epoch: int, rank: int, world_size: int) -> EpochGroup:
+    def get(
+        self, *, epoch: int, rank: int, world_size: int, should_abort: ShouldAbort | None = None
+    ) -> EpochGroup:
         """The group of ``epoch`` (built on first use, bounded by build_timeout_s)."""
         newest = self._newest_epoch
         if newest is not None and epoch < newest:
@@ -475,7 +508,12 @@ class GroupCache:
         self.abandon_all()
         self._newest_epoch = epoch
         group = EpochGroup.build(
-            self._store, epoch=epoch, rank=rank, world_size=world_size, config=self._config
+            self._store,
+            epoch=epoch,
+            rank=rank,
+            world_size=world_size,
+            config=self._config,
+            should_abort=should_abort,
         )
         self._current = group
         return group

@@ -24,22 +24,22 @@ def _flag(name: str) -> str:
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     preset: str = "tiny"
-    steps: int = 150  # optimizer steps in the run
+    steps: int = 300  # optimizer steps in the run
     microbatches: int = 8  # M: microbatches summed per step, fixed for the run
     microbatch_size: int = 8  # B: sequences per microbatch
     seq_len: int = 128  # T: tokens per sequence
     seed: int = 1337  # decides init, sample order and dropout: (seed, step, j) -> microbatch
     lr: float = 3e-3  # peak learning rate (after warmup)
     min_lr: float = 3e-4  # end of the cosine decay
-    warmup_steps: int = 15
+    warmup_steps: int = 30
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables
     dropout: float = 0.0
-    eval_every: int = 50  # validation loss every N steps (and at the end); 0 disables
+    eval_every: int = 100  # validation loss every N steps (and at the end); 0 disables
     eval_batches: int = 8  # validation microbatches per evaluation
-    ckpt_every: int = 50  # checkpoint every N steps; 0 disables periodic checkpoints
+    ckpt_every: int = 100  # checkpoint every N steps; 0 disables periodic checkpoints
     keep_ckpts: int = 2  # keep the last K checkpoints
 
     def __post_init__(self) -> None:

@@ -194,6 +194,11 @@ class LocalLauncher:
             launch={"replicas": self.lcfg.replicas, "min_replicas": self.lcfg.min_replicas,
                     "faults": [fault_flag(f) for f in self.lcfg.faults]},
         )  # fmt: skip
+
+        def on_sigterm(signum, frame):  # `kill LAUNCHER` reaps the run just like Ctrl-C
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
         try:
             host, port = self._start_coordinator()
             self.say(f"coordinator at {host}:{port}; starting {self.lcfg.replicas} replicas")
@@ -204,6 +209,7 @@ class LocalLauncher:
             self.say("interrupted: stopping every process")
             return 130
         finally:
+            signal.signal(signal.SIGTERM, previous)
             self._reap_all()
             for pump in self._pumps:  # every pipe is closed now: the pumps end at once
                 pump.join(timeout=2.0)

@@ -44,7 +44,7 @@ from recover.coordinator.client import (
 from recover.coordinator.client import QuorumLost as ClientQuorumLost
 from recover.data.addressing import TokenDataset
 from recover.faults import FaultInjector, FaultSpec
-from recover.metrics import MetricsWriter
+from recover.metrics import MetricsWriter, read_metrics
 from recover.run import RunRecorder, unigram_loss
 from recover.train import build_trainer_for_run
 
@@ -115,13 +115,6 @@ class StepAttempt:
     t_first_fault: float | None = None
 
 
-@dataclass
-class RecoveryTotals:
-    failures_survived: int = 0
-    microbatches_recomputed: int = 0
-    recovery_s: float = 0.0
-
-
 def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None = sys.stdout) -> int:
     """Run one replica to the end of training; return its exit status."""
     me = wcfg.replica_id
@@ -148,7 +141,6 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         start_step=start,
         holds_pen=False,
     )
-    totals = RecoveryTotals()
     try:
         view = client.register(
             fingerprint=fingerprint(cfg, dataset),
@@ -167,14 +159,11 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         if step != start:
             raise RuntimeError(f"replica {me} holds step {start}, the run is at step {step}")
         while step < cfg.steps:
-            stats = _run_step(step, trainer, client, groups, injector, recorder, totals, wcfg)
+            stats = _run_step(step, trainer, client, groups, injector, recorder, wcfg)
             step = stats + 1
-        recorder.holds_pen = me == min(client.view.live)
-        summary_extra = {
-            "failures_survived": totals.failures_survived,
-            "microbatches_recomputed": totals.microbatches_recomputed,
-            "recovery_s": round(totals.recovery_s, 3),
-        }
+        # The pen stays where the last commit put it (replicas that already left are not in
+        # the view any more, so recomputing it here could hand out a second pen).
+        summary_extra = run_recovery_summary(paths.metrics) if recorder.holds_pen else {}
         recorder.finish(
             unigram_loss=unigram_loss(
                 dataset.shards("train"), dataset.shards("val"), dataset.vocab_size
@@ -194,7 +183,10 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         )
         return EXIT_EVICTED
     except (QuorumLostError, ClientQuorumLost) as e:
-        # Every survivor holds the last committed state; the lowest one saves it.
+        # Every survivor holds the last committed state (the optimizer steps only on commits);
+        # the lowest survivor saves it, so that --resume continues from the last committed step.
+        live = client.view.live if client.view is not None else ()
+        recorder.holds_pen = not live or me == min(live)
         if recorder.holds_pen:
             recorder.checkpoint(trainer_step(recorder), block=True)
         print(f"replica {me}: {e}", file=sys.stderr, flush=True)
@@ -204,11 +196,32 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         writer.close()
 
 
+def run_recovery_summary(metrics_path: Path) -> dict:
+    """Failures survived, microbatches recomputed and seconds recovering, from the run's record
+    (the coordinator's decisions and every replica's events), for the end-of-run summary."""
+    dead = redo_ids = 0
+    recovering: dict[int, float] = {}
+    for record in read_metrics(metrics_path):
+        name = record.get("name")
+        if name == "coordinator.member_dead":
+            dead += 1
+        elif name == "coordinator.redo":
+            redo_ids += len(record.get("lost", ()))
+        elif name == "recovered":  # the slowest replica's view of each recovered step
+            step = int(record["step"])
+            recovering[step] = max(recovering.get(step, 0.0), float(record["seconds"]))
+    return {
+        "failures_survived": dead,
+        "microbatches_recomputed": redo_ids,
+        "recovery_s": round(sum(recovering.values()), 3),
+    }
+
+
 def trainer_step(recorder: RunRecorder) -> int:
     return recorder.last_committed + 1
 
 
-def _run_step(step, trainer, client, groups, injector, recorder, totals, wcfg) -> int:
+def _run_step(step, trainer, client, groups, injector, recorder, wcfg) -> int:
     """Run step `step` until it commits; return it. The recovery loop lives here."""
     me = wcfg.replica_id
     attempt = StepAttempt(step=step)
@@ -218,8 +231,6 @@ def _run_step(step, trainer, client, groups, injector, recorder, totals, wcfg) -
             _stop(view.status, view.reason)
         held = view.holdings.get(me, ())
         todo = [j for j in held if j not in attempt.computed]
-        if attempt.redos:
-            totals.microbatches_recomputed += len(todo)
         trainer.compute_microbatches(step, todo, first_index=len(attempt.computed))
         attempt.computed.update(todo)
         snapshot = trainer.gradient_snapshot()  # the local sum; the reduce never touches it
@@ -237,18 +248,20 @@ def _run_step(step, trainer, client, groups, injector, recorder, totals, wcfg) -
                 raise RuntimeError(f"step {step} committed although this replica's reduce failed")
             recorder.holds_pen = me == min(client.view.live)
             stats = trainer.apply_commit(step, reduced)
-            extra = {"epoch": epoch, "replicas": len(view.live), "attempts": attempt.redos + 1}
+            extra = {"epoch": epoch, "replicas": len(view.holdings), "attempts": attempt.redos + 1}
             recorder.on_commit(stats, microbatches=trainer.cfg.microbatches, **extra)
             if attempt.t_first_fault is not None:
                 seconds = time.perf_counter() - attempt.t_first_fault
-                totals.failures_survived += 1
-                totals.recovery_s += seconds
                 recorder.event(
                     "recovered",
                     replica=me,
                     step=step,
                     seconds=round(seconds, 4),
                     attempts=attempt.redos + 1,
+                )
+                recorder.say(
+                    f"recovered: step {step + 1} committed with all {trainer.cfg.microbatches} "
+                    f"microbatches, {seconds:.3f} s after this replica saw the failure"
                 )
             return step
         if isinstance(outcome, Redo):
@@ -276,13 +289,8 @@ def _stop(status: str, reason: str) -> None:
 def _reduce(snapshot, view, epoch, client, groups, injector, step, recorder, attempt):
     """All-reduce a fresh copy of the snapshot in `epoch`; None if the collective aborted."""
     me = client.replica_id
-    fired = False
 
     def should_abort() -> str | None:
-        nonlocal fired
-        if not fired:  # the `reduce` fault fires while the collective is in flight
-            fired = True
-            injector("reduce", step, None)
         if client.evicted:
             return "this replica was evicted"
         newer = client.view
@@ -290,14 +298,31 @@ def _reduce(snapshot, view, epoch, client, groups, injector, step, recorder, att
             return f"epoch {newer.epoch} announced ({newer.reason})"
         return None
 
+    fired = False
+
+    def should_abort_reduce() -> str | None:
+        nonlocal fired
+        if not fired:  # the `reduce` fault fires while the all-reduce is in flight
+            fired = True
+            injector("reduce", step, None)
+        return should_abort()
+
     buffer = snapshot.clone()  # for this attempt only; dropped on abort
     t0 = time.perf_counter()
     try:
-        group = groups.get(epoch=epoch, rank=view.live.index(me), world_size=len(view.live))
-        if len(view.live) > 1:
-            group.allreduce_sum(buffer, should_abort=should_abort)
+        # The attempt's members are the replicas holding ids of it (the view's live set can
+        # already lack one that died during the attempt).
+        members = sorted(view.holdings)
+        group = groups.get(
+            epoch=epoch,
+            rank=members.index(me),
+            world_size=len(members),
+            should_abort=should_abort,
+        )
+        if len(members) > 1:
+            group.allreduce_sum(buffer, should_abort=should_abort_reduce)
         else:
-            should_abort()
+            should_abort_reduce()
         return buffer
     except CollectiveAborted as e:
         if attempt.t_first_fault is None:

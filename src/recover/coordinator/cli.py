@@ -86,7 +86,9 @@ def format_status(reply: dict[str, Any], n_decisions: int) -> str:
 def run_coordinator_cli(args: argparse.Namespace) -> int:
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     if args.coordinator_command == "serve":
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s.%(msecs)03d %(message)s", datefmt="%H:%M:%S"
+        )
         if args.host != "127.0.0.1" and token is None:
             print(
                 f"warning: serving on {args.host} without a token; set --token or {TOKEN_ENV}",

@@ -268,7 +268,8 @@ class CoordinatorServer:
         entry = {"t_wall": time.time(), "t_mono": time.monotonic(), **d.to_dict()}
         with self._log_lock:
             self._log.append(entry)
-        level = logging.DEBUG if d.name == "registered" else logging.INFO
+        # Commits happen every step: the replicas' step lines already show them.
+        level = logging.DEBUG if d.name in ("registered", "committed") else logging.INFO
         log.log(level, "%s: %s", d.name, d.reason)
         if self._events_fd is not None:
             fields = {k: v for k, v in d.to_dict().items() if k not in ("decision", "reason")}
