@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from recover.compare import compare_runs
+from recover.metrics import committed_steps, read_metrics
+
 torch.set_num_threads(1)
 
 # Flags for a run that takes a second or two on one core.
@@ -61,3 +64,44 @@ def run_cli(args: list[str], *, timeout: float = 60, cwd: Path | None = None):
         env=child_env(),
         cwd=cwd,
     )
+
+
+def leftover_processes(marker: str) -> list[str]:
+    """Command lines of live processes that mention `marker` (the run folder)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmd:
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+def events(out: Path, name: str) -> list[dict]:
+    return [
+        r
+        for r in read_metrics(out / "metrics.jsonl")
+        if r.get("kind") == "event" and r.get("name") == name
+    ]
+
+
+def assert_invariants(
+    reference: Path, out: Path, r: subprocess.CompletedProcess, *, steps: int, microbatches: int
+) -> None:
+    """DESIGN.md's invariants for a multi-replica run `out` against the failure-free `reference`."""
+    assert r.returncode == 0, r.stdout[-4000:]
+    committed = committed_steps(out / "metrics.jsonl")
+    assert sorted(committed) == list(range(steps)), "every step must be committed"
+    assert all(s["microbatches"] == microbatches for s in committed.values()), "batch changed"
+    result = compare_runs(reference, out)
+    assert result.common_steps == steps
+    assert result.max_loss_rel_diff <= 1e-4, result
+    assert result.param_rel_l2 is not None and result.param_rel_l2 <= 1e-4, result
+    hashes = {e["replica"]: e["param_hash"] for e in events(out, "replica_finished")}
+    assert hashes, "no replica finished"
+    assert len(set(hashes.values())) == 1, f"survivors diverged: {hashes}"
+    assert leftover_processes(str(out)) == [], "processes of the run were left behind"

@@ -518,3 +518,27 @@ def test_options_validation_names_the_field(kw, field):
     base = dict(expected_replicas=4, microbatches=8)
     with pytest.raises(ValueError, match=field):
         CoordinatorOptions(**{**base, **kw})
+
+
+def test_joiners_are_marked_for_state_transfer_until_their_first_step_commits():
+    sim = Sim().formed()
+    assert view_of(sim.state).joined == ()
+    sim.reg(7)
+    for r in range(4):
+        sim.done(r)
+    assert sim.state.live == (0, 1, 2, 3, 7) and view_of(sim.state).joined == (7,)
+    # A death during the joiner's first step: the redo's epoch still marks it (the transfer may
+    # have been cut short), without the dead.
+    sim.exit(3)
+    for r in (0, 1, 2, 7):
+        sim.failed(r)
+    assert one_view(sim).joined == (7,) and sim.state.attempt_epoch == sim.state.epoch
+    for r in (0, 1, 2, 7):
+        sim.done(r)
+    assert view_of(sim.state).joined == ()  # the committed step proves it held the state
+    state = state_from_json(state_to_json(sim.state))
+    assert state.joined == ()
+
+
+def one_view(sim):
+    return view_of(sim.state)

@@ -163,6 +163,24 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="a replica silent this long is declared dead (default: 1.0)",
     )
+    train.add_argument(
+        "--respawn",
+        type=float,
+        default=None,
+        metavar="DELAY",
+        help="restart a dead replica after DELAY seconds; it joins the running job at a step "
+        "boundary and gets the state from a live replica (default: never)",
+    )
+    train.add_argument(
+        "--max-restarts", type=int, default=3, metavar="N", help="respawns per replica (default: 3)"
+    )
+    train.add_argument(
+        "--balance",
+        choices=("throughput", "equal"),
+        default="throughput",
+        help="microbatch shares by each replica's measured throughput, or equal (default: "
+        "throughput)",
+    )
 
     worker = sub.add_parser(
         "worker",
@@ -211,6 +229,8 @@ def _error(message: str) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    import os
+
     # The launcher path stays torch-free: only the replica processes pay for importing torch.
     from recover.data.corpus import DataError
     from recover.data.prepare import ensure_dataset
@@ -226,6 +246,9 @@ def run_train(args: argparse.Namespace) -> int:
             heartbeat_s=args.heartbeat,
             check_every=args.check_every,
             faults=parse_faults(args.fault),
+            respawn_s=args.respawn,
+            max_restarts=args.max_restarts,
+            balance=args.balance,
         )
     except ValueError as e:
         return _error(str(e))
@@ -249,7 +272,7 @@ def run_train(args: argparse.Namespace) -> int:
         info = read_dataset_info(data)
         launcher = LocalLauncher(
             cfg, lcfg, data=Path(data).resolve(), out=out, resume=args.resume,
-            data_info=info, console=console,
+            data_info=info, console=console, token=os.environ.get("RECOVER_TOKEN") or None,
         )  # fmt: skip
         return launcher.run()
     except (DataError, RunFolderError) as e:
@@ -321,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         from recover.coordinator.cli import run_coordinator_cli
 
         return run_coordinator_cli(args)
+    if args.command == "simulate":
+        from recover.simulate.cli import run_simulate
+
+        return run_simulate(args)
     if args.command == "bench":
         from recover.bench import run_bench
 

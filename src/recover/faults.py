@@ -11,7 +11,9 @@ inside replica R, do the fault to the real process when the step reaches that po
 
 Phases: `forward`, `backward` (at microbatch K of this replica's list, default 0), `reduce` (while
 the cross-replica all-reduce is in flight), `commit` (after reporting done, before the commit
-arrives), `optimizer` (after the commit, inside the optimizer step).
+arrives), `optimizer` (after the commit, inside the optimizer step), `transfer` (during the live
+state transfer to a joiner, sender or receiver; it fires at the first transfer at or after step T,
+since a joiner cannot know in advance at which step it will be admitted).
 
 Each fault fires at most once per process, and it is written as a `failure_injected` event before
 it happens. The parsing is pure; the injector only acts on its own process.
@@ -27,11 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 KINDS = ("kill", "hang", "exit", "slow")
-PHASES = ("forward", "backward", "reduce", "commit", "optimizer")
+PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "transfer")
 GRAMMAR = (
     "KIND:replica=R,step=T,phase=P[,microbatch=K][,wake_after=S]  or  "
     "slow:replica=R,step=T,factor=F   with KIND in {kill, hang, exit} and "
-    "P in {forward, backward, reduce, commit, optimizer}"
+    "P in {forward, backward, reduce, commit, optimizer, transfer}"
 )
 EXIT_STATUS = 17
 
@@ -125,7 +127,9 @@ class FaultInjector:
             self._straggle(step)
             return
         for n, spec in enumerate(self.specs):
-            if n in self._fired or spec.kind == "slow" or spec.step != step or spec.phase != phase:
+            if n in self._fired or spec.kind == "slow" or spec.phase != phase:
+                continue
+            if step != spec.step and not (phase == "transfer" and step > spec.step):
                 continue
             if phase in ("forward", "backward") and index != spec.microbatch:
                 continue

@@ -49,6 +49,9 @@ class LaunchConfig:
     check_every: int = 50
     faults: tuple[FaultSpec, ...] = ()
     start_timeout_s: float = 60.0  # coordinator up and every replica registered by then
+    respawn_s: float | None = None  # restart a dead replica after this many seconds (None: never)
+    max_restarts: int = 3  # per replica
+    balance: str = "throughput"  # microbatch shares: "equal" or by measured "throughput"
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -59,6 +62,12 @@ class LaunchConfig:
             )
         if not self.lease_s > 0 or not 0 < self.heartbeat_s < self.lease_s:
             raise ValueError("--lease must be > 0 and larger than the heartbeat interval")
+        if self.respawn_s is not None and self.respawn_s < 0:
+            raise ValueError(f"--respawn must be >= 0 seconds, got {self.respawn_s}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.balance not in ("equal", "throughput"):
+            raise ValueError(f"--balance must be equal or throughput, got {self.balance!r}")
         for f in self.faults:
             if f.replica >= self.replicas:
                 raise ValueError(
@@ -114,12 +123,15 @@ class LocalLauncher:
         resume: bool,
         data_info: dict,
         console: TextIO | None = sys.stdout,
+        token: str | None = None,
     ) -> None:
         self.cfg, self.lcfg = cfg, lcfg
         self.data, self.paths, self.resume = data, RunPaths(out=out), resume
         self.data_info = data_info
         self.console = console
-        self.token = secrets.token_hex(16)
+        # The shared token: the caller's (RECOVER_TOKEN, read by the CLI), so that hand-started
+        # workers can join; else a fresh random one for this run.
+        self.token = token or secrets.token_hex(16)
         self.children: dict[str, subprocess.Popen] = {}
         self._pumps: list[threading.Thread] = []
 
@@ -165,24 +177,29 @@ class LocalLauncher:
                 "--store-port", "0", "--replicas", str(lc.replicas),
                 "--microbatches", str(self.cfg.microbatches),
                 "--min-replicas", str(lc.min_replicas), "--lease", str(lc.lease_s),
-                "--start-deadline", str(lc.start_timeout_s),
+                "--start-deadline", str(lc.start_timeout_s), "--balance", lc.balance,
                 "--events", str(self.paths.metrics), "--address-file", str(address_file),
             ],
             "[coordinator] ",
         )  # fmt: skip
         return "127.0.0.1", port
 
-    def _start_replica(self, r: int, host: str, port: int) -> None:
+    def _start_replica(self, r: int, host: str, port: int, *, fresh: bool = False) -> None:
+        """Start replica r; `fresh` (a respawn) joins the running job: no faults, no --resume
+        (its state comes from a live replica by transfer)."""
         argv = [
             "worker", "--coordinator", f"{host}:{port}", "--replica-id", str(r),
             "--data", str(self.data), "--out", str(self.paths.out),
             "--heartbeat", str(self.lcfg.heartbeat_s), "--check-every", str(self.lcfg.check_every),
             *train_flags(self.cfg),
         ]  # fmt: skip
-        if self.resume:
-            argv.append("--resume")
-        for spec in faults_for(list(self.lcfg.faults), r):
-            argv += ["--fault", fault_flag(spec)]
+        if fresh:
+            self.children.pop(f"replica {r}")  # reaped already; the slot gets the new process
+        else:
+            if self.resume:
+                argv.append("--resume")
+            for spec in faults_for(list(self.lcfg.faults), r):
+                argv += ["--fault", fault_flag(spec)]
         self._spawn(f"replica {r}", argv, f"[replica {r}] ")
 
     def run(self) -> int:
@@ -201,6 +218,7 @@ class LocalLauncher:
         previous = signal.signal(signal.SIGTERM, on_sigterm)
         try:
             host, port = self._start_coordinator()
+            self.coordinator_address = (host, port)
             self.say(f"coordinator at {host}:{port}; starting {self.lcfg.replicas} replicas")
             for r in range(self.lcfg.replicas):
                 self._start_replica(r, host, port)
@@ -215,49 +233,74 @@ class LocalLauncher:
                 pump.join(timeout=2.0)
 
     def _supervise(self) -> int:
-        codes: dict[int, int] = {}
+        """Watch the replicas until every one has ended; respawn the dead if asked to."""
+        lc = self.lcfg
+        codes: list[tuple[int, int, int]] = []  # (replica, incarnation, exit status)
+        incarnation = dict.fromkeys(range(lc.replicas), 0)
+        running = set(range(lc.replicas))
+        respawn_at: dict[int, float] = {}
         stopped_since: dict[int, float] = {}
-        wake = {f.replica: f.wake_after for f in self.lcfg.faults if f.kind == "hang"}
-        faulty = {f.replica for f in self.lcfg.faults if f.kind != "slow"}
-        replicas = range(self.lcfg.replicas)
-        while len(codes) < self.lcfg.replicas:
+        wake = {f.replica: f.wake_after for f in lc.faults if f.kind == "hang"}
+        finishing = False  # a replica finished: the run is ending, nobody is respawned
+        while running or respawn_at:
             coordinator = self.children["coordinator"]
             if coordinator.poll() is not None:
                 self.say(f"the coordinator died (exit {coordinator.returncode}); stopping the run")
                 return 1
-            for r in replicas:
+            now = time.monotonic()
+            for r in sorted(running):
                 proc = self.children[f"replica {r}"]
-                if r in codes:
-                    continue
                 code = proc.poll()
                 if code is not None:
-                    codes[r] = code
+                    running.discard(r)
+                    codes.append((r, incarnation[r], code))
+                    finishing = finishing or code == 0
                     if code != 0:
                         self.say(f"replica {r} exited with status {code}")
+                        if self._may_respawn(r, incarnation[r], finishing):
+                            respawn_at[r] = now + lc.respawn_s
                     continue
-                if wake.get(r) is not None and _is_stopped(proc.pid):
-                    since = stopped_since.setdefault(r, time.monotonic())
-                    if time.monotonic() - since >= wake[r]:
+                if incarnation[r] == 0 and wake.get(r) is not None and _is_stopped(proc.pid):
+                    since = stopped_since.setdefault(r, now)
+                    if now - since >= wake[r]:
                         self.say(f"waking replica {r} (SIGCONT) after {wake[r]:g} s stopped")
                         proc.send_signal(signal.SIGCONT)
                         wake[r] = None
-            if len(codes) < self.lcfg.replicas and self._only_hung_left(codes, wake):
+            for r, at in sorted(respawn_at.items()):
+                if finishing:
+                    del respawn_at[r]
+                elif now >= at:
+                    del respawn_at[r]
+                    incarnation[r] += 1
+                    self.say(f"respawning replica {r} (restart {incarnation[r]})")
+                    self._start_replica(r, *self.coordinator_address, fresh=True)
+                    running.add(r)
+            if running and not respawn_at and self._only_hung_left(running, codes, wake):
                 break
             time.sleep(0.02)
+        return self._verdict(codes)
+
+    def _may_respawn(self, r: int, incarnation: int, finishing: bool) -> bool:
+        lc = self.lcfg
+        return lc.respawn_s is not None and not finishing and incarnation < lc.max_restarts
+
+    def _verdict(self, codes: list[tuple[int, int, int]]) -> int:
+        """0 if training succeeded: a replica finished and no replica reported a run failure."""
+        faulty = {f.replica for f in self.lcfg.faults if f.kind != "slow"}
         failures = [
             f"replica {r}: {RUN_FAILURE_EXITS.get(c, f'exit {c}')}"
-            for r, c in codes.items()
-            if c != 0 and not (r in faulty and c in EXPECTED_FAULT_EXITS)
+            for r, inc, c in codes
+            # a fault's own exit, in the incarnation that carried the fault, is expected
+            if c != 0 and not (inc == 0 and r in faulty and c in EXPECTED_FAULT_EXITS)
         ]
-        if failures or not any(c == 0 for c in codes.values()):
+        if failures or not any(c == 0 for _, _, c in codes):
             self.say("training failed: " + ("; ".join(failures) or "no replica finished"))
             return 1
         return 0
 
-    def _only_hung_left(self, codes: dict[int, int], wake: dict[int, float | None]) -> bool:
+    def _only_hung_left(self, running: set[int], codes: list, wake: dict) -> bool:
         """True when every replica still running is one we leave stopped for ever."""
-        running = [r for r in range(self.lcfg.replicas) if r not in codes]
-        if not any(c == 0 for c in codes.values()):
+        if not any(c == 0 for _, _, c in codes):
             return False
         return all(
             r in wake and wake[r] is None and _is_stopped(self.children[f"replica {r}"].pid)

@@ -6,7 +6,8 @@ fresh copy of it over the epoch's group (fault-tolerant collective), report the 
 the optimizer step only when the coordinator commits. On a Redo the local sum (never touched by
 the reduce) is kept, the newly held ids are computed on top, and the reduce is redone in the new
 epoch. This is the in-step recovery state machine; its record of which ids are in the snapshot is
-`StepAttempt.computed`.
+`StepAttempt.computed`. When the view marks joiners (admitted at this step boundary), every member
+first takes part in the live state transfer to them (`recover.transfer`).
 
 Invariants kept here:
 - constant batch: the committed update is apply_commit(sum over the M ids) whatever failed; a
@@ -39,6 +40,7 @@ from recover.coordinator.client import (
     CoordinatorClient,
     Evicted,
     Redo,
+    RequestRefused,
     Stopped,
 )
 from recover.coordinator.client import QuorumLost as ClientQuorumLost
@@ -47,15 +49,21 @@ from recover.faults import FaultInjector, FaultSpec
 from recover.metrics import MetricsWriter, read_metrics
 from recover.run import RunRecorder, unigram_loss
 from recover.train import build_trainer_for_run
+from recover.transfer import transfer_state
 
 EXIT_OK = 0
 EXIT_QUORUM_LOST = 3
 EXIT_EVICTED = 4
 EXIT_DIVERGED = 5
+EXIT_REFUSED = 6
 
 
 class QuorumLostError(RuntimeError):
     """Fewer than min_replicas survive: the run stopped; resume it from its last checkpoint."""
+
+
+class DivergedError(RuntimeError):
+    """Replicas hold different parameters: the run stopped; investigate, then resume."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,6 +155,13 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             next_step=start,
             deadline_s=wcfg.register_timeout_s,
         )
+        joining = me in view.joined
+        if joining:
+            writer.event("replica_joining", replica=me, step=view.step, epoch=view.epoch)
+            recorder.start_step = view.step
+            recorder.last_committed = view.step - 1
+        elif view.step != start:
+            raise RuntimeError(f"replica {me} holds step {start}, the run is at step {view.step}")
         store_host, store_port = client.store_address
         store = torch.distributed.TCPStore(
             store_host,
@@ -154,13 +169,21 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             is_master=False,
             timeout=datetime.timedelta(seconds=wcfg.register_timeout_s),
         )
-        groups = GroupCache(store, config=wcfg.collective)
+        loop = ReplicaLoop(
+            trainer=trainer,
+            client=client,
+            groups=GroupCache(store, config=wcfg.collective),
+            injector=injector,
+            recorder=recorder,
+            wcfg=wcfg,
+            has_state=not joining,
+        )
         step = view.step
-        if step != start:
-            raise RuntimeError(f"replica {me} holds step {start}, the run is at step {step}")
         while step < cfg.steps:
-            stats = _run_step(step, trainer, client, groups, injector, recorder, wcfg)
-            step = stats + 1
+            step = loop.run_step(step) + 1
+        if not loop.has_state:  # admitted at the very end: it never held the run's state
+            client.leave(step=step)
+            return EXIT_OK
         # The pen stays where the last commit put it (replicas that already left are not in
         # the view any more, so recomputing it here could hand out a second pen).
         summary_extra = run_recovery_summary(paths.metrics) if recorder.holds_pen else {}
@@ -188,9 +211,18 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         live = client.view.live if client.view is not None else ()
         recorder.holds_pen = not live or me == min(live)
         if recorder.holds_pen:
-            recorder.checkpoint(trainer_step(recorder), block=True)
+            recorder.checkpoint(recorder.last_committed + 1, block=True)
         print(f"replica {me}: {e}", file=sys.stderr, flush=True)
         return EXIT_QUORUM_LOST
+    except RequestRefused as e:
+        if e.code == "finished":
+            print(f"replica {me}: nothing to join: {e}", file=sys.stderr, flush=True)
+            return EXIT_OK
+        print(f"replica {me}: refused by the coordinator: {e}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
+    except DivergedError as e:
+        print(f"replica {me}: {e}", file=sys.stderr, flush=True)
+        return EXIT_DIVERGED
     finally:
         client.close()
         writer.close()
@@ -217,63 +249,194 @@ def run_recovery_summary(metrics_path: Path) -> dict:
     }
 
 
-def trainer_step(recorder: RunRecorder) -> int:
-    return recorder.last_committed + 1
+@dataclass
+class ReplicaLoop:
+    """The step state machine of one replica (see the module docstring)."""
 
+    trainer: object
+    client: CoordinatorClient
+    groups: GroupCache
+    injector: FaultInjector
+    recorder: RunRecorder
+    wcfg: WorkerConfig
+    has_state: bool  # False for a joiner until the state transfer has reached it
+    _transferred_epoch: int = -1
 
-def _run_step(step, trainer, client, groups, injector, recorder, wcfg) -> int:
-    """Run step `step` until it commits; return it. The recovery loop lives here."""
-    me = wcfg.replica_id
-    attempt = StepAttempt(step=step)
-    view = client.view
-    while True:
-        if view.status in ("quorum_lost", "diverged", "finished"):
-            _stop(view.status, view.reason)
-        held = view.holdings.get(me, ())
-        todo = [j for j in held if j not in attempt.computed]
-        trainer.compute_microbatches(step, todo, first_index=len(attempt.computed))
+    @property
+    def me(self) -> int:
+        return self.wcfg.replica_id
+
+    def run_step(self, step: int) -> int:
+        """Run step `step` until it commits; return it. The recovery loop lives here."""
+        attempt = StepAttempt(step=step)
+        view = self.client.view
+        while True:
+            if view.status in ("quorum_lost", "diverged", "finished"):
+                _stop(view.status, view.reason)
+            epoch = view.attempt_epoch
+            reduced = None
+            if self._transfer_if_needed(view, step, attempt):
+                self._compute(step, view, attempt)
+                snapshot = self.trainer.gradient_snapshot()  # the local sum; never reduced in place
+                reduced = self._reduce(snapshot, view, step, attempt)
+            if reduced is not None:
+                check = self.wcfg.check_every and step % self.wcfg.check_every == 0
+                phash = parameter_hash(self.trainer) if check else None
+                self.client.report_done(step=step, epoch=epoch, param_hash=phash)
+                self.injector("commit", step, None)
+            outcome = self.client.wait_outcome(
+                step=step, epoch=epoch, deadline_s=self.wcfg.outcome_timeout_s
+            )
+            if isinstance(outcome, Committed):
+                if reduced is None:
+                    raise RuntimeError(
+                        f"step {step} committed although this replica's reduce failed"
+                    )
+                self._commit(step, view, epoch, reduced, attempt)
+                return step
+            if isinstance(outcome, Redo):
+                # The local sum (p.grad) was never touched by the reduce: it is the snapshot.
+                if attempt.t_first_fault is None:
+                    attempt.t_first_fault = time.perf_counter()
+                attempt.redos += 1
+                view = outcome.view
+                continue
+            if isinstance(outcome, Stopped):
+                _stop(outcome.status, outcome.reason)
+            raise RuntimeError(f"unexpected outcome {outcome!r}")
+
+    def _compute(self, step: int, view, attempt: StepAttempt) -> None:
+        """Compute the ids this replica holds in the attempt and has not summed yet."""
+        todo = [j for j in view.holdings.get(self.me, ()) if j not in attempt.computed]
+        t0 = time.perf_counter()
+        self.trainer.compute_microbatches(step, todo, first_index=len(attempt.computed))
         attempt.computed.update(todo)
-        snapshot = trainer.gradient_snapshot()  # the local sum; the reduce never touches it
-        epoch = view.attempt_epoch
-        param_hash = (
-            parameter_hash(trainer) if wcfg.check_every and step % wcfg.check_every == 0 else None
+        if todo:  # feeds the coordinator's throughput-aware plans
+            self.client.set_throughput(len(todo) / max(time.perf_counter() - t0, 1e-9))
+
+    def _commit(self, step: int, view, epoch: int, reduced, attempt: StepAttempt) -> None:
+        recorder, me = self.recorder, self.me
+        recorder.holds_pen = me == min(self.client.view.live)
+        stats = self.trainer.apply_commit(step, reduced)
+        shares = {str(r): len(ids) for r, ids in sorted(view.holdings.items())}
+        extra = {
+            "epoch": epoch,
+            "replicas": len(view.holdings),
+            "attempts": attempt.redos + 1,
+            "shares": shares,
+        }
+        recorder.on_commit(stats, microbatches=self.trainer.cfg.microbatches, **extra)
+        if attempt.t_first_fault is not None:
+            seconds = time.perf_counter() - attempt.t_first_fault
+            recorder.event(
+                "recovered", replica=me, step=step, seconds=round(seconds, 4),
+                attempts=attempt.redos + 1,
+            )  # fmt: skip
+            recorder.say(
+                f"recovered: step {step + 1} committed with all {self.trainer.cfg.microbatches} "
+                f"microbatches, {seconds:.3f} s after this replica saw the failure"
+            )
+
+    def _with_fault(self, phase: str, step: int, should_abort):
+        """`should_abort`, plus the `phase` fault fired at its first call: while the collective
+        of that phase is in flight (the callback is polled during it)."""
+        fired = False
+
+        def wrapped() -> str | None:
+            nonlocal fired
+            if not fired:
+                fired = True
+                self.injector(phase, step, None)
+            return should_abort()
+
+        return wrapped
+
+    def _should_abort(self, epoch: int):
+        client = self.client
+
+        def should_abort() -> str | None:
+            if client.evicted:
+                return "this replica was evicted"
+            newer = client.view
+            if newer.epoch > epoch or newer.status != "running":
+                return f"epoch {newer.epoch} announced ({newer.reason})"
+            return None
+
+        return should_abort
+
+    def _group(self, view, should_abort):
+        # The attempt's members are the replicas holding ids of it (the view's live set can
+        # already lack one that died during the attempt).
+        members = sorted(view.holdings)
+        group = self.groups.get(
+            epoch=view.attempt_epoch,
+            rank=members.index(self.me),
+            world_size=len(members),
+            should_abort=should_abort,
         )
-        reduced = _reduce(snapshot, view, epoch, client, groups, injector, step, recorder, attempt)
-        if reduced is not None:
-            client.report_done(step=step, epoch=epoch, param_hash=param_hash)
-            injector("commit", step, None)
-        outcome = client.wait_outcome(step=step, epoch=epoch, deadline_s=wcfg.outcome_timeout_s)
-        if isinstance(outcome, Committed):
-            if reduced is None:
-                raise RuntimeError(f"step {step} committed although this replica's reduce failed")
-            recorder.holds_pen = me == min(client.view.live)
-            stats = trainer.apply_commit(step, reduced)
-            extra = {"epoch": epoch, "replicas": len(view.holdings), "attempts": attempt.redos + 1}
-            recorder.on_commit(stats, microbatches=trainer.cfg.microbatches, **extra)
-            if attempt.t_first_fault is not None:
-                seconds = time.perf_counter() - attempt.t_first_fault
-                recorder.event(
-                    "recovered",
-                    replica=me,
-                    step=step,
-                    seconds=round(seconds, 4),
-                    attempts=attempt.redos + 1,
-                )
-                recorder.say(
-                    f"recovered: step {step + 1} committed with all {trainer.cfg.microbatches} "
-                    f"microbatches, {seconds:.3f} s after this replica saw the failure"
-                )
-            return step
-        if isinstance(outcome, Redo):
-            # The local sum (p.grad) was never touched by the reduce: it is the snapshot.
+        return group, members
+
+    def _failed(self, step: int, epoch: int, error: CollectiveAborted, t0: float, what: str):
+        self.recorder.event(
+            "failure_detected", replica=self.me, step=step, epoch=epoch, how=error.kind,
+            during=what, detail=str(error.detail)[:200],
+            after_s=round(time.perf_counter() - t0, 4),
+        )  # fmt: skip
+        # gloo's text ends in advice for its own users; the first sentence is the fact.
+        detail = str(error.detail).split(". This is typically")[0]
+        self.client.report_failed(
+            step=step, epoch=epoch, suspects=[], reason=f"{what}: {error.kind}: {detail}"[:200]
+        )
+
+    def _transfer_if_needed(self, view, step: int, attempt: StepAttempt) -> bool:
+        """Take part in the state transfer to this epoch's joiners; False if it failed."""
+        epoch = view.attempt_epoch
+        joined = [r for r in view.joined if r in view.holdings]
+        if not self.has_state and self.me not in joined:
+            raise RuntimeError(f"replica {self.me} joined but the view no longer offers it state")
+        if not joined or self._transferred_epoch == epoch:
+            return True
+        t0 = time.perf_counter()
+        should_abort = self._should_abort(epoch)
+        try:
+            group, members = self._group(view, should_abort)
+            stats = transfer_state(
+                group, self.trainer, members=members, joined=joined, me=self.me,
+                should_abort=self._with_fault("transfer", step, should_abort),
+            )  # fmt: skip
+        except CollectiveAborted as e:
             if attempt.t_first_fault is None:
-                attempt.t_first_fault = time.perf_counter()
-            attempt.redos += 1
-            view = outcome.view
-            continue
-        if isinstance(outcome, Stopped):
-            _stop(outcome.status, outcome.reason)
-        raise RuntimeError(f"unexpected outcome {outcome!r}")
+                attempt.t_first_fault = t0
+            self._failed(step, epoch, e, t0, "state transfer")
+            return False
+        self._transferred_epoch = epoch
+        self.has_state = True
+        if self.me in joined:
+            self.recorder.event(
+                "state_transfer", replica=self.me, step=step, epoch=epoch, source=stats.source,
+                bytes=stats.bytes, seconds=round(stats.seconds, 4),
+            )  # fmt: skip
+        return True
+
+    def _reduce(self, snapshot, view, step: int, attempt: StepAttempt):
+        """All-reduce a fresh copy of the snapshot in the attempt's epoch; None if it aborted."""
+        epoch = view.attempt_epoch
+        should_abort = self._should_abort(epoch)
+        should_abort_reduce = self._with_fault("reduce", step, should_abort)
+        buffer = snapshot.clone()  # for this attempt only; dropped on abort
+        t0 = time.perf_counter()
+        try:
+            group, members = self._group(view, should_abort)
+            if len(members) > 1:
+                group.allreduce_sum(buffer, should_abort=should_abort_reduce)
+            else:
+                should_abort_reduce()
+            return buffer
+        except CollectiveAborted as e:
+            if attempt.t_first_fault is None:
+                attempt.t_first_fault = t0
+            self._failed(step, epoch, e, t0, "reduce")
+            return None
 
 
 def _stop(status: str, reason: str) -> None:
@@ -282,65 +445,8 @@ def _stop(status: str, reason: str) -> None:
             f"quorum lost: {reason}. Resume with --resume from the last checkpoint"
         )
     if status == "diverged":
-        raise RuntimeError(f"replicas diverged, training stopped: {reason}")
+        raise DivergedError(f"REPLICAS DIVERGED, training stopped: {reason}")
     raise RuntimeError(f"the run stopped ({status}): {reason}")
-
-
-def _reduce(snapshot, view, epoch, client, groups, injector, step, recorder, attempt):
-    """All-reduce a fresh copy of the snapshot in `epoch`; None if the collective aborted."""
-    me = client.replica_id
-
-    def should_abort() -> str | None:
-        if client.evicted:
-            return "this replica was evicted"
-        newer = client.view
-        if newer.epoch > epoch or newer.status != "running":
-            return f"epoch {newer.epoch} announced ({newer.reason})"
-        return None
-
-    fired = False
-
-    def should_abort_reduce() -> str | None:
-        nonlocal fired
-        if not fired:  # the `reduce` fault fires while the all-reduce is in flight
-            fired = True
-            injector("reduce", step, None)
-        return should_abort()
-
-    buffer = snapshot.clone()  # for this attempt only; dropped on abort
-    t0 = time.perf_counter()
-    try:
-        # The attempt's members are the replicas holding ids of it (the view's live set can
-        # already lack one that died during the attempt).
-        members = sorted(view.holdings)
-        group = groups.get(
-            epoch=epoch,
-            rank=members.index(me),
-            world_size=len(members),
-            should_abort=should_abort,
-        )
-        if len(members) > 1:
-            group.allreduce_sum(buffer, should_abort=should_abort_reduce)
-        else:
-            should_abort_reduce()
-        return buffer
-    except CollectiveAborted as e:
-        if attempt.t_first_fault is None:
-            attempt.t_first_fault = t0
-        suspects = []
-        recorder.event(
-            "failure_detected",
-            replica=me,
-            step=step,
-            epoch=epoch,
-            how=e.kind,
-            detail=str(e.detail)[:200],
-            after_s=round(time.perf_counter() - t0, 4),
-        )
-        client.report_failed(
-            step=step, epoch=epoch, suspects=suspects, reason=f"{e.kind}: {e.detail}"[:300]
-        )
-        return None
 
 
 __all__ = ["run_worker", "WorkerConfig"]

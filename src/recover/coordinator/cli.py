@@ -42,6 +42,12 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--lease", type=float, default=1.0, help="lease in seconds")
     serve.add_argument("--suspect-grace", type=float, default=0.3)
     serve.add_argument("--start-deadline", type=float, default=300.0)
+    serve.add_argument(
+        "--balance",
+        choices=("equal", "throughput"),
+        default="equal",
+        help="microbatch shares: equal, or by each replica's measured throughput (default: equal)",
+    )
     serve.add_argument("--token", default=None, help=f"shared secret (default: ${TOKEN_ENV})")
     serve.add_argument("--events", default=None, metavar="PATH", help="append decisions here")
     serve.add_argument("--address-file", default=None, help="write host/ports here when up")
@@ -101,6 +107,7 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             lease_s=args.lease,
             suspect_grace_s=args.suspect_grace,
             start_deadline_s=args.start_deadline,
+            throughput_weights=args.balance == "throughput",
         )
         return run_coordinator_process(
             options,

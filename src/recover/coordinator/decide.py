@@ -141,6 +141,8 @@ def _on_register(s: CoordinatorState, now: float, m: Register, out: list) -> str
         return f"replica {r} registered again (new session, same incarnation)"
     if s.status in TERMINAL:
         return _refuse(out, m, s.status, f"the run is {s.status}: {s.reason}")
+    if s.leaving:  # no step boundary will come any more: nothing to join
+        return _refuse(out, m, FINISHED, "the run is finishing: its replicas are leaving")
     if cur is not None and cur.state in (PENDING, LIVE):
         why = f"replica id {r} is held by live incarnation {cur.incarnation}"
         return _refuse(out, m, "duplicate", why)
@@ -372,6 +374,7 @@ def _commit(s: CoordinatorState, out: list, survivors: list[int]) -> None:
         why += f" (replicas {gone} left the epoch after the reduce; the sum is complete)"
     s.committed_step = t
     s.step = t + 1
+    s.joined = ()  # a committed step proves every member held the committed state
     out.append(Committed(step=t, epoch=a, reason=why))
     hashes = {r: s.param_hashes[r] for r in survivors if r in s.param_hashes}
     if len(set(hashes.values())) > 1:
@@ -396,6 +399,7 @@ def _commit(s: CoordinatorState, out: list, survivors: list[int]) -> None:
             s.members[r] = replace(s.members[r], state=LIVE, throughput=None)
         s.live = tuple(sorted(set(s.live) | set(joiners)))
         s.epoch += 1
+        s.joined = tuple(joiners)
         why = f"replicas {list(joiners)} admitted at the boundary of step {s.step}"
         out.append(Admitted(replica_ids=joiners, epoch=s.epoch, reason=why))
         out.append(EpochChanged(epoch=s.epoch, live=s.live, reason=why))
@@ -449,6 +453,9 @@ def _weights(s: CoordinatorState, ids: tuple[int, ...]) -> dict[int, float]:
 
 def _bump_epoch(s: CoordinatorState, out: list, why: str) -> None:
     s.epoch += 1
+    # Joiners keep getting the state transfer at the start of every attempt of their first step
+    # (a failure may have cut the first transfer short) until that step commits.
+    s.joined = tuple(r for r in s.joined if r in s.live)
     out.append(EpochChanged(epoch=s.epoch, live=s.live, reason=f"epoch {s.epoch}: {why}"))
 
 

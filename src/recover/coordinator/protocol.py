@@ -215,6 +215,7 @@ class View:
     committed_step: int  # -1 before any commit
     attempt_epoch: int  # the epoch in which the current attempt of `step` reduces
     pending: tuple[int, ...] = ()  # registered, admitted at the next commit
+    joined: tuple[int, ...] = ()  # admitted into this epoch: they get the state before the step
     version: int = 0
     reason: str = ""
 
@@ -229,6 +230,7 @@ class View:
             "committed_step": self.committed_step,
             "attempt_epoch": self.attempt_epoch,
             "pending": list(self.pending),
+            "joined": list(self.joined),
             "version": self.version,
             "reason": self.reason,
         }
@@ -246,6 +248,7 @@ class View:
                 committed_step=int(d["committed_step"]),
                 attempt_epoch=int(d["attempt_epoch"]),
                 pending=tuple(int(r) for r in d.get("pending", ())),
+                joined=tuple(int(r) for r in d.get("joined", ())),
                 version=int(d.get("version", 0)),
                 reason=str(d.get("reason", "")),
             )

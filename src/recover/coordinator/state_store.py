@@ -135,6 +135,9 @@ class CoordinatorState:
     fingerprint: dict[str, Any] | None = None  # the run's fingerprint, pinned when it forms
     start_deadline: float = 0.0  # coordinator clock by which the run must have formed
     leaving: bool = False  # a member left cleanly: the run is winding down
+    # Replicas admitted into the current epoch at a step boundary: before the step, every member
+    # of the epoch takes part in the state transfer to them. Cleared at the next epoch change.
+    joined: tuple[int, ...] = ()
     view_version: int = 0
     revision: int = 0
     reason: str = "waiting for registrations"  # why the view last changed
@@ -178,6 +181,7 @@ def state_from_json(text: str) -> CoordinatorState:
         d[name] = {int(k): v for k, v in d[name].items()}
     d["live"] = tuple(d["live"])
     d["attempt_members"] = tuple(d["attempt_members"])
+    d["joined"] = tuple(d.get("joined", ()))
     return CoordinatorState(**d)
 
 
@@ -257,6 +261,7 @@ def view_of(state: CoordinatorState) -> View:
         committed_step=state.committed_step,
         attempt_epoch=state.attempt_epoch,
         pending=pending_ids(state),
+        joined=state.joined,
         version=state.view_version,
         reason=state.reason,
     )

@@ -1,0 +1,128 @@
+"""Rejoin and scale-up with real processes: respawned and hand-started replicas join a running job
+at a step boundary, get the state by live transfer, and the trajectory is unchanged."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_invariants as check_invariants
+from conftest import child_env, events, leftover_processes
+from recover.metrics import committed_steps
+
+M = 6
+STEPS = 300
+FLAGS = [
+    "--preset", "tiny", "--seq-len", "32", "--microbatch-size", "2", "--microbatches", str(M),
+    "--steps", str(STEPS), "--eval-every", "0", "--warmup-steps", "2", "--check-every", "25",
+    "--ckpt-every", "0",
+]  # fmt: skip
+
+
+def assert_invariants(reference: Path, out: Path, r: subprocess.CompletedProcess) -> None:
+    check_invariants(reference, out, r, steps=STEPS, microbatches=M)
+
+
+def cli(*args: str, env=None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "recover.cli", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or child_env(),
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dataset, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref") / "one"
+    r = finish(cli("train", *FLAGS, "--data", str(tiny_dataset), "--out", str(out)), 120)
+    assert r.returncode == 0, r.stdout
+    return out
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_replica_is_respawned_and_four_replicas_train_again(
+    reference, tiny_dataset, tmp_path
+):
+    out = tmp_path / "respawn"
+    r = finish(
+        cli("train", *FLAGS, "--data", str(tiny_dataset), "--out", str(out), "--replicas", "4",
+            "--respawn", "0", "--fault", "kill:replica=2,step=3,phase=backward,microbatch=0"),
+        150,
+    )  # fmt: skip
+    assert_invariants(reference, out, r)
+    assert "respawning replica 2" in r.stdout
+    transfers = events(out, "state_transfer")
+    assert [t["replica"] for t in transfers] == [2] and transfers[0]["bytes"] > 0
+    joined_at = transfers[0]["step"]
+    steps = committed_steps(out / "metrics.jsonl")
+    assert all(steps[s]["replicas"] == 3 for s in range(4, joined_at))
+    assert all(steps[s]["replicas"] == 4 for s in range(joined_at, STEPS))
+    finished = {e["replica"]: e["param_hash"] for e in events(out, "replica_finished")}
+    assert sorted(finished) == [0, 1, 2, 3] and len(set(finished.values())) == 1
+
+
+@pytest.mark.timeout(180)
+def test_hand_started_joiners_refused_killed_in_transfer_and_scale_up(
+    reference, tiny_dataset, tmp_path
+):
+    out = tmp_path / "join"
+    env = child_env() | {"RECOVER_TOKEN": "test-token-123"}
+    data = ["--data", str(tiny_dataset), "--out", str(out)]
+    run = cli("train", *FLAGS, *data, "--replicas", "3", env=env)
+    joiners: list[subprocess.Popen] = []
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").exists() and committed_steps(out / "metrics.jsonl"),
+                 90, "the run to start")  # fmt: skip
+        address = json.loads((out / "coordinator.json").read_text())
+        where = ["--coordinator", f"127.0.0.1:{address['port']}", *data]
+        # A joiner with another seed is refused, naming the field; one killed while receiving the
+        # state leaves the others training.
+        bad = cli("worker", *FLAGS, "--seed", "9", *where, "--replica-id", "3", env=env)
+        doomed = cli("worker", *FLAGS, *where, "--replica-id", "4",
+                     "--fault", "kill:replica=4,step=0,phase=transfer", env=env)  # fmt: skip
+        joiners += [bad, doomed]
+        refused = finish(bad, 60)
+        assert refused.returncode == 6, refused.stdout
+        assert "'seed' differs" in refused.stdout
+        assert finish(doomed, 60).returncode == -9
+        # Scale-up: a good joiner is admitted at a step boundary and trains to the end.
+        good = cli("worker", *FLAGS, *where, "--replica-id", "5", env=env)
+        joiners.append(good)
+        joined = finish(good, 120)
+        assert joined.returncode == 0, joined.stdout
+        r = finish(run, 60)
+    finally:
+        for p in [run, *joiners]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert_invariants(reference, out, r)
+    assert any(e.get("during") == "state transfer" for e in events(out, "failure_detected"))
+    assert [t["replica"] for t in events(out, "state_transfer")] == [5]
+    finished = {e["replica"]: e["param_hash"] for e in events(out, "replica_finished")}
+    assert sorted(finished) == [0, 1, 2, 5] and len(set(finished.values())) == 1
+    assert max(s["replicas"] for s in committed_steps(out / "metrics.jsonl").values()) == 4
+    assert leftover_processes(str(out)) == []
