@@ -120,7 +120,10 @@ def check_invariants(s):
     if s.status == "running":
         assert set(s.holdings) == set(s.attempt_members)
         flat = sorted(j for ids in s.holdings.values() for j in ids)
-        assert flat == list(range(s.options.microbatches))  # every id exactly once
+        if s.options.mode == "shrink":  # the baseline drops ids: each at most once
+            assert len(flat) == len(set(flat)) and set(flat) <= set(range(s.options.microbatches))
+        else:
+            assert flat == list(range(s.options.microbatches))  # every id exactly once
         assert set(s.live) <= set(s.attempt_members)
         assert s.epoch >= s.attempt_epoch
     assert list(s.live) == sorted(set(s.live))
@@ -542,3 +545,18 @@ def test_joiners_are_marked_for_state_transfer_until_their_first_step_commits():
 
 def one_view(sim):
     return view_of(sim.state)
+
+
+def test_shrink_baseline_drops_the_dead_replicas_ids_and_keeps_fixed_slots():
+    sim = Sim(mode="shrink").formed()
+    full = assign(8, [0, 1, 2, 3])
+    assert sim.state.holdings == full
+    sim.exit(3)
+    for r in (0, 1, 2):
+        sim.failed(r)
+    assert sim.state.holdings == {r: full[r] for r in (0, 1, 2)}  # nothing reassigned
+    for r in (0, 1, 2):
+        sim.done(r)
+    assert sim.state.holdings == {r: full[r] for r in (0, 1, 2)}  # the batch stays shrunk
+    with pytest.raises(ValueError, match="mode"):
+        CoordinatorOptions(expected_replicas=2, microbatches=4, mode="other")

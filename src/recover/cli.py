@@ -83,6 +83,14 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="compare parameter hashes across replicas every N steps (default: 50)",
     )
+    group.add_argument(
+        "--mode",
+        choices=("recover", "checkpoint-restart", "shrink"),
+        default="recover",
+        help="recover: survive failures in-step (default). Baselines for comparison: "
+        "checkpoint-restart (stop everything, restart from the last checkpoint) and shrink (drop "
+        "the dead replica's microbatches; the global batch shrinks)",
+    )
 
 
 def parse_faults(specs: list[str]):
@@ -249,6 +257,7 @@ def run_train(args: argparse.Namespace) -> int:
             respawn_s=args.respawn,
             max_restarts=args.max_restarts,
             balance=args.balance,
+            mode=args.mode,
         )
     except ValueError as e:
         return _error(str(e))
@@ -260,7 +269,7 @@ def run_train(args: argparse.Namespace) -> int:
         data = args.data
         if data is None:
             data = ensure_dataset(args.data_root, show_progress=sys.stderr.isatty())
-        if lcfg.replicas == 1 and not lcfg.faults:
+        if lcfg.replicas == 1 and not lcfg.faults and lcfg.mode == "recover":
             from recover.checkpoint import CheckpointError
             from recover.train import train_single
 
@@ -301,6 +310,7 @@ def run_worker_cli(args: argparse.Namespace) -> int:
             check_every=args.check_every,
             heartbeat_s=args.heartbeat,
             register_timeout_s=args.register_timeout,
+            mode=args.mode,
         )
     except ValueError as e:
         return _error(str(e))

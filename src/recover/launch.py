@@ -33,11 +33,14 @@ from typing import TextIO
 
 from recover.config import RunPaths, TrainConfig
 from recover.faults import FaultSpec, faults_for
+from recover.metrics import MetricsWriter, read_metrics
 from recover.runfolder import open_run_folder
 
 TOKEN_ENV = "RECOVER_TOKEN"
 EXPECTED_FAULT_EXITS = (17, -signal.SIGKILL, 4)  # exit fault, kill fault, evicted after a hang
 RUN_FAILURE_EXITS = {3: "quorum lost", 5: "replicas diverged"}
+RESTART = -1000  # _supervise's answer in checkpoint-restart mode: restart the whole job
+MODES = ("recover", "checkpoint-restart", "shrink")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +55,10 @@ class LaunchConfig:
     respawn_s: float | None = None  # restart a dead replica after this many seconds (None: never)
     max_restarts: int = 3  # per replica
     balance: str = "throughput"  # microbatch shares: "equal" or by measured "throughput"
+    # recover: in-step recovery (the system). Baselines for comparison: checkpoint-restart (stop
+    # everything on a failure, restart from the last checkpoint) and shrink (drop the dead
+    # replica's microbatches: the global batch shrinks).
+    mode: str = "recover"
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -66,6 +73,8 @@ class LaunchConfig:
             raise ValueError(f"--respawn must be >= 0 seconds, got {self.respawn_s}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.balance not in ("equal", "throughput"):
             raise ValueError(f"--balance must be equal or throughput, got {self.balance!r}")
         for f in self.faults:
@@ -176,8 +185,12 @@ class LocalLauncher:
                 "coordinator", "serve", "--host", "127.0.0.1", "--port", str(port),
                 "--store-port", "0", "--replicas", str(lc.replicas),
                 "--microbatches", str(self.cfg.microbatches),
-                "--min-replicas", str(lc.min_replicas), "--lease", str(lc.lease_s),
+                # checkpoint-restart: any death stops the job (the launcher then restarts it)
+                "--min-replicas",
+                str(lc.replicas if lc.mode == "checkpoint-restart" else lc.min_replicas),
+                "--lease", str(lc.lease_s),
                 "--start-deadline", str(lc.start_timeout_s), "--balance", lc.balance,
+                "--mode", "shrink" if lc.mode == "shrink" else "recover",
                 "--events", str(self.paths.metrics), "--address-file", str(address_file),
             ],
             "[coordinator] ",
@@ -185,52 +198,93 @@ class LocalLauncher:
         return "127.0.0.1", port
 
     def _start_replica(self, r: int, host: str, port: int, *, fresh: bool = False) -> None:
-        """Start replica r; `fresh` (a respawn) joins the running job: no faults, no --resume
-        (its state comes from a live replica by transfer)."""
+        """Start replica r. `fresh` (a respawn) joins the running job without --resume: its
+        state comes from a live replica by transfer. Every incarnation gets the faults of its
+        replica that have not fired yet (a schedule of several failures outlives a restart)."""
         argv = [
             "worker", "--coordinator", f"{host}:{port}", "--replica-id", str(r),
             "--data", str(self.data), "--out", str(self.paths.out),
             "--heartbeat", str(self.lcfg.heartbeat_s), "--check-every", str(self.lcfg.check_every),
-            *train_flags(self.cfg),
+            "--mode", self.lcfg.mode, *train_flags(self.cfg),
         ]  # fmt: skip
         if fresh:
             self.children.pop(f"replica {r}")  # reaped already; the slot gets the new process
-        else:
-            if self.resume:
-                argv.append("--resume")
-            for spec in faults_for(list(self.lcfg.faults), r):
-                argv += ["--fault", fault_flag(spec)]
+        elif self.resume:
+            argv.append("--resume")
+        for spec in self._pending_faults(r):
+            argv += ["--fault", fault_flag(spec)]
         self._spawn(f"replica {r}", argv, f"[replica {r}] ")
 
+    def _pending_faults(self, r: int) -> list[FaultSpec]:
+        """Faults of replica r that have not fired yet (per the run's failure_injected events)."""
+        fired = set()
+        if self.paths.metrics.exists():
+            for rec in read_metrics(self.paths.metrics):
+                if rec.get("name") == "failure_injected":
+                    fired.add(
+                        (rec.get("fault"), rec.get("replica"), rec.get("step"), rec.get("phase"))
+                    )
+        return [
+            f
+            for f in faults_for(list(self.lcfg.faults), r)
+            if f.kind == "slow" or (f.kind, f.replica, f.step, f.phase) not in fired
+        ]
+
     def run(self) -> int:
+        lc = self.lcfg
         open_run_folder(
             self.paths,
             self.cfg,
             data_info=self.data_info,
             resume=self.resume,
-            launch={"replicas": self.lcfg.replicas, "min_replicas": self.lcfg.min_replicas,
-                    "faults": [fault_flag(f) for f in self.lcfg.faults]},
+            launch={"mode": lc.mode, "replicas": lc.replicas, "min_replicas": lc.min_replicas,
+                    "faults": [fault_flag(f) for f in lc.faults]},
         )  # fmt: skip
+        self.writer = MetricsWriter(self.paths.metrics)
+        self.writer.event("launcher.started", mode=lc.mode, replicas=lc.replicas)
 
         def on_sigterm(signum, frame):  # `kill LAUNCHER` reaps the run just like Ctrl-C
             raise KeyboardInterrupt
 
         previous = signal.signal(signal.SIGTERM, on_sigterm)
+        code = 1
         try:
-            host, port = self._start_coordinator()
-            self.coordinator_address = (host, port)
-            self.say(f"coordinator at {host}:{port}; starting {self.lcfg.replicas} replicas")
-            for r in range(self.lcfg.replicas):
-                self._start_replica(r, host, port)
-            return self._supervise()
+            restarts = 0
+            while True:
+                code = self._run_job()
+                if code != RESTART:
+                    return code
+                # checkpoint-restart: what TorchElastic does on a failure. Every process goes,
+                # a fresh job starts from the last checkpoint with all R replicas.
+                self._reap_all()
+                restarts += 1
+                if restarts > lc.max_restarts:
+                    self.say(f"training failed: more than {lc.max_restarts} restarts")
+                    code = 1
+                    return code
+                self.writer.event("launcher.restarted", restart=restarts)
+                self.say(f"restarting the whole job from its last checkpoint (restart {restarts})")
+                self.resume = True
+                self.children.clear()
         except KeyboardInterrupt:
             self.say("interrupted: stopping every process")
-            return 130
+            code = 130
+            return code
         finally:
             signal.signal(signal.SIGTERM, previous)
             self._reap_all()
             for pump in self._pumps:  # every pipe is closed now: the pumps end at once
                 pump.join(timeout=2.0)
+            self.writer.event("launcher.finished", exit_status=code)
+            self.writer.close()
+
+    def _run_job(self) -> int:
+        host, port = self._start_coordinator()
+        self.coordinator_address = (host, port)
+        self.say(f"coordinator at {host}:{port}; starting {self.lcfg.replicas} replicas")
+        for r in range(self.lcfg.replicas):
+            self._start_replica(r, host, port)
+        return self._supervise()
 
     def _supervise(self) -> int:
         """Watch the replicas until every one has ended; respawn the dead if asked to."""
@@ -257,6 +311,8 @@ class LocalLauncher:
                     finishing = finishing or code == 0
                     if code != 0:
                         self.say(f"replica {r} exited with status {code}")
+                        if lc.mode == "checkpoint-restart" and not finishing:
+                            return RESTART
                         if self._may_respawn(r, incarnation[r], finishing):
                             respawn_at[r] = now + lc.respawn_s
                     continue
@@ -273,6 +329,7 @@ class LocalLauncher:
                     del respawn_at[r]
                     incarnation[r] += 1
                     self.say(f"respawning replica {r} (restart {incarnation[r]})")
+                    self.writer.event("launcher.respawned", replica=r, restart=incarnation[r])
                     self._start_replica(r, *self.coordinator_address, fresh=True)
                     running.add(r)
             if running and not respawn_at and self._only_hung_left(running, codes, wake):

@@ -149,9 +149,15 @@ class ReplicaTrainer:
             offset += n
 
     # ---- commit -------------------------------------------------------------------------------
-    def apply_commit(self, step: int, flat_sum: torch.Tensor) -> CommitStats:
-        """Apply the update of `step` from the sum over all M microbatches (flat layout)."""
-        M = self.cfg.microbatches
+    def apply_commit(
+        self, step: int, flat_sum: torch.Tensor, *, count: int | None = None
+    ) -> CommitStats:
+        """Apply the update of `step` from the sum over all M microbatches (flat layout).
+
+        `count` is the number of microbatches in the sum: M always, except in the `shrink`
+        baseline, whose global batch shrinks after a failure.
+        """
+        M = self.cfg.microbatches if count is None else count
         self._load_flat_grads(flat_sum)
         for p in self.params:
             p.grad.div_(M)

@@ -81,12 +81,20 @@ class WorkerConfig:
     outcome_timeout_s: float = 120.0  # longest wait for the coordinator's decision on a step
     heartbeat_s: float = 0.1
     collective: CollectiveConfig = field(default_factory=CollectiveConfig)
+    # recover (the system), or a baseline for comparison: checkpoint-restart (the launcher
+    # restarts the job; a replica never recovers nor checkpoints on a failure) or shrink
+    # (a redo discards the local sum; the committed step averages what was computed).
+    mode: str = "recover"
 
     def __post_init__(self) -> None:
         if self.replica_id < 0:
             raise ValueError(f"--replica-id must be >= 0, got {self.replica_id}")
         if not 0 < self.coordinator_port < 65536:
             raise ValueError(f"--coordinator port must be in 1..65535, got {self.coordinator_port}")
+        if self.mode not in ("recover", "checkpoint-restart", "shrink"):
+            raise ValueError(
+                f"--mode must be recover, checkpoint-restart or shrink, not {self.mode!r}"
+            )
         if self.check_every < 0:
             raise ValueError(f"--check-every must be >= 0, got {self.check_every}")
         for name in ("register_timeout_s", "outcome_timeout_s", "heartbeat_s"):
@@ -210,7 +218,8 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         # the lowest survivor saves it, so that --resume continues from the last committed step.
         live = client.view.live if client.view is not None else ()
         recorder.holds_pen = not live or me == min(live)
-        if recorder.holds_pen:
+        # (The checkpoint-restart baseline restarts from its last periodic checkpoint instead.)
+        if recorder.holds_pen and wcfg.mode != "checkpoint-restart":
             recorder.checkpoint(recorder.last_committed + 1, block=True)
         print(f"replica {me}: {e}", file=sys.stderr, flush=True)
         return EXIT_QUORUM_LOST
@@ -296,6 +305,9 @@ class ReplicaLoop:
                 return step
             if isinstance(outcome, Redo):
                 # The local sum (p.grad) was never touched by the reduce: it is the snapshot.
+                if self.wcfg.mode == "shrink":  # baseline: the in-flight step is discarded
+                    self.trainer.zero_local()
+                    attempt.computed.clear()
                 if attempt.t_first_fault is None:
                     attempt.t_first_fault = time.perf_counter()
                 attempt.redos += 1
@@ -317,7 +329,8 @@ class ReplicaLoop:
     def _commit(self, step: int, view, epoch: int, reduced, attempt: StepAttempt) -> None:
         recorder, me = self.recorder, self.me
         recorder.holds_pen = me == min(self.client.view.live)
-        stats = self.trainer.apply_commit(step, reduced)
+        count = sum(len(ids) for ids in view.holdings.values())  # M, but in the shrink baseline
+        stats = self.trainer.apply_commit(step, reduced, count=count)
         shares = {str(r): len(ids) for r, ids in sorted(view.holdings.items())}
         extra = {
             "epoch": epoch,
@@ -325,7 +338,7 @@ class ReplicaLoop:
             "attempts": attempt.redos + 1,
             "shares": shares,
         }
-        recorder.on_commit(stats, microbatches=self.trainer.cfg.microbatches, **extra)
+        recorder.on_commit(stats, microbatches=count, **extra)
         if attempt.t_first_fault is not None:
             seconds = time.perf_counter() - attempt.t_first_fault
             recorder.event(

@@ -43,6 +43,13 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--suspect-grace", type=float, default=0.3)
     serve.add_argument("--start-deadline", type=float, default=300.0)
     serve.add_argument(
+        "--mode",
+        choices=("recover", "shrink"),
+        default="recover",
+        help="recover: reassign a dead replica's microbatches (default); shrink: drop them (a "
+        "baseline for comparison: the global batch shrinks)",
+    )
+    serve.add_argument(
         "--balance",
         choices=("equal", "throughput"),
         default="equal",
@@ -108,6 +115,7 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             suspect_grace_s=args.suspect_grace,
             start_deadline_s=args.start_deadline,
             throughput_weights=args.balance == "throughput",
+            mode=args.mode,
         )
         return run_coordinator_process(
             options,

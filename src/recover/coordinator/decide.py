@@ -416,7 +416,10 @@ def _redo(s: CoordinatorState, out: list, survivors: list[int]) -> None:
         raise AssertionError(f"survivors {survivors} != live {s.live}")
     lost = tuple(sorted(j for r in dead for j in s.holdings[r]))
     weights = {r: s.weights[r] for r in survivors}
-    extra = reassign(lost, survivors, weights)
+    if s.options.mode == "shrink":  # baseline: the lost ids are dropped, the batch shrinks
+        extra = {r: () for r in survivors}
+    else:
+        extra = reassign(lost, survivors, weights)
     s.holdings = {r: s.holdings[r] + extra[r] for r in survivors}
     s.weights = weights
     s.attempt_epoch = s.epoch
@@ -425,14 +428,19 @@ def _redo(s: CoordinatorState, out: list, survivors: list[int]) -> None:
     moved = {r: ids for r, ids in extra.items() if ids}
     why = (
         f"redo step {t} in epoch {s.epoch}: failed attempt epoch {a}, dead {dead}, "
-        f"failed reports {failed}; {len(lost)} lost ids reassigned as {moved}"
+        f"failed reports {failed}; {len(lost)} lost ids "
+        + (f"reassigned as {moved}" if s.options.mode != "shrink" else "dropped (shrink baseline)")
     )
     out.append(Redo(step=t, epoch=s.epoch, lost=lost, reassigned=moved, reason=why))
 
 
 def _new_attempt(s: CoordinatorState) -> None:
     s.weights = _weights(s, s.live)
-    s.holdings = assign(s.options.microbatches, s.live, s.weights)
+    if s.options.mode == "shrink":  # baseline: fixed slots of a full job; dead slots are dropped
+        slots = assign(s.options.microbatches, range(s.options.expected_replicas))
+        s.holdings = {r: slots.get(r, ()) for r in s.live}
+    else:
+        s.holdings = assign(s.options.microbatches, s.live, s.weights)
     s.attempt_epoch = s.epoch
     s.attempt_members = s.live
     s.reports, s.param_hashes = {}, {}

@@ -72,6 +72,10 @@ class CoordinatorOptions:
     start_deadline_s: float = 300.0  # forming gives up (or starts with >= min_replicas) after this
     throughput_weights: bool = False  # weight shares by measured throughput instead of equally
     throughput_ema_alpha: float = 0.3  # weight of the newest sample in the throughput average
+    # "recover": lost ids are reassigned (the constant-batch invariant). "shrink" is a baseline
+    # for comparison only (torchft's semantics): a dead replica's ids are dropped, each replica
+    # keeps the fixed slot of ids it had in a full job, so the global batch shrinks.
+    mode: str = "recover"
 
     def __post_init__(self) -> None:
         for name in ("expected_replicas", "microbatches", "min_replicas"):
@@ -88,6 +92,8 @@ class CoordinatorOptions:
         if not isinstance(self.throughput_weights, bool):
             raise ValueError(f"throughput_weights must be a bool, got {self.throughput_weights!r}")
         _positive("throughput_ema_alpha", self.throughput_ema_alpha)
+        if self.mode not in ("recover", "shrink"):
+            raise ValueError(f"mode must be recover or shrink, got {self.mode!r}")
         if self.throughput_ema_alpha > 1:
             raise ValueError(
                 f"throughput_ema_alpha must be in (0, 1], got {self.throughput_ema_alpha!r}"
