@@ -226,7 +226,7 @@ def test_validation_of_a_shrink_run(tmp_path):
 
 
 def test_cli_writes_all_figures(tmp_path, capsys):
-    from recover.simulate.cli import main
+    from recover.cli import main
 
     code = main(["simulate", "--out", str(tmp_path), "--scales", "512,4096", "--seeds", "1",
                  "--horizon-days", "1", "--mtbf-hours", "1,8", "--no-plots"])  # fmt: skip

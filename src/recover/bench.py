@@ -246,44 +246,289 @@ def format_recovery_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---- rejoin ---------------------------------------------------------------------------------
+
+# Per preset: (M, B, T, steps) sized so that the run outlives a respawned joiner's start-up on
+# 2 CPU cores (a joiner imports torch and builds its model before it can join).
+REJOIN_SHAPES = {
+    "tiny": (6, 2, 32, 300),
+    "small": (6, 4, 64, 120),
+    "medium": (3, 2, 64, 40),
+    "gpt2-124m": (3, 1, 64, 16),
+}
+REJOIN_KILL_STEP = 2
+
+
+def rejoin_figures(out: Path) -> dict:
+    """Transfer size and time, and seconds from the respawn to the joiner's first commit."""
+    records = list(read_metrics(out / "metrics.jsonl"))
+    respawned = next(r for r in records if r.get("name") == "launcher.respawned")
+    transfer = next(r for r in records if r.get("name") == "state_transfer")
+    first_commit = min(
+        r["t_wall"]
+        for r in records
+        if r.get("name") == "coordinator.committed" and r["t_wall"] > transfer["t_wall"]
+    )
+    return {
+        "transfer_bytes": transfer["bytes"],
+        "transfer_s": transfer["seconds"],
+        "start_to_first_commit_s": first_commit - respawned["t_wall"],
+    }
+
+
+def bench_rejoin(args: argparse.Namespace) -> dict:
+    from recover.config import TrainConfig
+    from recover.data.prepare import ensure_dataset
+    from recover.launch import train_flags
+
+    data = (
+        Path(args.data) if args.data else ensure_dataset(Path(args.data_root), show_progress=False)
+    )
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in args.preset.split(","):
+            if preset not in REJOIN_SHAPES:
+                raise ValueError(f"--preset {preset!r}: rejoin knows {', '.join(REJOIN_SHAPES)}")
+            M, B, T, steps = REJOIN_SHAPES[preset]
+            cfg = TrainConfig(preset=preset, steps=args.steps or steps, microbatches=M,
+                              microbatch_size=B, seq_len=T, eval_every=0, ckpt_every=0,
+                              warmup_steps=1)  # fmt: skip
+            flags = [*train_flags(cfg), "--replicas", str(args.replicas), "--data", str(data),
+                     "--respawn", "0", "--fault",
+                     f"kill:replica={args.replicas - 1},step={REJOIN_KILL_STEP},phase=backward"]  # fmt: skip
+            figures = []
+            for i in range(args.repeats):
+                out = run_recover(flags, Path(tmp) / f"{preset}-{i}", timeout_s=args.timeout)
+                figures.append(rejoin_figures(out))
+            row = {"preset": preset, "microbatches": M, "microbatch_size": B, "seq_len": T}
+            for key in figures[0]:
+                row[key] = statistics.median(f[key] for f in figures)
+            rows.append(row)
+            print(f"  {preset:<10} state {row['transfer_bytes'] / 2**20:.1f} MiB in "
+                  f"{row['transfer_s']:.3f} s; joiner start -> first commit "
+                  f"{row['start_to_first_commit_s']:.2f} s", flush=True)  # fmt: skip
+    print(format_rejoin_table(rows))
+    return {
+        "benchmark": "rejoin",
+        "method": f"{args.replicas} replicas; the last is SIGKILLed at step {REJOIN_KILL_STEP} and "
+        "respawned at once (--respawn 0); transfer = the joiner's state_transfer event; start -> "
+        "first commit = from the launcher's respawn to the first commit after the transfer "
+        f"(includes process start and torch import); median of {args.repeats}",
+        "machine": machine_info(),
+        "rows": rows,
+    }
+
+
+def format_rejoin_table(rows: list[dict]) -> str:
+    lines = [
+        "| preset | state transferred | transfer time (s) | joiner start -> first commit (s) |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['preset']} | {r['transfer_bytes'] / 2**20:.1f} MiB | {r['transfer_s']:.3f} | "
+            f"{r['start_to_first_commit_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+# ---- balance ---------------------------------------------------------------------------------
+
+
+def bench_balance(args: argparse.Namespace) -> dict:
+    """A straggler (`slow` fault, factor 3) under equal shares and under throughput-aware shares."""
+    _, cfg, flags = _bench_setup(args)
+    slow = ["--fault", f"slow:replica={args.replicas - 1},step=1,factor=3"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for balance in ("equal", "throughput"):
+            times, shares = [], []
+            for i in range(args.repeats):
+                out = run_recover([*flags, *slow, "--balance", balance],
+                                  Path(tmp) / f"{balance}-{i}", timeout_s=args.timeout)  # fmt: skip
+                times.append(median_step_s(out))
+                last = committed_steps(out / "metrics.jsonl")[cfg.steps - 1]
+                shares.append(last["shares"][str(args.replicas - 1)])
+            row = {
+                "balance": balance,
+                "median_step_s": statistics.median(times),
+                "straggler_share": statistics.median(shares),
+                "fair_share": cfg.microbatches / args.replicas,
+            }
+            rows.append(row)
+            print(f"  {balance:<10} median step {row['median_step_s']:.3f} s, straggler holds "
+                  f"{row['straggler_share']:g} of {cfg.microbatches} microbatches", flush=True)  # fmt: skip
+    speedup = rows[0]["median_step_s"] / rows[1]["median_step_s"]
+    print(f"throughput-aware shares: step time x{1 / speedup:.2f} of equal shares "
+          f"({speedup:.2f}x faster)")  # fmt: skip
+    return {
+        "benchmark": "balance",
+        "method": f"{args.replicas} replicas, replica {args.replicas - 1} slowed 3x from step 1; "
+        f"median step time after {WARMUP_STEPS} steps; share = microbatches it held at the last "
+        f"step; median of {args.repeats} runs per setting",
+        "config": {**cfg.to_dict(), "replicas": args.replicas},
+        "machine": machine_info(),
+        "rows": rows,
+        "speedup": speedup,
+    }
+
+
+# ---- compare: every mode on the same work ---------------------------------------------------
+
+
+def parse_schedule(text: str, *, replicas: int) -> list[str]:
+    """`every=N,count=K[,phase=P]` -> K kill faults at steps N, 2N, ..., replicas 1, 2, ... in turn
+    (replica 0 too when there is no other). Explicit `--fault` specs may be given instead."""
+    fields = dict(item.split("=", 1) for item in text.split(",") if "=" in item)
+    try:
+        every, count = int(fields["every"]), int(fields["count"])
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"--faults {text!r}: expected every=N,count=K[,phase=P], e.g. every=5,count=3"
+        ) from None
+    phase = fields.get("phase", "backward")
+    if every < 1 or count < 1:
+        raise ValueError("--faults: every and count must be >= 1")
+    specs = []
+    for i in range(count):
+        victim = 1 + i % (replicas - 1) if replicas > 1 else 0
+        spec = f"kill:replica={victim},step={every * (i + 1)},phase={phase}"
+        if phase in ("forward", "backward"):
+            spec += ",microbatch=0"
+        specs.append(spec)
+    return specs
+
+
+def bench_compare(args: argparse.Namespace) -> dict:
+    from recover.report import build_table, write_report
+
+    _, cfg, flags = _bench_setup(args)
+    faults = parse_schedule(args.faults, replicas=args.replicas)
+    last_fault = max(int(f.split("step=")[1].split(",")[0]) for f in faults)
+    if last_fault >= cfg.steps:
+        raise ValueError(
+            f"--steps {cfg.steps} ends before the last scheduled failure ({last_fault})"
+        )
+    fault_flags = [a for f in faults for a in ("--fault", f)]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    modes = {
+        "failure-free": [],
+        "recover": [*fault_flags, "--respawn", "0"],
+        "checkpoint-restart": [*fault_flags, "--mode", "checkpoint-restart",
+                               "--ckpt-every", str(args.ckpt_every)],
+        "shrink": [*fault_flags, "--mode", "shrink", "--respawn", "0"],
+    }  # fmt: skip
+    runs: dict[str, Path] = {}
+    for name, extra in modes.items():
+        run = out_dir / "runs" / name
+        if run.exists():
+            raise ValueError(f"{run} exists: choose a new --out for a new comparison")
+        print(f"  running {name} ...", flush=True)
+        t0 = time.perf_counter()
+        # (flags given twice, like --ckpt-every, take their last value)
+        runs[name] = run_recover([*flags, *extra], run, timeout_s=args.timeout)
+        print(f"  {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    rows = build_table(runs, reference="failure-free")
+    write_report(rows, out_dir, runs)
+    return {
+        "benchmark": "compare",
+        "method": "every mode runs the same model, data, seed, M and fault schedule in one "
+        "session on this machine; figures are computed from each run's metrics.jsonl",
+        "faults": faults,
+        "config": {**cfg.to_dict(), "replicas": args.replicas},
+        "machine": machine_info(),
+        "rows": rows,
+    }
+
+
 def add_bench_parser(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks (overhead, recovery)")
+    bench = subparsers.add_parser("bench", help="benchmarks (overhead, recovery, rejoin, compare)")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     for name, helptext, defaults in (
         ("overhead", "failure-free overhead against a plain data-parallel loop",
-         dict(preset="small", replicas=4, steps=20, repeats=3)),
+         dict(preset="small", replicas=4, steps=30, repeats=5)),
         ("recovery", "seconds from a kill to the next commit, per phase",
          dict(preset="tiny", replicas=4, steps=12, repeats=3)),
+        ("rejoin", "state transfer and time to a joiner's first commit, per preset",
+         dict(preset="tiny,small,gpt2-124m", replicas=3, steps=0, repeats=1)),
+        ("balance", "a straggler under equal and under throughput-aware shares",
+         dict(preset="tiny", replicas=3, steps=40, repeats=3)),
+        ("compare", "every mode (recover, checkpoint-restart, shrink) on the same work and faults",
+         dict(preset="small", replicas=4, steps=30, repeats=1)),
     ):  # fmt: skip
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--preset", default=defaults["preset"])
+        p.add_argument(
+            "--preset",
+            default=defaults["preset"],
+            help=f"model preset (default: {defaults['preset']})",
+        )
         p.add_argument("--replicas", type=int, default=defaults["replicas"])
-        p.add_argument("--steps", type=int, default=defaults["steps"])
+        p.add_argument(
+            "--steps",
+            type=int,
+            default=defaults["steps"],
+            help="steps per run (rejoin: 0 = chosen per preset)",
+        )
         p.add_argument("--repeats", type=int, default=defaults["repeats"])
         p.add_argument("--microbatches", type=int, default=8)
         p.add_argument("--microbatch-size", type=int, default=8)
         p.add_argument("--seq-len", type=int, default=128)
         p.add_argument("--data", default=None, help="dataset folder (default: the built-in corpus)")
         p.add_argument("--data-root", default="data")
-        p.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
+        p.add_argument("--timeout", type=float, default=900.0, help="per run, seconds")
         p.add_argument(
             "--json",
             default=f"bench-{name}.json",
             metavar="PATH",
             help=f"where to write the result (default: bench-{name}.json)",
         )
+        if name == "compare":
+            p.add_argument(
+                "--faults",
+                default="every=5,count=3",
+                metavar="SCHEDULE",
+                help="every=N,count=K[,phase=P]: K kills, one every N steps "
+                "(default: every=5,count=3, the paper's density)",
+            )
+            p.add_argument(
+                "--ckpt-every",
+                type=int,
+                default=5,
+                help="checkpoint interval of the checkpoint-restart mode (default: 5)",
+            )
+            p.add_argument(
+                "--out",
+                default="bench-compare",
+                metavar="DIR",
+                help="run folders, compare.json/.md and plots (default: bench-compare)",
+            )
+    # fmt: on
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    for name in ("replicas", "steps", "repeats", "microbatches", "microbatch_size", "seq_len"):
+    for name in ("replicas", "repeats", "microbatches", "microbatch_size", "seq_len"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
-    if args.bench_command == "recovery" and args.replicas < 2:
+    if args.steps < (0 if args.bench_command == "rejoin" else 1):
+        print("error: --steps must be >= 1", file=sys.stderr)
+        return 2
+    if args.bench_command != "overhead" and args.replicas < 2:
         print("error: --replicas must be >= 2 to survive a kill", file=sys.stderr)
         return 2
-    fn = bench_overhead if args.bench_command == "overhead" else bench_recovery
-    result = fn(args)
+    fn = {
+        "overhead": bench_overhead,
+        "recovery": bench_recovery,
+        "rejoin": bench_rejoin,
+        "balance": bench_balance,
+        "compare": bench_compare,
+    }[args.bench_command]
+    try:
+        result = fn(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"wrote {args.json}")
     return 0

@@ -224,10 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
     from recover.bench import add_bench_parser
     from recover.coordinator.cli import add_coordinator_parser
     from recover.data.cli import add_prepare_parser
+    from recover.simulate.cli import add_simulate_parser
 
     add_prepare_parser(sub)
     add_coordinator_parser(sub)
     add_bench_parser(sub)
+    add_simulate_parser(sub)
     return parser
 
 

@@ -194,14 +194,3 @@ def run_simulate(args: argparse.Namespace) -> int:
         if why:
             print(why)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run `recover simulate` without the top-level CLI (until it is wired there)."""
-    parser = argparse.ArgumentParser(prog="recover")
-    add_simulate_parser(parser.add_subparsers(dest="command", required=True))
-    return run_simulate(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
