@@ -179,7 +179,7 @@ def test_quorum_lost_stops_cleanly_and_resume_continues_the_trajectory(
     assert_invariants(reference, out, r)
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigkill"])
 def test_interrupting_the_launcher_leaves_no_process_behind(how, tiny_dataset, tmp_path):
     import signal
     import time
@@ -200,9 +200,15 @@ def test_interrupting_the_launcher_leaves_no_process_behind(how, tiny_dataset, t
         assert committed_steps(out / "metrics.jsonl"), "training never started"
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-        else:
+        elif how == "sigterm":
             proc.terminate()  # the launcher alone
+        else:
+            proc.kill()  # the launcher alone, with no chance to clean up
         code = proc.wait(timeout=30)
+        # Children of a SIGKILLed launcher get their parent-death signal and exit promptly.
+        deadline = time.monotonic() + 15
+        while leftover_processes(str(out)) and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -117,8 +117,12 @@ def test_hand_started_joiners_refused_killed_in_transfer_and_scale_up(
     finally:
         for p in [run, *joiners]:
             if p.poll() is None:
-                p.kill()
-                p.wait()
+                p.terminate()  # the launcher reaps its children on SIGTERM
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
     assert_invariants(reference, out, r)
     assert any(e.get("during") == "state transfer" for e in events(out, "failure_detected"))
     assert [t["replica"] for t in events(out, "state_transfer")] == [5]

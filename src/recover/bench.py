@@ -152,6 +152,7 @@ def run_plain(cfg_dict: dict, data: Path, replicas: int, *, timeout_s: float) ->
 
 def bench_overhead(args: argparse.Namespace) -> dict:
     data, cfg, flags = _bench_setup(args)
+    flags = [*flags, "--balance", "equal"]  # the plain loop's plan: equal contiguous shares
     pairs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
@@ -400,7 +401,7 @@ def parse_schedule(text: str, *, replicas: int) -> list[str]:
 
 
 def bench_compare(args: argparse.Namespace) -> dict:
-    from recover.report import build_table, write_report
+    from recover.report import build_table, format_markdown, write_report
 
     _, cfg, flags = _bench_setup(args)
     faults = parse_schedule(args.faults, replicas=args.replicas)
@@ -429,9 +430,14 @@ def bench_compare(args: argparse.Namespace) -> dict:
         # (flags given twice, like --ckpt-every, take their last value)
         runs[name] = run_recover([*flags, *extra], run, timeout_s=args.timeout)
         print(f"  {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    torchft_note = _maybe_run_torchft(args, cfg, faults, out_dir, runs)
     rows = build_table(runs, reference="failure-free")
     write_report(rows, out_dir, runs)
+    print(format_markdown(rows))
+    if torchft_note:
+        print(torchft_note)
     return {
+        "torchft": torchft_note or "run",
         "benchmark": "compare",
         "method": "every mode runs the same model, data, seed, M and fault schedule in one "
         "session on this machine; figures are computed from each run's metrics.jsonl",
@@ -440,6 +446,32 @@ def bench_compare(args: argparse.Namespace) -> dict:
         "machine": machine_info(),
         "rows": rows,
     }
+
+
+def _maybe_run_torchft(args, cfg, faults, out_dir: Path, runs: dict) -> str | None:
+    """Run the real torchft on the same work when it is installed (the `torchft` extra)."""
+    from recover.data.prepare import ensure_dataset
+    from recover.torchft_harness import (
+        TorchftHarnessConfig,
+        TorchftUnavailable,
+        require_torchft,
+        run_torchft,
+    )
+
+    try:
+        require_torchft()
+    except TorchftUnavailable as e:
+        return f"torchft skipped: {e}"
+    data = (
+        Path(args.data) if args.data else ensure_dataset(Path(args.data_root), show_progress=False)
+    )
+    run = out_dir / "runs" / "torchft"
+    print("  running torchft ...", flush=True)
+    hcfg = TorchftHarnessConfig(replicas=args.replicas, faults=tuple(faults))
+    if run_torchft(cfg, hcfg, data=data, out=run, log=lambda *a: None) != 0:
+        return "torchft run failed (see its run folder)"
+    runs["torchft"] = run
+    return None
 
 
 def add_bench_parser(subparsers) -> None:

@@ -343,9 +343,28 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0 if result.passes(args.rtol) else 1
 
 
+def die_with_launcher() -> None:
+    """In a process started by the local launcher: die when the launcher dies, even by SIGKILL
+    (Linux parent-death signal), so that no replica or coordinator is ever left orphaned."""
+    import os
+    import signal
+
+    launcher = os.environ.get("RECOVER_LAUNCHER_PID")
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != int(launcher):  # it died before the signal was armed
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("worker", "coordinator"):
+        die_with_launcher()
     if args.command == "train":
         return run_train(args)
     if args.command == "compare":

@@ -151,6 +151,7 @@ class LocalLauncher:
     def _spawn(self, name: str, argv: list[str], prefix: str) -> subprocess.Popen:
         env = dict(os.environ)
         env[TOKEN_ENV] = self.token  # never on the command line, where `ps` would show it
+        env["RECOVER_LAUNCHER_PID"] = str(os.getpid())  # children die with the launcher
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
         proc = subprocess.Popen(
