@@ -68,7 +68,7 @@ def test_checkpoints_are_atomic_verified_and_pruned(tmp_path):
         writer.save(step, {"step": step, "w": torch.full((4,), float(step))})
     writer.close()
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3]
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not list(tmp_path.glob("*.tmp*"))
     state = read_checkpoint(list_checkpoints(tmp_path)[-1][1])
     assert state["step"] == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
     path = list_checkpoints(tmp_path)[-1][1]

@@ -69,7 +69,8 @@ def write_checkpoint(path: Path, state: dict) -> None:
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()
-    tmp = path.with_name(path.name + ".tmp")
+    # One temporary name per process: two replicas saving the same state race harmlessly.
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(tmp, "wb") as f:
         f.write(MAGIC)

@@ -309,7 +309,9 @@ class LocalLauncher:
                 if code is not None:
                     running.discard(r)
                     codes.append((r, incarnation[r], code))
-                    finishing = finishing or code == 0
+                    # A finished replica, or a run stopped for good (quorum lost, divergence):
+                    # nobody is respawned any more.
+                    finishing = finishing or code == 0 or code in RUN_FAILURE_EXITS
                     if code != 0:
                         self.say(f"replica {r} exited with status {code}")
                         if lc.mode == "checkpoint-restart" and not finishing:

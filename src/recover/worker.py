@@ -105,7 +105,8 @@ class WorkerConfig:
 def parameter_hash(trainer) -> str:
     """A cheap, exact fingerprint of the parameters (sha256 of their bytes, first 16 hex)."""
     flat = trainer.flat_parameters()
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+    # hashlib reads the array through the buffer protocol (no copy) and releases the GIL.
+    return hashlib.sha256(flat.numpy()).hexdigest()[:16]
 
 
 def fingerprint(cfg: TrainConfig, dataset: TokenDataset) -> dict:
