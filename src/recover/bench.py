@@ -378,22 +378,27 @@ def bench_balance(args: argparse.Namespace) -> dict:
 
 
 def parse_schedule(text: str, *, replicas: int) -> list[str]:
-    """`every=N,count=K[,phase=P]` -> K kill faults at steps N, 2N, ..., replicas 1, 2, ... in turn
-    (replica 0 too when there is no other). Explicit `--fault` specs may be given instead."""
+    """`every=N,count=K[,offset=O][,phase=P]` -> K kill faults at steps N+O, 2N+O, ...,
+    replicas 1, 2, ... in turn. The offset (default N // 2) puts a failure in the middle of a
+    checkpoint interval when --ckpt-every equals N: the expected case for a failure that strikes at
+    a random time (half an interval of work lost), not the lucky case of a failure right after a
+    checkpoint."""
     fields = dict(item.split("=", 1) for item in text.split(",") if "=" in item)
     try:
         every, count = int(fields["every"]), int(fields["count"])
+        offset = int(fields.get("offset", every // 2))
     except (KeyError, ValueError):
         raise ValueError(
-            f"--faults {text!r}: expected every=N,count=K[,phase=P], e.g. every=5,count=3"
+            f"--faults {text!r}: expected every=N,count=K[,offset=O][,phase=P], e.g. "
+            "every=5,count=3"
         ) from None
     phase = fields.get("phase", "backward")
-    if every < 1 or count < 1:
-        raise ValueError("--faults: every and count must be >= 1")
+    if every < 1 or count < 1 or offset < 0:
+        raise ValueError("--faults: every and count must be >= 1, offset >= 0")
     specs = []
     for i in range(count):
         victim = 1 + i % (replicas - 1) if replicas > 1 else 0
-        spec = f"kill:replica={victim},step={every * (i + 1)},phase={phase}"
+        spec = f"kill:replica={victim},step={every * (i + 1) + offset},phase={phase}"
         if phase in ("forward", "backward"):
             spec += ",microbatch=0"
         specs.append(spec)
@@ -413,12 +418,16 @@ def bench_compare(args: argparse.Namespace) -> dict:
     fault_flags = [a for f in faults for a in ("--fault", f)]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # recover runs twice: the survivors carrying on alone, and with the dead replaced at once
+    # (--respawn 0). Here a respawned process starts on the same 2 cores as the survivors and its
+    # start-up (torch import, model build) slows them; on a cluster it starts on another node.
     modes = {
         "failure-free": [],
-        "recover": [*fault_flags, "--respawn", "0"],
+        "recover": list(fault_flags),
+        "recover+respawn": [*fault_flags, "--respawn", "0"],
         "checkpoint-restart": [*fault_flags, "--mode", "checkpoint-restart",
                                "--ckpt-every", str(args.ckpt_every)],
-        "shrink": [*fault_flags, "--mode", "shrink", "--respawn", "0"],
+        "shrink": [*fault_flags, "--mode", "shrink"],
     }  # fmt: skip
     runs: dict[str, Path] = {}
     for name, extra in modes.items():
