@@ -89,7 +89,10 @@ def measure_run(run: Path, *, skip: int = SKIP_STEPS) -> dict:
              if first <= k < clean_end and s.get("attempts", 1) == 1]  # fmt: skip
     if not clean:
         raise ValueError(f"{run}: no failure-free step after step {skip} to calibrate on")
+    restarts = _measured_restarts(run, statistics.median(clean))
     return {
+        "restart_detect_s": restarts[0],
+        "restart_s": restarts[1],
         "mode": _run_mode(config),
         "replicas": int(config.get("launch", {}).get("replicas", 1)),
         "microbatches": int(train["microbatches"]),
@@ -104,6 +107,32 @@ def measure_run(run: Path, *, skip: int = SKIP_STEPS) -> dict:
         "fail_phase": injected[0].get("phase") if injected else None,
         "fail_microbatch": injected[0].get("microbatch") if injected else None,
     }
+
+
+def _measured_restarts(
+    run: Path, steps: dict, clean_step_s: float
+) -> tuple[float, float] | tuple[None, None]:
+    """checkpoint-restart runs: (failure -> the launcher's restart, restart -> job running again),
+    medians over the run's restarts; the second is the first commit after the restart less one
+    step. These are the run's own measured costs, which the validation feeds to the model."""
+    records = list(read_metrics(run / "metrics.jsonl"))
+    restarts = [r["t_wall"] for r in records if r.get("name") == "launcher.restarted"]
+    if not restarts:
+        return None, None
+    kills = [r["t_wall"] for r in records if r.get("name") == "failure_injected"]
+    commits = sorted(r["t_wall"] for r in records if r.get("kind") == "step")
+    detect, back = [], []
+    for t in restarts:
+        before = [k for k in kills if k <= t]
+        if before:
+            detect.append(t - max(before))
+        after = [c for c in commits if c > t]
+        if after:
+            back.append(max(0.0, min(after) - t - clean_step_s))
+    return (
+        statistics.median(detect) if detect else None,
+        statistics.median(back) if back else None,
+    )
 
 
 def _phase_fraction(phase: str | None, microbatch: int | None, quota: int) -> float:
@@ -129,6 +158,10 @@ def validate_run(run: Path, costs: Costs, *, mode: str | None = None, cpu_cores:
                     step_overhead_s=0.0)  # fmt: skip
     if mode == "checkpoint-restart" and costs.ckpt_interval_s is None and m["ckpt_every"] > 0:
         costs = replace(costs, ckpt_interval_s=m["ckpt_every"] * m["clean_step_s"])
+    if mode == "checkpoint-restart" and m["restart_s"] is not None:
+        # the run's own restart costs; its checkpoints are asynchronous (no blocking part)
+        costs = replace(costs, restart_s=m["restart_s"], detect_s=m["restart_detect_s"] or 0.0,
+                        ckpt_s=0.0)  # fmt: skip
     shape = JobShape(replicas=r, gpus_per_replica=1, microbatches=big_m,
                      tokens_per_microbatch=m["tokens_per_microbatch"])  # fmt: skip
     failures = StepFailures(
