@@ -360,35 +360,28 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
+# command -> (module, function): handlers are imported on use, so `recover train` never pays
+# for the simulator's imports and the launcher path stays torch-free.
+HANDLERS = {
+    "train": ("recover.cli", "run_train"),
+    "compare": ("recover.cli", "run_compare"),
+    "worker": ("recover.cli", "run_worker_cli"),
+    "coordinator": ("recover.coordinator.cli", "run_coordinator_cli"),
+    "simulate": ("recover.simulate.cli", "run_simulate"),
+    "bench": ("recover.bench", "run_bench"),
+    "prepare": ("recover.data.cli", "run_prepare"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    from importlib import import_module
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("worker", "coordinator"):
         die_with_launcher()
-    if args.command == "train":
-        return run_train(args)
-    if args.command == "compare":
-        return run_compare(args)
-    if args.command == "worker":
-        return run_worker_cli(args)
-    if args.command == "coordinator":
-        from recover.coordinator.cli import run_coordinator_cli
-
-        return run_coordinator_cli(args)
-    if args.command == "simulate":
-        from recover.simulate.cli import run_simulate
-
-        return run_simulate(args)
-    if args.command == "bench":
-        from recover.bench import run_bench
-
-        return run_bench(args)
-    if args.command == "prepare":
-        from recover.data.cli import run_prepare
-
-        return run_prepare(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    module, function = HANDLERS[args.command]
+    return getattr(import_module(module), function)(args)
 
 
 if __name__ == "__main__":
