@@ -109,9 +109,7 @@ def measure_run(run: Path, *, skip: int = SKIP_STEPS) -> dict:
     }
 
 
-def _measured_restarts(
-    run: Path, steps: dict, clean_step_s: float
-) -> tuple[float, float] | tuple[None, None]:
+def _measured_restarts(run: Path, clean_step_s: float) -> tuple[float, float] | tuple[None, None]:
     """checkpoint-restart runs: (failure -> the launcher's restart, restart -> job running again),
     medians over the run's restarts; the second is the first commit after the restart less one
     step. These are the run's own measured costs, which the validation feeds to the model."""
