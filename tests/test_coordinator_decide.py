@@ -57,11 +57,9 @@ class Sim:
             Register(replica_id=r, incarnation=inc, fingerprint=fp, next_step=next_step)
         )
 
-    def hb(self, r, epoch=None, throughput=None):
+    def hb(self, r, epoch=None):
         e = self.state.epoch if epoch is None else epoch
-        return self.send(
-            Heartbeat(replica_id=r, incarnation=self.inc[r], epoch=e, throughput=throughput)
-        )
+        return self.send(Heartbeat(replica_id=r, incarnation=self.inc[r], epoch=e))
 
     def hb_all(self, but=()):
         for r in self.state.live:
@@ -71,7 +69,7 @@ class Sim:
     def tick(self, dt):
         return self.send(Tick(), dt)
 
-    def done(self, r, step=None, epoch=None, h=None):
+    def done(self, r, step=None, epoch=None, h=None, throughput=None):
         s = self.state
         return self.send(
             ReportDone(
@@ -80,6 +78,7 @@ class Sim:
                 step=s.step if step is None else step,
                 epoch=s.attempt_epoch if epoch is None else epoch,
                 param_hash=h,
+                throughput=throughput,
             )
         )
 
@@ -426,14 +425,17 @@ def test_everyone_leaving_finishes_without_quorum_loss():
 
 def test_throughput_weights_and_joiners_start_at_the_median():
     sim = Sim(expected_replicas=3, microbatches=12, throughput_weights=True).formed(n=3)
-    for r, tp in ((0, 1.0), (1, 1.0), (2, 2.0)):
-        sim.hb(r, throughput=tp)
     sim.reg(5)
-    for r in range(3):
-        sim.done(r)
+    for r, tp in ((0, 1.0), (1, 1.0), (2, 2.0)):
+        sim.done(r, throughput=tp)  # one sample per replica per step, with its report
     s = sim.state
     assert s.weights == {0: 1.0, 1: 1.0, 2: 2.0, 5: 1.0}
     assert [len(s.holdings[r]) for r in (0, 1, 2, 5)] == [3, 2, 5, 2]
+    # The next samples fold into a moving average (alpha 0.3 by default), not a replacement.
+    for r, tp in ((0, 1.0), (1, 1.0), (2, 1.0), (5, 1.0)):
+        sim.done(r, throughput=tp)
+    assert sim.state.weights[2] == pytest.approx(0.3 * 1.0 + 0.7 * 2.0)
+    assert sim.state.weights[1] == 1.0
 
 
 def test_decide_never_mutates_its_input():

@@ -130,6 +130,11 @@ class StepAttempt:
     computed: set[int] = field(default_factory=set)
     redos: int = 0
     t_first_fault: float | None = None
+    compute_s: float = 0.0  # seconds spent computing this replica's microbatches of the step
+
+    def throughput(self) -> float | None:
+        """Microbatches per second over the step so far; None before any was computed."""
+        return len(self.computed) / self.compute_s if self.computed and self.compute_s > 0 else None
 
 
 def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None = sys.stdout) -> int:
@@ -292,7 +297,9 @@ class ReplicaLoop:
             if reduced is not None:
                 check = self.wcfg.check_every and step % self.wcfg.check_every == 0
                 phash = parameter_hash(self.trainer) if check else None
-                self.client.report_done(step=step, epoch=epoch, param_hash=phash)
+                self.client.report_done(
+                    step=step, epoch=epoch, param_hash=phash, throughput=attempt.throughput()
+                )
                 self.injector("commit", step, None)
             outcome = self.client.wait_outcome(
                 step=step, epoch=epoch, deadline_s=self.wcfg.outcome_timeout_s
@@ -309,6 +316,7 @@ class ReplicaLoop:
                 if self.wcfg.mode == "shrink":  # baseline: the in-flight step is discarded
                     self.trainer.zero_local()
                     attempt.computed.clear()
+                    attempt.compute_s = 0.0
                 if attempt.t_first_fault is None:
                     attempt.t_first_fault = time.perf_counter()
                 attempt.redos += 1
@@ -324,8 +332,8 @@ class ReplicaLoop:
         t0 = time.perf_counter()
         self.trainer.compute_microbatches(step, todo, first_index=len(attempt.computed))
         attempt.computed.update(todo)
-        if todo:  # feeds the coordinator's throughput-aware plans
-            self.client.set_throughput(len(todo) / max(time.perf_counter() - t0, 1e-9))
+        if todo:  # reported with `done`: feeds the coordinator's throughput-aware plans
+            attempt.compute_s += time.perf_counter() - t0
 
     def _commit(self, step: int, view, epoch: int, reduced, attempt: StepAttempt) -> None:
         recorder, me = self.recorder, self.me

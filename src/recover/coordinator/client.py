@@ -169,7 +169,6 @@ class CoordinatorClient:
         self._store_address: tuple[str, int] | None = None
         self._evicted: str | None = None
         self._unreachable: str | None = None
-        self._throughput: float | None = None
         self._fingerprint: dict[str, Any] = {}
         self._next_step = 0
         self._stop = threading.Event()
@@ -189,10 +188,6 @@ class CoordinatorClient:
     @property
     def evicted(self) -> bool:
         return self._evicted is not None
-
-    def set_throughput(self, microbatches_per_s: float) -> None:
-        """Reported with the next heartbeats (feeds the throughput weights)."""
-        self._throughput = float(microbatches_per_s)
 
     # ------------------------------------------------------------ API of the training loop
 
@@ -253,8 +248,18 @@ class CoordinatorClient:
             if not reply.get("timeout"):
                 return self._raise_status(self.view)
 
-    def report_done(self, *, step: int, epoch: int, param_hash: str | None = None) -> None:
+    def report_done(
+        self,
+        *,
+        step: int,
+        epoch: int,
+        param_hash: str | None = None,
+        throughput: float | None = None,
+    ) -> None:
+        """`throughput`: microbatches per second measured in this attempt (feeds the weights)."""
         req = {"kind": "done", "step": step, "epoch": epoch, "param_hash": param_hash}
+        if throughput is not None:
+            req["throughput"] = float(throughput)
         self._raise_refusal(self._rpc_call(self._member(req)))
 
     def report_failed(self, *, step: int, epoch: int, suspects: list[int], reason: str) -> None:
@@ -376,8 +381,6 @@ class CoordinatorClient:
             view = self.view
             req = {"kind": "heartbeat", "epoch": view.epoch if view else 0}
             req["view_version"] = view.version if view else -1
-            if self._throughput is not None:
-                req["throughput"] = self._throughput
             try:
                 with self._session.lock:
                     if self._stop.is_set():

@@ -183,12 +183,7 @@ def _on_heartbeat(s: CoordinatorState, now: float, m: Heartbeat, out: list) -> s
     member, code, why = _lookup(s, m.replica_id, m.incarnation)
     if member is None:
         return _refuse(out, m, code, why)
-    tp = member.throughput
-    x = m.throughput
-    if x is not None and math.isfinite(x) and x >= 0:
-        alpha = s.options.throughput_ema_alpha
-        tp = x if tp is None else alpha * x + (1 - alpha) * tp
-    s.members[m.replica_id] = replace(member, last_seen=now, throughput=tp)
+    s.members[m.replica_id] = replace(member, last_seen=now)
     acc = s.accusations.pop(m.replica_id, None)
     if acc is None:
         return "heartbeat"
@@ -236,6 +231,7 @@ def _on_done(s: CoordinatorState, now: float, m: ReportDone, out: list) -> str:
         s.reports[m.replica_id] = "done"
     if m.param_hash is not None:
         s.param_hashes[m.replica_id] = m.param_hash
+    _record_throughput(s, m.replica_id, m.throughput)
     _evaluate_attempt(s, out)
     return f"replica {m.replica_id} reported done ({m.step}, {m.epoch})"
 
@@ -446,6 +442,16 @@ def _new_attempt(s: CoordinatorState) -> None:
     s.reports, s.param_hashes = {}, {}
 
 
+def _record_throughput(s: CoordinatorState, r: int, x: float | None) -> None:
+    """Fold one step's sample into the replica's moving average (it weighs the next plans)."""
+    if x is None or not math.isfinite(x) or x < 0:
+        return
+    tp = s.members[r].throughput
+    alpha = s.options.throughput_ema_alpha
+    tp = x if tp is None else alpha * x + (1 - alpha) * tp
+    s.members[r] = replace(s.members[r], throughput=tp)
+
+
 def _weights(s: CoordinatorState, ids: tuple[int, ...]) -> dict[int, float]:
     measured = {r: s.members[r].throughput for r in ids}
     known = [w for w in measured.values() if w is not None and w > 0]
@@ -502,5 +508,5 @@ def _view_key(s: CoordinatorState) -> tuple:
 
 
 def _durable_key(s: CoordinatorState) -> tuple:
-    members = tuple((r, m.incarnation, m.state) for r, m in sorted(s.members.items()))
+    members = tuple((r, m.incarnation, m.state, m.throughput) for r, m in sorted(s.members.items()))
     return (s.reports, s.param_hashes, tuple(s.accusations), members, len(s.fenced), s.leaving)

@@ -83,7 +83,6 @@ class Heartbeat:
     replica_id: int
     incarnation: str
     epoch: int  # the epoch the replica knows (older is fine: it gets the new view)
-    throughput: float | None = None  # microbatches per second, measured by the replica
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +98,9 @@ class ReportDone:
     step: int
     epoch: int
     param_hash: str | None = None
+    # Microbatches per second this replica measured while computing its share of the attempt:
+    # one sample per step, so the next step's plan always sees it (a heartbeat could lag).
+    throughput: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

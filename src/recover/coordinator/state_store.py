@@ -10,7 +10,7 @@ Invariants:
   is a full copy.
 - `state_from_json(state_to_json(s)) == s` for every reachable state (tested), so a store that
   keeps JSON loses nothing.
-- `revision` grows whenever anything other than lease bookkeeping (last_seen, throughput)
+- `revision` grows whenever anything other than lease bookkeeping (last_seen)
   changes; the server saves exactly then. `view_version` grows whenever the published view does.
 
 Costs: a clone copies O(R) references; the JSON form is O(R + M). Limits: `fenced` keeps every
@@ -108,7 +108,7 @@ class Member:
     last_seen: float  # coordinator clock (monotonic) of the last message from this incarnation
     fingerprint: dict[str, Any]  # the replica's config fingerprint
     next_step: int  # from its checkpoint, at registration
-    throughput: float | None = None  # moving average of microbatches/s from heartbeats
+    throughput: float | None = None  # moving average of microbatches/s from done reports
     how: str | None = None  # how it stopped: exit | lease | report | leave
 
 
