@@ -103,14 +103,14 @@ def test_hand_started_joiners_refused_killed_in_transfer_and_scale_up(
         bad = cli("worker", *FLAGS, "--seed", "9", *where, "--replica-id", "3", env=env)
         doomed = cli("worker", *FLAGS, *where, "--replica-id", "4",
                      "--fault", "kill:replica=4,step=0,phase=transfer", env=env)  # fmt: skip
-        joiners += [bad, doomed]
+        # Scale-up: a good joiner is admitted at a step boundary and trains to the end. It starts
+        # with the others, so it registers long before the run's last step on a slow machine too.
+        good = cli("worker", *FLAGS, *where, "--replica-id", "5", env=env)
+        joiners += [bad, doomed, good]
         refused = finish(bad, 60)
         assert refused.returncode == 6, refused.stdout
         assert "'seed' differs" in refused.stdout
         assert finish(doomed, 60).returncode == -9
-        # Scale-up: a good joiner is admitted at a step boundary and trains to the end.
-        good = cli("worker", *FLAGS, *where, "--replica-id", "5", env=env)
-        joiners.append(good)
         joined = finish(good, 120)
         assert joined.returncode == 0, joined.stdout
         r = finish(run, 60)

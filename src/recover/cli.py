@@ -91,6 +91,23 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
         "checkpoint-restart (stop everything, restart from the last checkpoint) and shrink (drop "
         "the dead replica's microbatches; the global batch shrinks)",
     )
+    group.add_argument(
+        "--shard",
+        type=int,
+        default=1,
+        metavar="S",
+        help="ranks per replica, one process each, that shard the model with FSDP2 (HSDP: "
+        "sharded inside a replica, replicated across replicas). A worker with S > 1 runs under "
+        "torchrun --nproc-per-node S (default: 1)",
+    )
+    group.add_argument(
+        "--watchdog",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="with --shard > 1: a rank whose replica-mate is silent this long stops the whole "
+        "replica, which the others then recover from (default: 5)",
+    )
 
 
 def parse_faults(specs: list[str]):
@@ -260,6 +277,8 @@ def run_train(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             balance=args.balance,
             mode=args.mode,
+            shard=args.shard,
+            watchdog_s=args.watchdog,
         )
     except ValueError as e:
         return _error(str(e))
@@ -271,7 +290,7 @@ def run_train(args: argparse.Namespace) -> int:
         data = args.data
         if data is None:
             data = ensure_dataset(args.data_root, show_progress=sys.stderr.isatty())
-        if lcfg.replicas == 1 and not lcfg.faults and lcfg.mode == "recover":
+        if lcfg.replicas == 1 and lcfg.shard == 1 and not lcfg.faults and lcfg.mode == "recover":
             from recover.checkpoint import CheckpointError
             from recover.train import train_single
 
@@ -313,6 +332,8 @@ def run_worker_cli(args: argparse.Namespace) -> int:
             heartbeat_s=args.heartbeat,
             register_timeout_s=args.register_timeout,
             mode=args.mode,
+            shard=args.shard,
+            watchdog_s=args.watchdog,
         )
     except ValueError as e:
         return _error(str(e))

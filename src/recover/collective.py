@@ -248,8 +248,12 @@ class EpochGroup:
         world_size: int,
         config: CollectiveConfig | None = None,
         should_abort: ShouldAbort | None = None,
+        scope: str = "",
     ) -> EpochGroup:
         """Rendezvous with the ``world_size`` ranks of ``epoch`` on ``store``; bounded by build_timeout_s.
+
+        ``scope`` separates groups of the same epoch on one store: in replicas of several ranks,
+        the ranks at one position of every replica form their own group of each epoch.
 
         With ``should_abort``, the rendezvous runs on a helper thread and the caller gives up
         (``CollectiveAborted("epoch")``) as soon as the callback returns a reason: a peer that died
@@ -284,7 +288,7 @@ class EpochGroup:
             own_client = store.clone()
         except (RuntimeError, NotImplementedError):
             own_client = store
-        prefixed = dist.PrefixStore(f"{_STORE_PREFIX}{epoch}", own_client)
+        prefixed = dist.PrefixStore(f"{scope}{_STORE_PREFIX}{epoch}", own_client)
         started = time.monotonic()
         try:
             pg = _construct(prefixed, rank, world_size, options, config, epoch, should_abort)
@@ -471,8 +475,11 @@ class GroupCache:
     (kind ``"epoch"``); a rank never goes back to an old epoch.
     """
 
-    def __init__(self, store: dist.Store, *, config: CollectiveConfig | None = None) -> None:
+    def __init__(
+        self, store: dist.Store, *, config: CollectiveConfig | None = None, scope: str = ""
+    ) -> None:
         self._store = store
+        self._scope = scope  # see EpochGroup.build
         self._config = config if config is not None else CollectiveConfig()
         self._current: EpochGroup | None = None
         self._newest_epoch: int | None = None  # a failed build still burns its epoch
@@ -514,6 +521,7 @@ class GroupCache:
             world_size=world_size,
             config=self._config,
             should_abort=should_abort,
+            scope=self._scope,
         )
         self._current = group
         return group

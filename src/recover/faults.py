@@ -1,7 +1,8 @@
 """Fault injection at declared points of a step, in the real code path.
 
-Job: parse `--fault KIND:replica=R,step=T,phase=P[,microbatch=K][,wake_after=S][,factor=F]` and,
-inside replica R, do the fault to the real process when the step reaches that point:
+Job: parse `--fault KIND:replica=R,step=T,phase=P[,microbatch=K][,rank=N][,wake_after=S]
+[,factor=F]` and, inside replica R (in its rank N, default 0, when a replica has several ranks),
+do the fault to the real process when the step reaches that point:
 
 - `kill`: the replica SIGKILLs itself (no cleanup, sockets drop: a crashed GPU host);
 - `hang`: the replica SIGSTOPs itself (a hung process that still holds its sockets); the local
@@ -9,7 +10,8 @@ inside replica R, do the fault to the real process when the step reaches that po
 - `exit`: the replica exits with status 17 without leaving the coordinator cleanly;
 - `slow`: from step T on, every microbatch takes `factor` times as long (a straggler).
 
-Phases: `forward`, `backward` (at microbatch K of this replica's list, default 0), `reduce` (while
+Phases: `forward`, `backward` (at the K-th microbatch the rank computes in the step, default 0;
+ids reassigned during recovery come after its own), `reduce` (while
 the cross-replica all-reduce is in flight), `commit` (after reporting done, before the commit
 arrives), `optimizer` (after the commit, inside the optimizer step), `transfer` (during the live
 state transfer to a joiner, sender or receiver; it fires at the first transfer at or after step T,
@@ -31,8 +33,8 @@ from dataclasses import dataclass
 KINDS = ("kill", "hang", "exit", "slow")
 PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "transfer")
 GRAMMAR = (
-    "KIND:replica=R,step=T,phase=P[,microbatch=K][,wake_after=S]  or  "
-    "slow:replica=R,step=T,factor=F   with KIND in {kill, hang, exit} and "
+    "KIND:replica=R,step=T,phase=P[,microbatch=K][,rank=N][,wake_after=S]  or  "
+    "slow:replica=R,step=T,factor=F[,rank=N]   with KIND in {kill, hang, exit} and "
     "P in {forward, backward, reduce, commit, optimizer, transfer}"
 )
 EXIT_STATUS = 17
@@ -47,12 +49,13 @@ class FaultSpec:
     microbatch: int = 0
     wake_after: float | None = None
     factor: float = 1.0
+    rank: int = 0  # which rank of the replica (replicas of several ranks)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"fault kind {self.kind!r} unknown; allowed: {', '.join(KINDS)}")
-        if self.replica < 0 or self.step < 0 or self.microbatch < 0:
-            raise ValueError("fault replica, step and microbatch must be >= 0")
+        if self.replica < 0 or self.step < 0 or self.microbatch < 0 or self.rank < 0:
+            raise ValueError("fault replica, step, microbatch and rank must be >= 0")
         if self.kind == "slow":
             if not self.factor > 1.0:
                 raise ValueError(f"slow fault needs factor > 1, got {self.factor}")
@@ -67,7 +70,8 @@ class FaultSpec:
         where = f"{self.phase}"
         if self.phase in ("forward", "backward"):
             where += f" of microbatch #{self.microbatch}"
-        return f"{self.kind} of replica {self.replica} at step {self.step}, {where}"
+        who = f"replica {self.replica}" + (f" rank {self.rank}" if self.rank else "")
+        return f"{self.kind} of {who} at step {self.step}, {where}"
 
 
 def parse_fault(text: str) -> FaultSpec:
@@ -83,7 +87,7 @@ def parse_fault(text: str) -> FaultSpec:
             if not eq or not value or key in values:
                 raise ValueError(f"bad field {item!r}")
             values[key] = value.strip()
-        known = {"replica", "step", "phase", "microbatch", "wake_after", "factor"}
+        known = {"replica", "step", "phase", "microbatch", "wake_after", "factor", "rank"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown field(s) {', '.join(unknown)}")
@@ -98,6 +102,7 @@ def parse_fault(text: str) -> FaultSpec:
             microbatch=int(values.get("microbatch", 0)),
             wake_after=float(values["wake_after"]) if "wake_after" in values else None,
             factor=float(values.get("factor", 1.0)),
+            rank=int(values.get("rank", 0)),
         )
     except ValueError as e:
         raise ValueError(f"--fault {text!r}: {e}. Grammar: {GRAMMAR}") from None
@@ -147,6 +152,7 @@ class FaultInjector:
             "failure_injected",
             fault=spec.kind,
             replica=spec.replica,
+            rank=spec.rank,
             step=spec.step,
             phase=spec.phase,
             microbatch=spec.microbatch if spec.phase in ("forward", "backward") else None,

@@ -37,7 +37,8 @@ from recover.metrics import MetricsWriter, read_metrics
 from recover.runfolder import open_run_folder
 
 TOKEN_ENV = "RECOVER_TOKEN"
-EXPECTED_FAULT_EXITS = (17, -signal.SIGKILL, 4)  # exit fault, kill fault, evicted after a hang
+# exit fault, kill fault, evicted after a hang, a replica-mate lost (replicas of several ranks)
+EXPECTED_FAULT_EXITS = (17, -signal.SIGKILL, 4, 7)
 RUN_FAILURE_EXITS = {3: "quorum lost", 5: "replicas diverged"}
 RESTART = -1000  # _supervise's answer in checkpoint-restart mode: restart the whole job
 MODES = ("recover", "checkpoint-restart", "shrink")
@@ -59,10 +60,21 @@ class LaunchConfig:
     # everything on a failure, restart from the last checkpoint) and shrink (drop the dead
     # replica's microbatches: the global batch shrinks).
     mode: str = "recover"
+    shard: int = 1  # ranks per replica (FSDP2 shards the model over them)
+    watchdog_s: float = 5.0  # a replica-mate silent this long stops the replica
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.shard < 1:
+            raise ValueError(f"--shard must be >= 1, got {self.shard}")
+        if not self.watchdog_s > 0:
+            raise ValueError(f"--watchdog must be > 0 seconds, got {self.watchdog_s}")
+        if self.shard > 1 and self.respawn_s is not None:
+            raise ValueError(
+                "--respawn needs single-rank replicas for now: a replica of several ranks cannot "
+                "receive the live state transfer yet"
+            )
         if not 1 <= self.min_replicas <= self.replicas:
             raise ValueError(
                 f"--min-replicas must be in 1..{self.replicas} (--replicas), got {self.min_replicas}"
@@ -82,6 +94,10 @@ class LaunchConfig:
                 raise ValueError(
                     f"--fault names replica {f.replica}, but replicas are 0..{self.replicas - 1}"
                 )
+            if f.rank >= self.shard:
+                raise ValueError(
+                    f"--fault names rank {f.rank}, but a replica has ranks 0..{self.shard - 1}"
+                )
 
 
 def train_flags(cfg: TrainConfig) -> list[str]:
@@ -94,6 +110,8 @@ def train_flags(cfg: TrainConfig) -> list[str]:
 
 def fault_flag(spec: FaultSpec) -> str:
     parts = [f"replica={spec.replica}", f"step={spec.step}"]
+    if spec.rank:
+        parts.append(f"rank={spec.rank}")
     if spec.kind == "slow":
         parts.append(f"factor={spec.factor}")
     else:
@@ -111,6 +129,10 @@ def _pump(stream, prefix: str, console: TextIO | None) -> None:
             console.write(prefix + line)
             console.flush()
     stream.close()
+
+
+def _proc_name(replica: int, rank: int) -> str:
+    return f"replica {replica}" if rank == 0 else f"replica {replica}.{rank}"
 
 
 def _is_stopped(pid: int) -> bool:
@@ -148,8 +170,10 @@ class LocalLauncher:
         if self.console is not None:
             print(f"[launcher] {line}", file=self.console, flush=True)
 
-    def _spawn(self, name: str, argv: list[str], prefix: str) -> subprocess.Popen:
-        env = dict(os.environ)
+    def _spawn(
+        self, name: str, argv: list[str], prefix: str, extra_env: dict | None = None
+    ) -> subprocess.Popen:
+        env = dict(os.environ, **(extra_env or {}))
         env[TOKEN_ENV] = self.token  # never on the command line, where `ps` would show it
         env["RECOVER_LAUNCHER_PID"] = str(os.getpid())  # children die with the launcher
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -214,7 +238,23 @@ class LocalLauncher:
             argv.append("--resume")
         for spec in self._pending_faults(r):
             argv += ["--fault", fault_flag(spec)]
-        self._spawn(f"replica {r}", argv, f"[replica {r}] ")
+        shard = self.lcfg.shard
+        if shard == 1:
+            self._spawn(f"replica {r}", argv, f"[replica {r}] ")
+            return
+        # A replica of several ranks: one process per rank, with the variables torchrun would
+        # give them; rank 0 hosts the replica's own store on a fresh port.
+        argv += ["--shard", str(shard), "--watchdog", str(self.lcfg.watchdog_s)]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            master_port = probe.getsockname()[1]
+        for k in range(shard):
+            env = {
+                "RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(shard),
+                "LOCAL_WORLD_SIZE": str(shard), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(master_port),
+            }  # fmt: skip
+            self._spawn(_proc_name(r, k), argv, f"[replica {r}.{k}] ", env)
 
     def _pending_faults(self, r: int) -> list[FaultSpec]:
         """Faults of replica r that have not fired yet (per the run's failure_injected events)."""
@@ -288,54 +328,64 @@ class LocalLauncher:
         return self._supervise()
 
     def _supervise(self) -> int:
-        """Watch the replicas until every one has ended; respawn the dead if asked to."""
+        """Watch the replicas until every one has ended; respawn the dead if asked to.
+
+        A replica of several ranks has ended when all its processes have; its first non-zero
+        exit counts as its death (its other ranks stop on their own: their watchdog)."""
         lc = self.lcfg
-        codes: list[tuple[int, int, int]] = []  # (replica, incarnation, exit status)
+        codes: list[tuple[int, int, int]] = []  # (replica, incarnation, exit status) per process
         incarnation = dict.fromkeys(range(lc.replicas), 0)
-        running = set(range(lc.replicas))
+        alive = {r: set(range(lc.shard)) for r in range(lc.replicas)}  # ranks still running
+        dead = set()  # replicas whose death (a non-zero exit) was handled in this incarnation
         respawn_at: dict[int, float] = {}
-        stopped_since: dict[int, float] = {}
-        wake = {f.replica: f.wake_after for f in lc.faults if f.kind == "hang"}
+        stopped_since: dict[tuple[int, int], float] = {}
+        wake = {(f.replica, f.rank): f.wake_after for f in lc.faults if f.kind == "hang"}
         finishing = False  # a replica finished: the run is ending, nobody is respawned
-        while running or respawn_at:
+        while any(alive.values()) or respawn_at:
             coordinator = self.children["coordinator"]
             if coordinator.poll() is not None:
                 self.say(f"the coordinator died (exit {coordinator.returncode}); stopping the run")
                 return 1
             now = time.monotonic()
-            for r in sorted(running):
-                proc = self.children[f"replica {r}"]
+            for r, k in sorted((r, k) for r, ranks in alive.items() for k in ranks):
+                who = f"replica {r}" + (f" rank {k}" if lc.shard > 1 else "")
+                proc = self.children[_proc_name(r, k)]
                 code = proc.poll()
                 if code is not None:
-                    running.discard(r)
+                    alive[r].discard(k)
                     codes.append((r, incarnation[r], code))
                     # A finished replica, or a run stopped for good (quorum lost, divergence):
                     # nobody is respawned any more.
                     finishing = finishing or code == 0 or code in RUN_FAILURE_EXITS
                     if code != 0:
-                        self.say(f"replica {r} exited with status {code}")
+                        self.say(f"{who} exited with status {code}")
+                        if r in dead:
+                            continue
+                        dead.add(r)
                         if lc.mode == "checkpoint-restart" and not finishing:
                             return RESTART
                         if self._may_respawn(r, incarnation[r], finishing):
                             respawn_at[r] = now + lc.respawn_s
                     continue
-                if incarnation[r] == 0 and wake.get(r) is not None and _is_stopped(proc.pid):
-                    since = stopped_since.setdefault(r, now)
-                    if now - since >= wake[r]:
-                        self.say(f"waking replica {r} (SIGCONT) after {wake[r]:g} s stopped")
+                key = (r, k)
+                if incarnation[r] == 0 and wake.get(key) is not None and _is_stopped(proc.pid):
+                    since = stopped_since.setdefault(key, now)
+                    if now - since >= wake[key]:
+                        self.say(f"waking {who} (SIGCONT) after {wake[key]:g} s stopped")
                         proc.send_signal(signal.SIGCONT)
-                        wake[r] = None
+                        wake[key] = None
             for r, at in sorted(respawn_at.items()):
                 if finishing:
                     del respawn_at[r]
                 elif now >= at:
                     del respawn_at[r]
                     incarnation[r] += 1
+                    dead.discard(r)
                     self.say(f"respawning replica {r} (restart {incarnation[r]})")
                     self.writer.event("launcher.respawned", replica=r, restart=incarnation[r])
                     self._start_replica(r, *self.coordinator_address, fresh=True)
-                    running.add(r)
-            if running and not respawn_at and self._only_hung_left(running, codes, wake):
+                    alive[r] = {0}
+            if not respawn_at and self._only_hung_left(alive, codes, wake):
                 break
             time.sleep(0.02)
         return self._verdict(codes)
@@ -358,13 +408,16 @@ class LocalLauncher:
             return 1
         return 0
 
-    def _only_hung_left(self, running: set[int], codes: list, wake: dict) -> bool:
-        """True when every replica still running is one we leave stopped for ever."""
+    def _only_hung_left(self, alive: dict[int, set[int]], codes: list, wake: dict) -> bool:
+        """True when every process still running is one we leave stopped for ever."""
         if not any(c == 0 for _, _, c in codes):
             return False
         return all(
-            r in wake and wake[r] is None and _is_stopped(self.children[f"replica {r}"].pid)
-            for r in running
+            (r, k) in wake
+            and wake[(r, k)] is None
+            and _is_stopped(self.children[_proc_name(r, k)].pid)
+            for r, ranks in alive.items()
+            for k in ranks
         )
 
     def _reap_all(self) -> None:

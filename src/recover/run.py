@@ -44,6 +44,10 @@ class RunRecorder:
     # The pen: only the replica holding it writes step and eval records, checkpoints and the final
     # model (the lowest live replica of a multi-replica run). Events are written by every replica.
     holds_pen: bool = True
+    # False on the other ranks of a replica of several ranks: they hold the pen with their
+    # replica (evaluation, gathering the state to save and the final model are collectives
+    # inside it) but only its first rank writes records and files.
+    writes: bool = True
     _ckpt: CheckpointWriter = field(init=False)
     _t_start: float = field(init=False)
     _t_last: float = field(init=False)
@@ -55,8 +59,12 @@ class RunRecorder:
         self._t_start = self._t_last = time.perf_counter()
         self.last_committed = self.start_step - 1
 
+    @property
+    def pen_writes(self) -> bool:
+        return self.holds_pen and self.writes
+
     def say(self, line: str) -> None:
-        if self.console is not None and self.holds_pen:
+        if self.console is not None and self.pen_writes:
             print(line, file=self.console, flush=True)
 
     def event(self, name: str, **fields) -> None:
@@ -74,7 +82,7 @@ class RunRecorder:
         done = stats.step + 1 - self.start_step
         elapsed = now - self._t_start
         eta = elapsed / max(1, done) * (cfg.steps - stats.step - 1)
-        if self.holds_pen:
+        if self.pen_writes:
             self.writer.step(
                 step=stats.step,
                 loss=stats.loss,
@@ -109,7 +117,8 @@ class RunRecorder:
             return None
         loss = self.trainer.evaluate()
         self._last_eval = loss
-        self.writer.eval(step=step, val_loss=loss)
+        if self.writes:
+            self.writer.eval(step=step, val_loss=loss)
         self.say(f"eval step {step + 1} | val loss {loss:.4f}")
         return loss
 
@@ -123,14 +132,14 @@ class RunRecorder:
             "data_hash": self.data_hash,
             **self.trainer.state_dict(),
         }
+        if not self.writes:
+            return None
         path = self._ckpt.save(next_step, state, block=block)
         self.event("checkpoint_saved", step=next_step, path=str(path))
         return path
 
     def finish(self, *, unigram_loss: float | None = None, extra: dict | None = None) -> dict:
         """Save the final model, write the summary record, print the summary."""
-        from safetensors.torch import save_model
-
         self._ckpt.close()
         elapsed = time.perf_counter() - self._t_start
         summary = {
@@ -146,7 +155,8 @@ class RunRecorder:
         if self.holds_pen:
             self.paths.final_model.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.paths.final_model.with_name("model.safetensors.tmp")
-            save_model(self.trainer.model, str(tmp))
+            self.trainer.save_model(str(tmp) if self.writes else None)
+        if self.pen_writes:
             os.replace(tmp, self.paths.final_model)
             self.writer.write("summary", **summary)
             self.say(self.format_summary(summary))

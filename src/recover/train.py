@@ -22,10 +22,16 @@ from recover.trainer import ReplicaTrainer
 
 
 def build_trainer_for_run(
-    cfg: TrainConfig, *, paths: RunPaths, dataset: TokenDataset, resume: bool
+    cfg: TrainConfig, *, paths: RunPaths, dataset: TokenDataset, resume: bool, intra=None
 ) -> tuple[ReplicaTrainer, int]:
-    """The trainer, loaded from the newest checkpoint when resuming; and the next step to run."""
-    trainer = ReplicaTrainer(cfg, dataset)
+    """The trainer, loaded from the newest checkpoint when resuming; and the next step to run.
+    With `intra` (a recover.intra.IntraReplica), the model is sharded over the replica's ranks."""
+    if intra is None:
+        trainer = ReplicaTrainer(cfg, dataset)
+    else:
+        from recover.sharded import ShardedTrainer
+
+        trainer = ShardedTrainer(cfg, dataset, intra=intra)
     start = 0
     if resume:
         state = load_resume_state(paths)

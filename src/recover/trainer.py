@@ -43,6 +43,11 @@ def _no_hook(phase: str, step: int, index: int | None) -> None:
     return None
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank holds: the local shard of a DTensor, else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 @dataclass(frozen=True)
 class CommitStats:
     step: int
@@ -71,9 +76,10 @@ class ReplicaTrainer:
         model_cfg = build_config(
             cfg.preset, vocab_size=dataset.vocab_size, block_size=cfg.seq_len, dropout=cfg.dropout
         )
-        self.model = GPT(model_cfg).to(self.device)
+        self.model_config = model_cfg
+        self.model = self._parallelize(GPT(model_cfg).to(self.device))
         self.params = list(self.model.parameters())
-        self.numel = sum(p.numel() for p in self.params)
+        self.numel = sum(local_part(p).numel() for p in self.params)  # this rank's values
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -88,6 +94,10 @@ class ReplicaTrainer:
         self.loss_sum = 0.0
         self._eval_set: list | None = None
 
+    def _parallelize(self, model: GPT) -> torch.nn.Module:
+        """What a replica is inside: one rank holding the whole model here (see sharded.py)."""
+        return model
+
     # ---- microbatches -------------------------------------------------------------------------
     def compute_microbatches(self, step: int, ids: Iterable[int], *, first_index: int = 0) -> None:
         """Add the gradients and losses of microbatch ids `(step, j)` to the local sum.
@@ -98,21 +108,30 @@ class ReplicaTrainer:
         """
         self.model.train()
         for index, j in enumerate(ids, start=first_index):
-            x, y = microbatch_tokens(
-                self.dataset,
-                seed=self.cfg.seed,
-                step=step,
-                j=j,
-                microbatches=self.cfg.microbatches,
-                microbatch_size=self.cfg.microbatch_size,
-                seq_len=self.cfg.seq_len,
-            )
-            x, y = x.to(self.device), y.to(self.device)
-            torch.manual_seed(microbatch_seed(self.cfg.seed, step, j))  # dropout of (step, j)
+            self._microbatch(step, j, index)
+
+    def _microbatch(self, step: int, j: int, index: int | None, *, weight: float = 1.0) -> None:
+        """Forward and backward of microbatch (step, j), its gradient scaled by `weight` (0 for a
+        padding pass that only keeps the ranks of a sharded replica in lockstep; index None then:
+        no phase hook fires and its loss is not counted)."""
+        x, y = microbatch_tokens(
+            self.dataset,
+            seed=self.cfg.seed,
+            step=step,
+            j=j,
+            microbatches=self.cfg.microbatches,
+            microbatch_size=self.cfg.microbatch_size,
+            seq_len=self.cfg.seq_len,
+        )
+        x, y = x.to(self.device), y.to(self.device)
+        torch.manual_seed(microbatch_seed(self.cfg.seed, step, j))  # dropout of (step, j)
+        if index is not None:
             self.phase_hook("forward", step, index)
-            _, loss = self.model(x, y)
+        _, loss = self.model(x, y)
+        if index is not None:
             self.phase_hook("backward", step, index)
-            loss.backward()  # accumulates into p.grad: the local sum
+        (loss * weight if weight != 1.0 else loss).backward()  # accumulates into p.grad
+        if index is not None:
             self.loss_sum += float(loss.detach())
             self.phase_hook("done", step, index)
 
@@ -127,9 +146,9 @@ class ReplicaTrainer:
         flat = torch.zeros(self.numel + 1, dtype=torch.float32, device=self.device)
         offset = 0
         for p in self.params:
-            n = p.numel()
+            n = local_part(p).numel()
             if p.grad is not None:
-                flat[offset : offset + n].copy_(p.grad.reshape(-1))
+                flat[offset : offset + n].copy_(local_part(p.grad).reshape(-1))
             offset += n
         flat[-1] = self.loss_sum
         return flat
@@ -144,9 +163,12 @@ class ReplicaTrainer:
             raise ValueError(f"flat buffer has {flat.numel()} values, expected {self.numel + 1}")
         offset = 0
         for p in self.params:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
+            n = local_part(p).numel()
+            self._set_grad(p, flat[offset : offset + n].view_as(local_part(p)).clone())
             offset += n
+
+    def _set_grad(self, p: torch.Tensor, local: torch.Tensor) -> None:
+        p.grad = local
 
     # ---- commit -------------------------------------------------------------------------------
     def apply_commit(
@@ -161,9 +183,9 @@ class ReplicaTrainer:
         self._load_flat_grads(flat_sum)
         for p in self.params:
             p.grad.div_(M)
-        loss = float(flat_sum[-1]) / M
+        loss = self._committed_loss_sum(flat_sum) / M
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip, foreach=False))
+        grad_norm = self._clip_gradients(clip)
         lr = compute_lr(step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -171,6 +193,13 @@ class ReplicaTrainer:
         self.optimizer.step()
         self.zero_local()
         return CommitStats(step=step, loss=loss, lr=lr, grad_norm=grad_norm)
+
+    def _committed_loss_sum(self, flat_sum: torch.Tensor) -> float:
+        return float(flat_sum[-1])
+
+    def _clip_gradients(self, clip: float) -> float:
+        """Clip the averaged gradient to global norm `clip`; return the norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(self.params, clip, foreach=False))
 
     # ---- evaluation and state -----------------------------------------------------------------
     @torch.no_grad()
@@ -199,4 +228,13 @@ class ReplicaTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
 
     def flat_parameters(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
+        """This rank's parameter values, flat (the local shards in a sharded replica)."""
+        return torch.cat([local_part(p.detach()).reshape(-1).float().cpu() for p in self.params])
+
+    def save_model(self, path: str | None) -> None:
+        """Write the whole model as safetensors to `path` (a collective in a sharded replica,
+        whose other ranks pass None: they take part in gathering it, and write nothing)."""
+        from safetensors.torch import save_model
+
+        if path is not None:
+            save_model(self.model, path)

@@ -46,6 +46,7 @@ from recover.coordinator.client import (
 from recover.coordinator.client import QuorumLost as ClientQuorumLost
 from recover.data.addressing import TokenDataset
 from recover.faults import FaultInjector, FaultSpec
+from recover.intra import IntraReplica, ReplicaLink, SoloLink, replica_hash
 from recover.metrics import MetricsWriter, read_metrics
 from recover.run import RunRecorder, unigram_loss
 from recover.train import build_trainer_for_run
@@ -85,8 +86,16 @@ class WorkerConfig:
     # restarts the job; a replica never recovers nor checkpoints on a failure) or shrink
     # (a redo discards the local sum; the committed step averages what was computed).
     mode: str = "recover"
+    # Ranks per replica that shard the model with FSDP2 (HSDP); 1: a replica is one rank.
+    shard: int = 1
+    # A rank whose replica-mate is silent this long stops the replica (see recover.intra).
+    watchdog_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if self.shard < 1:
+            raise ValueError(f"--shard must be >= 1, got {self.shard}")
+        if not self.watchdog_s > 0:
+            raise ValueError(f"--watchdog must be > 0 seconds, got {self.watchdog_s}")
         if self.replica_id < 0:
             raise ValueError(f"--replica-id must be >= 0, got {self.replica_id}")
         if not 0 < self.coordinator_port < 65536:
@@ -103,13 +112,13 @@ class WorkerConfig:
 
 
 def parameter_hash(trainer) -> str:
-    """A cheap, exact fingerprint of the parameters (sha256 of their bytes, first 16 hex)."""
+    """A cheap, exact fingerprint of this rank's parameters (sha256 of their bytes, 16 hex)."""
     flat = trainer.flat_parameters()
     # hashlib reads the array through the buffer protocol (no copy) and releases the GIL.
     return hashlib.sha256(flat.numpy()).hexdigest()[:16]
 
 
-def fingerprint(cfg: TrainConfig, dataset: TokenDataset) -> dict:
+def fingerprint(cfg: TrainConfig, dataset: TokenDataset, shard: int = 1) -> dict:
     """What every replica of a run must agree on; a joiner with another one is refused."""
     return {
         "preset": cfg.preset,
@@ -119,6 +128,7 @@ def fingerprint(cfg: TrainConfig, dataset: TokenDataset) -> dict:
         "seed": cfg.seed,
         "steps": cfg.steps,
         "data_hash": dataset.content_hash,
+        "shard": shard,
     }
 
 
@@ -130,6 +140,7 @@ class StepAttempt:
     computed: set[int] = field(default_factory=set)
     redos: int = 0
     t_first_fault: float | None = None
+    failure: str | None = None  # why this rank's part of the current attempt failed
     compute_s: float = 0.0  # seconds spent computing this replica's microbatches of the step
 
     def throughput(self) -> float | None:
@@ -138,21 +149,50 @@ class StepAttempt:
 
 
 def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None = sys.stdout) -> int:
-    """Run one replica to the end of training; return its exit status."""
+    """Run one replica (or, with --shard S, one rank of it) to the end; return its exit status."""
     me = wcfg.replica_id
     dataset = TokenDataset.open(wcfg.data)
     paths = RunPaths(out=wcfg.out)
     writer = MetricsWriter(paths.metrics)
-    injector = FaultInjector(list(wcfg.faults), emit=writer.event)
-    trainer, start = build_trainer_for_run(cfg, paths=paths, dataset=dataset, resume=wcfg.resume)
-    trainer.phase_hook = injector
-    client = CoordinatorClient(
-        wcfg.coordinator_host,
-        wcfg.coordinator_port,
-        replica_id=me,
-        token=wcfg.token,
-        heartbeat_s=wcfg.heartbeat_s,
+    intra = None
+    if wcfg.shard > 1:
+        intra = IntraReplica(
+            replica_id=me,
+            size=wcfg.shard,
+            timeout_s=wcfg.outcome_timeout_s + wcfg.register_timeout_s,
+            watchdog_s=wcfg.watchdog_s,
+            emit=writer.event,
+        )
+    rank = intra.rank if intra is not None else 0
+    injector = FaultInjector([f for f in wcfg.faults if f.rank == rank], emit=writer.event)
+    trainer, start = build_trainer_for_run(
+        cfg, paths=paths, dataset=dataset, resume=wcfg.resume, intra=intra
     )
+    trainer.phase_hook = injector
+    writer.event(
+        "rank_started", replica=me, rank=rank, ranks=wcfg.shard,
+        local_values=trainer.numel,  # what this rank holds of ...
+        model_values=sum(p.numel() for p in trainer.params),  # ... the whole model's values
+    )  # fmt: skip
+    client = None
+    if intra is None or intra.leader:
+        client = CoordinatorClient(
+            wcfg.coordinator_host,
+            wcfg.coordinator_port,
+            replica_id=me,
+            token=wcfg.token,
+            heartbeat_s=wcfg.heartbeat_s,
+        )
+    if intra is None:
+        link = SoloLink(client)
+    else:
+        link = ReplicaLink(
+            intra,
+            client=client,
+            host=wcfg.coordinator_host,
+            port=wcfg.coordinator_port,
+            token=wcfg.token,
+        )
     recorder = RunRecorder(
         cfg=cfg,
         paths=paths,
@@ -162,31 +202,40 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         console=console,
         start_step=start,
         holds_pen=False,
+        writes=rank == 0,
     )
     try:
-        view = client.register(
-            fingerprint=fingerprint(cfg, dataset),
+        view = link.register(
+            fingerprint=fingerprint(cfg, dataset, wcfg.shard),
             next_step=start,
             deadline_s=wcfg.register_timeout_s,
         )
         joining = me in view.joined
+        if joining and intra is not None:
+            raise RuntimeError(
+                "a replica of several ranks cannot join a running job yet (no sharded state "
+                "transfer): start the job with every replica"
+            )
         if joining:
             writer.event("replica_joining", replica=me, step=view.step, epoch=view.epoch)
             recorder.start_step = view.step
             recorder.last_committed = view.step - 1
         elif view.step != start:
             raise RuntimeError(f"replica {me} holds step {start}, the run is at step {view.step}")
-        store_host, store_port = client.store_address
+        store_host, store_port = link.store_address
         store = torch.distributed.TCPStore(
             store_host,
             store_port,
             is_master=False,
             timeout=datetime.timedelta(seconds=wcfg.register_timeout_s),
         )
+        # With several ranks per replica, the ranks at position k of every replica form the
+        # cross-replica group of position k (HSDP's replicate dimension), one per epoch.
+        scope = f"position{rank}/" if intra is not None else ""
         loop = ReplicaLoop(
             trainer=trainer,
-            client=client,
-            groups=GroupCache(store, config=wcfg.collective),
+            link=link,
+            groups=GroupCache(store, config=wcfg.collective, scope=scope),
             injector=injector,
             recorder=recorder,
             wcfg=wcfg,
@@ -196,21 +245,23 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         while step < cfg.steps:
             step = loop.run_step(step) + 1
         if not loop.has_state:  # admitted at the very end: it never held the run's state
-            client.leave(step=step)
+            link.leave(step=step)
             return EXIT_OK
         # The pen stays where the last commit put it (replicas that already left are not in
         # the view any more, so recomputing it here could hand out a second pen).
-        summary_extra = run_recovery_summary(paths.metrics) if recorder.holds_pen else {}
+        pen = recorder.pen_writes
         recorder.finish(
             unigram_loss=unigram_loss(
                 dataset.shards("train"), dataset.shards("val"), dataset.vocab_size
             )
-            if recorder.holds_pen
+            if pen
             else None,
-            extra=summary_extra,
+            extra=run_recovery_summary(paths.metrics) if pen else {},
         )
-        writer.event("replica_finished", replica=me, step=step, param_hash=parameter_hash(trainer))
-        client.leave(step=step)
+        phash = loop.replica_hash()
+        if rank == 0:
+            writer.event("replica_finished", replica=me, step=step, param_hash=phash)
+        link.leave(step=step)
         return EXIT_OK
     except Evicted as e:
         print(
@@ -222,7 +273,8 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     except (QuorumLostError, ClientQuorumLost) as e:
         # Every survivor holds the last committed state (the optimizer steps only on commits);
         # the lowest survivor saves it, so that --resume continues from the last committed step.
-        live = client.view.live if client.view is not None else ()
+        view = link.step_view()
+        live = view.live if view is not None else ()
         recorder.holds_pen = not live or me == min(live)
         # (The checkpoint-restart baseline restarts from its last periodic checkpoint instead.)
         if recorder.holds_pen and wcfg.mode != "checkpoint-restart":
@@ -238,8 +290,14 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     except DivergedError as e:
         print(f"replica {me}: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
+    except Exception:
+        # In a replica of several ranks, a collective inside it fails when a replica-mate dies;
+        # the watchdog then names the mate and exits with EXIT_MATE_LOST. Give it the time.
+        if intra is not None:
+            intra.on_error(sys.exc_info()[1])
+        raise
     finally:
-        client.close()
+        link.close()
         writer.close()
 
 
@@ -269,7 +327,7 @@ class ReplicaLoop:
     """The step state machine of one replica (see the module docstring)."""
 
     trainer: object
-    client: CoordinatorClient
+    link: SoloLink | ReplicaLink  # the coordinator, as this rank of the replica sees it
     groups: GroupCache
     injector: FaultInjector
     recorder: RunRecorder
@@ -281,27 +339,42 @@ class ReplicaLoop:
     def me(self) -> int:
         return self.wcfg.replica_id
 
+    def replica_hash(self) -> str:
+        """The parameter fingerprint of the whole replica (a collective with several ranks)."""
+        own = parameter_hash(self.trainer)
+        intra = getattr(self.link, "intra", None)
+        return replica_hash(intra.gather(own) if intra is not None else [own])
+
     def run_step(self, step: int) -> int:
         """Run step `step` until it commits; return it. The recovery loop lives here."""
         attempt = StepAttempt(step=step)
-        view = self.client.view
+        view = self.link.step_view()
         while True:
             if view.status in ("quorum_lost", "diverged", "finished"):
                 _stop(view.status, view.reason)
             epoch = view.attempt_epoch
             reduced = None
-            if self._transfer_if_needed(view, step, attempt):
+            attempt.failure = None
+            transferred = self._transfer_if_needed(view, step, attempt)
+            if view.joined:  # every rank of the replica goes on only if all of them got it
+                transferred = self.link.agree(transferred)
+            if transferred:
                 self._compute(step, view, attempt)
                 snapshot = self.trainer.gradient_snapshot()  # the local sum; never reduced in place
                 reduced = self._reduce(snapshot, view, step, attempt)
+            check = (
+                reduced is not None and self.wcfg.check_every and step % self.wcfg.check_every == 0
+            )
+            phash = parameter_hash(self.trainer) if check else None
+            failure = None if reduced is not None else attempt.failure or "a replica-mate failed"
+            if not self.link.report(
+                step=step, epoch=epoch, failure=failure, param_hash=phash,
+                throughput=attempt.throughput(),
+            ):  # fmt: skip
+                reduced = None  # some rank of this replica failed: nobody's result counts
             if reduced is not None:
-                check = self.wcfg.check_every and step % self.wcfg.check_every == 0
-                phash = parameter_hash(self.trainer) if check else None
-                self.client.report_done(
-                    step=step, epoch=epoch, param_hash=phash, throughput=attempt.throughput()
-                )
                 self.injector("commit", step, None)
-            outcome = self.client.wait_outcome(
+            outcome = self.link.wait_outcome(
                 step=step, epoch=epoch, deadline_s=self.wcfg.outcome_timeout_s
             )
             if isinstance(outcome, Committed):
@@ -337,7 +410,7 @@ class ReplicaLoop:
 
     def _commit(self, step: int, view, epoch: int, reduced, attempt: StepAttempt) -> None:
         recorder, me = self.recorder, self.me
-        recorder.holds_pen = me == min(self.client.view.live)
+        recorder.holds_pen = me == min(self.link.step_view().live)
         count = sum(len(ids) for ids in view.holdings.values())  # M, but in the shrink baseline
         stats = self.trainer.apply_commit(step, reduced, count=count)
         shares = {str(r): len(ids) for r, ids in sorted(view.holdings.items())}
@@ -374,12 +447,12 @@ class ReplicaLoop:
         return wrapped
 
     def _should_abort(self, epoch: int):
-        client = self.client
+        link = self.link
 
         def should_abort() -> str | None:
-            if client.evicted:
+            if link.evicted:
                 return "this replica was evicted"
-            newer = client.view
+            newer = link.live_view()
             if newer.epoch > epoch or newer.status != "running":
                 return f"epoch {newer.epoch} announced ({newer.reason})"
             return None
@@ -398,7 +471,9 @@ class ReplicaLoop:
         )
         return group, members
 
-    def _failed(self, step: int, epoch: int, error: CollectiveAborted, t0: float, what: str):
+    def _failed(
+        self, step: int, epoch: int, error: CollectiveAborted, t0: float, what: str, attempt
+    ) -> None:
         self.recorder.event(
             "failure_detected", replica=self.me, step=step, epoch=epoch, how=error.kind,
             during=what, detail=str(error.detail)[:200],
@@ -406,9 +481,7 @@ class ReplicaLoop:
         )  # fmt: skip
         # gloo's text ends in advice for its own users; the first sentence is the fact.
         detail = str(error.detail).split(". This is typically")[0]
-        self.client.report_failed(
-            step=step, epoch=epoch, suspects=[], reason=f"{what}: {error.kind}: {detail}"[:200]
-        )
+        attempt.failure = f"{what}: {error.kind}: {detail}"[:200]  # reported by run_step
 
     def _transfer_if_needed(self, view, step: int, attempt: StepAttempt) -> bool:
         """Take part in the state transfer to this epoch's joiners; False if it failed."""
@@ -429,7 +502,7 @@ class ReplicaLoop:
         except CollectiveAborted as e:
             if attempt.t_first_fault is None:
                 attempt.t_first_fault = t0
-            self._failed(step, epoch, e, t0, "state transfer")
+            self._failed(step, epoch, e, t0, "state transfer", attempt)
             return False
         self._transferred_epoch = epoch
         self.has_state = True
@@ -457,7 +530,7 @@ class ReplicaLoop:
         except CollectiveAborted as e:
             if attempt.t_first_fault is None:
                 attempt.t_first_fault = t0
-            self._failed(step, epoch, e, t0, "reduce")
+            self._failed(step, epoch, e, t0, "reduce", attempt)
             return None
 
 

@@ -1,0 +1,100 @@
+"""Replicas of several ranks (HSDP: FSDP2 inside a replica, the fault-tolerant reduce across).
+
+Real processes and real faults: 2 replicas x 2 ranks against the failure-free one-rank run with
+the same seed and M. A fault hits one rank of replica 1; its replica-mate must stop (peer error or
+watchdog), the coordinator must declare replica 1 dead, and replica 0 must finish the step with
+all M microbatches on the same trajectory. Every process of the run must be gone at the end.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_multireplica import STEPS, M, train
+
+from conftest import assert_invariants as check_invariants
+from conftest import events
+from recover.faults import parse_fault
+from recover.launch import LaunchConfig
+
+
+def assert_invariants(reference: Path, out: Path, r) -> None:
+    check_invariants(reference, out, r, steps=STEPS, microbatches=M)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dataset, tmp_path_factory) -> Path:
+    """The failure-free trajectory: one replica of one rank."""
+    out = tmp_path_factory.mktemp("ref") / "one"
+    r = train(tiny_dataset, out, "--replicas", "1")
+    assert r.returncode == 0, r.stdout
+    return out
+
+
+def hsdp(data: Path, out: Path, *extra: str):
+    # Equal shares: replica 1 holds ids 3, 4, 5 of every step (the plan is predictable).
+    flags = ["--replicas", "2", "--shard", "2", "--watchdog", "2", "--balance", "equal"]
+    return train(data, out, *flags, *extra)
+
+
+def test_two_replicas_of_two_sharded_ranks_equal_one_rank(reference, tiny_dataset, tmp_path):
+    out = tmp_path / "hsdp"
+    r = hsdp(tiny_dataset, out)
+    assert_invariants(reference, out, r)
+    assert {e["replica"] for e in events(out, "replica_finished")} == {0, 1}
+    assert not events(out, "coordinator.member_dead")
+    # Each replica really is two processes holding half of the model each.
+    ranks = {(e["replica"], e["rank"]): e for e in events(out, "rank_started")}
+    assert sorted(ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in (0, 1):
+        halves = [ranks[r, k]["local_values"] for k in (0, 1)]
+        assert sum(halves) == ranks[r, 0]["model_values"] and min(halves) > 0, halves
+
+
+def test_killed_rank_stops_its_replica_and_the_other_finishes_the_step(
+    reference, tiny_dataset, tmp_path
+):
+    out = tmp_path / "kill"
+    r = hsdp(tiny_dataset, out, "--fault", "kill:replica=1,rank=1,step=2,phase=backward")
+    assert_invariants(reference, out, r)
+    (injected,) = events(out, "failure_injected")
+    assert (injected["replica"], injected["rank"], injected["step"]) == (1, 1, 2)
+    (lost,) = events(out, "replica_mate_lost")
+    assert (lost["replica"], lost["rank"]) == (1, 0)  # the mate stopped itself ...
+    (dead,) = events(out, "coordinator.member_dead")
+    assert dead["replica_id"] == 1  # ... and the coordinator saw the whole replica go
+    (redo,) = events(out, "coordinator.redo")
+    assert redo["step"] == 2 and sorted(redo["lost"]) == [3, 4, 5]
+    assert {e["replica"] for e in events(out, "replica_finished")} == {0}
+
+
+def test_hung_rank_is_caught_by_the_watchdog(reference, tiny_dataset, tmp_path):
+    out = tmp_path / "hang"
+    r = hsdp(tiny_dataset, out, "--fault", "hang:replica=1,rank=1,step=2,phase=forward")
+    assert_invariants(reference, out, r)  # includes: the stopped rank was reaped
+    (lost,) = events(out, "replica_mate_lost")
+    assert (lost["replica"], lost["rank"], lost["mate"]) == (1, 0, 1)
+    assert "silent" in lost["reason"]
+    assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [1]
+
+
+def test_killed_leader_takes_its_replica_down_during_the_reduce(reference, tiny_dataset, tmp_path):
+    out = tmp_path / "leader"
+    r = hsdp(tiny_dataset, out, "--fault", "kill:replica=1,rank=0,step=3,phase=reduce")
+    assert_invariants(reference, out, r)
+    assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [1]
+    assert "replica 1 rank 1 exited with status 7" in r.stdout  # its follower stopped itself
+
+
+def test_layout_flags_are_checked():
+    spec = parse_fault("kill:replica=1,rank=1,step=2,phase=backward,microbatch=1")
+    assert (spec.rank, spec.microbatch) == (1, 1)
+    with pytest.raises(ValueError, match="rank 2"):
+        LaunchConfig(
+            replicas=2, shard=2, faults=(parse_fault("kill:replica=0,rank=2,step=1,phase=reduce"),)
+        )
+    with pytest.raises(ValueError, match="--respawn"):
+        LaunchConfig(replicas=2, shard=2, respawn_s=1.0)
+    with pytest.raises(ValueError, match="--shard"):
+        LaunchConfig(replicas=2, shard=0)
