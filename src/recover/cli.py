@@ -101,11 +101,19 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
         "torchrun --nproc-per-node S (default: 1)",
     )
     group.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="T",
+        help="ranks per replica, one process each, that split every transformer block by tensor "
+        "parallelism (T must divide the preset's n_head); not together with --shard (default: 1)",
+    )
+    group.add_argument(
         "--watchdog",
         type=float,
         default=5.0,
         metavar="S",
-        help="with --shard > 1: a rank whose replica-mate is silent this long stops the whole "
+        help="with --shard or --tp > 1: a rank whose replica-mate is silent this long stops the whole "
         "replica, which the others then recover from (default: 5)",
     )
 
@@ -259,6 +267,7 @@ def run_train(args: argparse.Namespace) -> int:
     import os
 
     # The launcher path stays torch-free: only the replica processes pay for importing torch.
+    from recover.config import check_layout_fits
     from recover.data.corpus import DataError
     from recover.data.prepare import ensure_dataset
     from recover.launch import LaunchConfig, LocalLauncher
@@ -278,8 +287,10 @@ def run_train(args: argparse.Namespace) -> int:
             balance=args.balance,
             mode=args.mode,
             shard=args.shard,
+            tp=args.tp,
             watchdog_s=args.watchdog,
         )
+        check_layout_fits(cfg.preset, lcfg.tp)
     except ValueError as e:
         return _error(str(e))
     if args.resume and args.out is None:
@@ -290,7 +301,7 @@ def run_train(args: argparse.Namespace) -> int:
         data = args.data
         if data is None:
             data = ensure_dataset(args.data_root, show_progress=sys.stderr.isatty())
-        if lcfg.replicas == 1 and lcfg.shard == 1 and not lcfg.faults and lcfg.mode == "recover":
+        if lcfg.replicas == 1 and lcfg.ranks == 1 and not lcfg.faults and lcfg.mode == "recover":
             from recover.checkpoint import CheckpointError
             from recover.train import train_single
 
@@ -313,6 +324,7 @@ def run_worker_cli(args: argparse.Namespace) -> int:
     import os
 
     from recover.checkpoint import CheckpointError
+    from recover.config import check_layout_fits
     from recover.data import DataError
     from recover.worker import WorkerConfig, run_worker
 
@@ -333,8 +345,10 @@ def run_worker_cli(args: argparse.Namespace) -> int:
             register_timeout_s=args.register_timeout,
             mode=args.mode,
             shard=args.shard,
+            tp=args.tp,
             watchdog_s=args.watchdog,
         )
+        check_layout_fits(cfg.preset, wcfg.tp)
     except ValueError as e:
         return _error(str(e))
     import torch

@@ -119,3 +119,28 @@ class RunPaths:
     @property
     def final_model(self) -> Path:
         return self.out / "final" / "model.safetensors"
+
+
+def check_layout(shard: int, tp: int) -> None:
+    """ValueError unless at most one of --shard and --tp is above 1 (both >= 1)."""
+    for name, value in (("shard", shard), ("tp", tp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
+    if shard > 1 and tp > 1:
+        raise ValueError("--shard and --tp together (a 2-D replica) are not supported yet")
+
+
+def check_layout_fits(preset: str, tp: int) -> None:
+    """ValueError if tensor parallelism over `tp` ranks cannot give each rank whole heads."""
+    heads = PRESETS[preset]["n_head"]
+    if tp > 1 and heads % tp:
+        raise ValueError(f"--tp {tp} must divide the {preset} preset's {heads} attention heads")
+
+
+def replica_layout(shard: int, tp: int) -> tuple[str, int]:
+    """(layout name, ranks per replica); ("", 1) for a replica of one rank."""
+    if shard > 1:
+        return "shard", shard
+    if tp > 1:
+        return "tp", tp
+    return "", 1

@@ -75,6 +75,7 @@ class IntraReplica:
         self,
         *,
         replica_id: int,
+        layout: str,
         size: int,
         timeout_s: float,
         watchdog_s: float,
@@ -85,20 +86,20 @@ class IntraReplica:
         ]
         if missing:
             raise RuntimeError(
-                f"--shard {size} needs one process per rank with {', '.join(missing)} set: start "
-                f"it under torchrun --nproc-per-node {size}, or with recover train"
+                f"--{layout} {size} needs one process per rank with {', '.join(missing)} set: "
+                f"start it under torchrun --nproc-per-node {size}, or with recover train"
             )
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world != size:
-            raise RuntimeError(f"--shard {size} but WORLD_SIZE is {world}: one rank per shard")
-        self.replica_id, self.rank, self.size = replica_id, rank, size
+            raise RuntimeError(f"--{layout} {size} but WORLD_SIZE is {world}: one process per rank")
+        self.replica_id, self.rank, self.size, self.layout = replica_id, rank, size, layout
         self.deadline_s = watchdog_s
         self.emit = emit or (lambda name, **fields: None)
         dist.init_process_group(
             "gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
         )
         self.group = dist.group.WORLD
-        self.mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("shard",))
+        self.mesh = init_device_mesh("cpu", (size,), mesh_dim_names=(layout,))
         # The watchdog's own store client (a blocked main-thread call never delays it).
         self._store = dist.TCPStore(
             os.environ["MASTER_ADDR"],

@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TextIO
 
-from recover.config import RunPaths, TrainConfig
+from recover.config import RunPaths, TrainConfig, check_layout, replica_layout
 from recover.faults import FaultSpec, faults_for
 from recover.metrics import MetricsWriter, read_metrics
 from recover.runfolder import open_run_folder
@@ -60,17 +60,17 @@ class LaunchConfig:
     # everything on a failure, restart from the last checkpoint) and shrink (drop the dead
     # replica's microbatches: the global batch shrinks).
     mode: str = "recover"
-    shard: int = 1  # ranks per replica (FSDP2 shards the model over them)
+    shard: int = 1  # ranks per replica that shard the model with FSDP2 ...
+    tp: int = 1  # ... or split it by tensor parallelism (one of the two)
     watchdog_s: float = 5.0  # a replica-mate silent this long stops the replica
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
-        if self.shard < 1:
-            raise ValueError(f"--shard must be >= 1, got {self.shard}")
+        check_layout(self.shard, self.tp)
         if not self.watchdog_s > 0:
             raise ValueError(f"--watchdog must be > 0 seconds, got {self.watchdog_s}")
-        if self.shard > 1 and self.respawn_s is not None:
+        if self.ranks > 1 and self.respawn_s is not None:
             raise ValueError(
                 "--respawn needs single-rank replicas for now: a replica of several ranks cannot "
                 "receive the live state transfer yet"
@@ -94,10 +94,15 @@ class LaunchConfig:
                 raise ValueError(
                     f"--fault names replica {f.replica}, but replicas are 0..{self.replicas - 1}"
                 )
-            if f.rank >= self.shard:
+            if f.rank >= self.ranks:
                 raise ValueError(
-                    f"--fault names rank {f.rank}, but a replica has ranks 0..{self.shard - 1}"
+                    f"--fault names rank {f.rank}, but a replica has ranks 0..{self.ranks - 1}"
                 )
+
+    @property
+    def ranks(self) -> int:
+        """Processes per replica."""
+        return replica_layout(self.shard, self.tp)[1]
 
 
 def train_flags(cfg: TrainConfig) -> list[str]:
@@ -238,20 +243,20 @@ class LocalLauncher:
             argv.append("--resume")
         for spec in self._pending_faults(r):
             argv += ["--fault", fault_flag(spec)]
-        shard = self.lcfg.shard
-        if shard == 1:
+        layout, ranks = replica_layout(self.lcfg.shard, self.lcfg.tp)
+        if ranks == 1:
             self._spawn(f"replica {r}", argv, f"[replica {r}] ")
             return
         # A replica of several ranks: one process per rank, with the variables torchrun would
         # give them; rank 0 hosts the replica's own store on a fresh port.
-        argv += ["--shard", str(shard), "--watchdog", str(self.lcfg.watchdog_s)]
+        argv += [f"--{layout}", str(ranks), "--watchdog", str(self.lcfg.watchdog_s)]
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             master_port = probe.getsockname()[1]
-        for k in range(shard):
+        for k in range(ranks):
             env = {
-                "RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(shard),
-                "LOCAL_WORLD_SIZE": str(shard), "MASTER_ADDR": "127.0.0.1",
+                "RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(ranks),
+                "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(master_port),
             }  # fmt: skip
             self._spawn(_proc_name(r, k), argv, f"[replica {r}.{k}] ", env)
@@ -335,7 +340,7 @@ class LocalLauncher:
         lc = self.lcfg
         codes: list[tuple[int, int, int]] = []  # (replica, incarnation, exit status) per process
         incarnation = dict.fromkeys(range(lc.replicas), 0)
-        alive = {r: set(range(lc.shard)) for r in range(lc.replicas)}  # ranks still running
+        alive = {r: set(range(lc.ranks)) for r in range(lc.replicas)}  # ranks still running
         dead = set()  # replicas whose death (a non-zero exit) was handled in this incarnation
         respawn_at: dict[int, float] = {}
         stopped_since: dict[tuple[int, int], float] = {}
@@ -348,7 +353,7 @@ class LocalLauncher:
                 return 1
             now = time.monotonic()
             for r, k in sorted((r, k) for r, ranks in alive.items() for k in ranks):
-                who = f"replica {r}" + (f" rank {k}" if lc.shard > 1 else "")
+                who = f"replica {r}" + (f" rank {k}" if lc.ranks > 1 else "")
                 proc = self.children[_proc_name(r, k)]
                 code = proc.poll()
                 if code is not None:

@@ -58,25 +58,27 @@ def build_config(
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
-        self.n_embd = config.n_embd
+        self.head_size = config.n_embd // config.n_head
         self.dropout = config.dropout
-        # query, key and value projections for all heads, in one matmul
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        # Separate projections (not one fused 3C-wide one) so that tensor parallelism can give
+        # each rank whole heads by splitting each of them column-wise.
+        self.q_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.k_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.v_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.size()  # batch, sequence length, n_embd
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
-        hs = C // self.n_head
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        B, T, _ = x.size()  # batch, sequence length, n_embd
+        # The head count is read from the projections' width (-1): all n_head heads here, or
+        # this rank's share of them when the projections are split by tensor parallelism.
+        q = self.q_proj(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        v = self.v_proj(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
 

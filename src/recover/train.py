@@ -25,13 +25,14 @@ def build_trainer_for_run(
     cfg: TrainConfig, *, paths: RunPaths, dataset: TokenDataset, resume: bool, intra=None
 ) -> tuple[ReplicaTrainer, int]:
     """The trainer, loaded from the newest checkpoint when resuming; and the next step to run.
-    With `intra` (a recover.intra.IntraReplica), the model is sharded over the replica's ranks."""
+    With `intra` (a recover.intra.IntraReplica), the model is split over the replica's ranks
+    by the layout `intra.layout` names."""
     if intra is None:
         trainer = ReplicaTrainer(cfg, dataset)
     else:
-        from recover.sharded import ShardedTrainer
+        from recover.parallel import TRAINERS
 
-        trainer = ShardedTrainer(cfg, dataset, intra=intra)
+        trainer = TRAINERS[intra.layout](cfg, dataset, intra=intra)
     start = 0
     if resume:
         state = load_resume_state(paths)

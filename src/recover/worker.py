@@ -34,7 +34,7 @@ from typing import TextIO
 import torch
 
 from recover.collective import CollectiveAborted, CollectiveConfig, GroupCache
-from recover.config import RunPaths, TrainConfig
+from recover.config import RunPaths, TrainConfig, check_layout, replica_layout
 from recover.coordinator.client import (
     Committed,
     CoordinatorClient,
@@ -86,14 +86,15 @@ class WorkerConfig:
     # restarts the job; a replica never recovers nor checkpoints on a failure) or shrink
     # (a redo discards the local sum; the committed step averages what was computed).
     mode: str = "recover"
-    # Ranks per replica that shard the model with FSDP2 (HSDP); 1: a replica is one rank.
+    # Ranks per replica that shard the model with FSDP2 (HSDP), or that split it by tensor
+    # parallelism (one of the two; 1 and 1: a replica is one rank).
     shard: int = 1
+    tp: int = 1
     # A rank whose replica-mate is silent this long stops the replica (see recover.intra).
     watchdog_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.shard < 1:
-            raise ValueError(f"--shard must be >= 1, got {self.shard}")
+        check_layout(self.shard, self.tp)
         if not self.watchdog_s > 0:
             raise ValueError(f"--watchdog must be > 0 seconds, got {self.watchdog_s}")
         if self.replica_id < 0:
@@ -118,7 +119,7 @@ def parameter_hash(trainer) -> str:
     return hashlib.sha256(flat.numpy()).hexdigest()[:16]
 
 
-def fingerprint(cfg: TrainConfig, dataset: TokenDataset, shard: int = 1) -> dict:
+def fingerprint(cfg: TrainConfig, dataset: TokenDataset, shard: int = 1, tp: int = 1) -> dict:
     """What every replica of a run must agree on; a joiner with another one is refused."""
     return {
         "preset": cfg.preset,
@@ -129,6 +130,7 @@ def fingerprint(cfg: TrainConfig, dataset: TokenDataset, shard: int = 1) -> dict
         "steps": cfg.steps,
         "data_hash": dataset.content_hash,
         "shard": shard,
+        "tp": tp,
     }
 
 
@@ -155,10 +157,12 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     paths = RunPaths(out=wcfg.out)
     writer = MetricsWriter(paths.metrics)
     intra = None
-    if wcfg.shard > 1:
+    layout, ranks = replica_layout(wcfg.shard, wcfg.tp)
+    if ranks > 1:
         intra = IntraReplica(
             replica_id=me,
-            size=wcfg.shard,
+            layout=layout,
+            size=ranks,
             timeout_s=wcfg.outcome_timeout_s + wcfg.register_timeout_s,
             watchdog_s=wcfg.watchdog_s,
             emit=writer.event,
@@ -170,7 +174,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     )
     trainer.phase_hook = injector
     writer.event(
-        "rank_started", replica=me, rank=rank, ranks=wcfg.shard,
+        "rank_started", replica=me, rank=rank, ranks=ranks, layout=layout or "single",
         local_values=trainer.numel,  # what this rank holds of ...
         model_values=sum(p.numel() for p in trainer.params),  # ... the whole model's values
     )  # fmt: skip
@@ -206,7 +210,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     )
     try:
         view = link.register(
-            fingerprint=fingerprint(cfg, dataset, wcfg.shard),
+            fingerprint=fingerprint(cfg, dataset, wcfg.shard, wcfg.tp),
             next_step=start,
             deadline_s=wcfg.register_timeout_s,
         )

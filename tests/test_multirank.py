@@ -1,9 +1,11 @@
-"""Replicas of several ranks (HSDP: FSDP2 inside a replica, the fault-tolerant reduce across).
+"""Replicas of several ranks: HSDP (FSDP2 inside a replica) and tensor parallel, with the
+fault-tolerant reduce across replicas.
 
 Real processes and real faults: 2 replicas x 2 ranks against the failure-free one-rank run with
-the same seed and M. A fault hits one rank of replica 1; its replica-mate must stop (peer error or
-watchdog), the coordinator must declare replica 1 dead, and replica 0 must finish the step with
-all M microbatches on the same trajectory. Every process of the run must be gone at the end.
+the same seed and M. A fault hits one rank of a replica; its replica-mate must stop (peer error
+or watchdog), the coordinator must declare that replica dead, and the other replica must finish
+the step with all M microbatches on the same trajectory. Every process of the run must be gone
+at the end.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from test_multireplica import STEPS, M, train
 
 from conftest import assert_invariants as check_invariants
 from conftest import events
+from recover.config import check_layout_fits
 from recover.faults import parse_fault
 from recover.launch import LaunchConfig
 
@@ -32,10 +35,26 @@ def reference(tiny_dataset, tmp_path_factory) -> Path:
     return out
 
 
-def hsdp(data: Path, out: Path, *extra: str):
+def two_by_two(data: Path, out: Path, layout: str, *extra: str):
     # Equal shares: replica 1 holds ids 3, 4, 5 of every step (the plan is predictable).
-    flags = ["--replicas", "2", "--shard", "2", "--watchdog", "2", "--balance", "equal"]
+    flags = ["--replicas", "2", f"--{layout}", "2", "--watchdog", "2", "--balance", "equal"]
     return train(data, out, *flags, *extra)
+
+
+def hsdp(data: Path, out: Path, *extra: str):
+    return two_by_two(data, out, "shard", *extra)
+
+
+def assert_two_ranks_per_replica(out: Path, layout: str, *, split: bool) -> None:
+    """Each replica really is two processes; `split`: each holds part of the model."""
+    ranks = {(e["replica"], e["rank"]): e for e in events(out, "rank_started")}
+    assert sorted(ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in (0, 1):
+        held = [ranks[r, k]["local_values"] for k in (0, 1)]
+        assert all(ranks[r, k]["layout"] == layout for k in (0, 1))
+        assert min(held) > 0 and max(held) < ranks[r, 0]["model_values"], held
+        if split:  # FSDP2: the two halves are the whole model
+            assert sum(held) == ranks[r, 0]["model_values"], held
 
 
 def test_two_replicas_of_two_sharded_ranks_equal_one_rank(reference, tiny_dataset, tmp_path):
@@ -44,12 +63,7 @@ def test_two_replicas_of_two_sharded_ranks_equal_one_rank(reference, tiny_datase
     assert_invariants(reference, out, r)
     assert {e["replica"] for e in events(out, "replica_finished")} == {0, 1}
     assert not events(out, "coordinator.member_dead")
-    # Each replica really is two processes holding half of the model each.
-    ranks = {(e["replica"], e["rank"]): e for e in events(out, "rank_started")}
-    assert sorted(ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    for r in (0, 1):
-        halves = [ranks[r, k]["local_values"] for k in (0, 1)]
-        assert sum(halves) == ranks[r, 0]["model_values"] and min(halves) > 0, halves
+    assert_two_ranks_per_replica(out, "shard", split=True)
 
 
 def test_killed_rank_stops_its_replica_and_the_other_finishes_the_step(
@@ -87,6 +101,34 @@ def test_killed_leader_takes_its_replica_down_during_the_reduce(reference, tiny_
     assert "replica 1 rank 1 exited with status 7" in r.stdout  # its follower stopped itself
 
 
+def test_two_replicas_of_two_tensor_parallel_ranks_equal_one_rank(
+    reference, tiny_dataset, tmp_path
+):
+    out = tmp_path / "tp"
+    r = two_by_two(tiny_dataset, out, "tp")
+    assert_invariants(reference, out, r)
+    # Blocks are split, embeddings and norms are whole on both ranks: each holds more than half.
+    assert_two_ranks_per_replica(out, "tp", split=False)
+
+
+def test_tensor_parallel_rank_killed_mid_forward(reference, tiny_dataset, tmp_path):
+    out = tmp_path / "tp-kill"
+    r = two_by_two(
+        tiny_dataset,
+        out,
+        "tp",
+        "--fault",
+        "kill:replica=0,rank=1,step=1,phase=forward,microbatch=1",
+    )
+    assert_invariants(reference, out, r)
+    (lost,) = events(out, "replica_mate_lost")
+    assert (lost["replica"], lost["rank"]) == (0, 0)
+    assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [0]
+    (redo,) = events(out, "coordinator.redo")
+    assert redo["step"] == 1 and sorted(redo["lost"]) == [0, 1, 2]
+    assert {e["replica"] for e in events(out, "replica_finished")} == {1}
+
+
 def test_layout_flags_are_checked():
     spec = parse_fault("kill:replica=1,rank=1,step=2,phase=backward,microbatch=1")
     assert (spec.rank, spec.microbatch) == (1, 1)
@@ -98,3 +140,8 @@ def test_layout_flags_are_checked():
         LaunchConfig(replicas=2, shard=2, respawn_s=1.0)
     with pytest.raises(ValueError, match="--shard"):
         LaunchConfig(replicas=2, shard=0)
+    with pytest.raises(ValueError, match="together"):
+        LaunchConfig(replicas=2, shard=2, tp=2)
+    with pytest.raises(ValueError, match="must divide the tiny preset's 2 attention heads"):
+        check_layout_fits("tiny", 3)
+    check_layout_fits("small", 4)
