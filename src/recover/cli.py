@@ -106,14 +106,23 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="T",
         help="ranks per replica, one process each, that split every transformer block by tensor "
-        "parallelism (T must divide the preset's n_head); not together with --shard (default: 1)",
+        "parallelism (T must divide the preset's n_head) (default: 1)",
+    )
+    group.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        metavar="P",
+        help="ranks per replica, one process each, that hold P consecutive pipeline stages "
+        "(GPipe; the replica's microbatches are the pipeline's). Only one of --shard, --tp and "
+        "--pp may be above 1 (default: 1)",
     )
     group.add_argument(
         "--watchdog",
         type=float,
         default=5.0,
         metavar="S",
-        help="with --shard or --tp > 1: a rank whose replica-mate is silent this long stops the whole "
+        help="with --shard, --tp or --pp > 1: a rank whose replica-mate is silent this long stops the whole "
         "replica, which the others then recover from (default: 5)",
     )
 
@@ -288,9 +297,10 @@ def run_train(args: argparse.Namespace) -> int:
             mode=args.mode,
             shard=args.shard,
             tp=args.tp,
+            pp=args.pp,
             watchdog_s=args.watchdog,
         )
-        check_layout_fits(cfg.preset, lcfg.tp)
+        check_layout_fits(cfg.preset, lcfg.tp, lcfg.pp)
     except ValueError as e:
         return _error(str(e))
     if args.resume and args.out is None:
@@ -346,9 +356,10 @@ def run_worker_cli(args: argparse.Namespace) -> int:
             mode=args.mode,
             shard=args.shard,
             tp=args.tp,
+            pp=args.pp,
             watchdog_s=args.watchdog,
         )
-        check_layout_fits(cfg.preset, wcfg.tp)
+        check_layout_fits(cfg.preset, wcfg.tp, wcfg.pp)
     except ValueError as e:
         return _error(str(e))
     import torch

@@ -121,26 +121,33 @@ class RunPaths:
         return self.out / "final" / "model.safetensors"
 
 
-def check_layout(shard: int, tp: int) -> None:
-    """ValueError unless at most one of --shard and --tp is above 1 (both >= 1)."""
-    for name, value in (("shard", shard), ("tp", tp)):
+LAYOUTS = ("shard", "tp", "pp")  # what a replica of several ranks can be inside
+
+
+def check_layout(shard: int, tp: int, pp: int = 1) -> None:
+    """ValueError unless at most one of --shard, --tp and --pp is above 1 (all >= 1)."""
+    for name, value in zip(LAYOUTS, (shard, tp, pp), strict=True):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
-    if shard > 1 and tp > 1:
-        raise ValueError("--shard and --tp together (a 2-D replica) are not supported yet")
+    if sum(v > 1 for v in (shard, tp, pp)) > 1:
+        raise ValueError(
+            "only one of --shard, --tp and --pp may be above 1: layouts of several dimensions "
+            "are not supported yet"
+        )
 
 
-def check_layout_fits(preset: str, tp: int) -> None:
-    """ValueError if tensor parallelism over `tp` ranks cannot give each rank whole heads."""
-    heads = PRESETS[preset]["n_head"]
+def check_layout_fits(preset: str, tp: int, pp: int = 1) -> None:
+    """ValueError if the preset cannot be split so: whole heads per TP rank, a layer per stage."""
+    heads, layers = PRESETS[preset]["n_head"], PRESETS[preset]["n_layer"]
     if tp > 1 and heads % tp:
         raise ValueError(f"--tp {tp} must divide the {preset} preset's {heads} attention heads")
+    if pp > layers:
+        raise ValueError(f"--pp {pp} exceeds the {preset} preset's {layers} layers")
 
 
-def replica_layout(shard: int, tp: int) -> tuple[str, int]:
+def replica_layout(shard: int, tp: int, pp: int = 1) -> tuple[str, int]:
     """(layout name, ranks per replica); ("", 1) for a replica of one rank."""
-    if shard > 1:
-        return "shard", shard
-    if tp > 1:
-        return "tp", tp
+    for name, value in zip(LAYOUTS, (shard, tp, pp), strict=True):
+        if value > 1:
+            return name, value
     return "", 1

@@ -61,13 +61,14 @@ class LaunchConfig:
     # replica's microbatches: the global batch shrinks).
     mode: str = "recover"
     shard: int = 1  # ranks per replica that shard the model with FSDP2 ...
-    tp: int = 1  # ... or split it by tensor parallelism (one of the two)
+    tp: int = 1  # ... or split its blocks by tensor parallelism ...
+    pp: int = 1  # ... or hold its pipeline stages (one of the three above 1)
     watchdog_s: float = 5.0  # a replica-mate silent this long stops the replica
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
-        check_layout(self.shard, self.tp)
+        check_layout(self.shard, self.tp, self.pp)
         if not self.watchdog_s > 0:
             raise ValueError(f"--watchdog must be > 0 seconds, got {self.watchdog_s}")
         if self.ranks > 1 and self.respawn_s is not None:
@@ -102,7 +103,7 @@ class LaunchConfig:
     @property
     def ranks(self) -> int:
         """Processes per replica."""
-        return replica_layout(self.shard, self.tp)[1]
+        return replica_layout(self.shard, self.tp, self.pp)[1]
 
 
 def train_flags(cfg: TrainConfig) -> list[str]:
@@ -243,7 +244,7 @@ class LocalLauncher:
             argv.append("--resume")
         for spec in self._pending_faults(r):
             argv += ["--fault", fault_flag(spec)]
-        layout, ranks = replica_layout(self.lcfg.shard, self.lcfg.tp)
+        layout, ranks = replica_layout(self.lcfg.shard, self.lcfg.tp, self.lcfg.pp)
         if ranks == 1:
             self._spawn(f"replica {r}", argv, f"[replica {r}] ")
             return

@@ -109,6 +109,17 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def embed(transformer: nn.ModuleDict, idx: torch.Tensor) -> torch.Tensor:
+    """Token plus position embeddings, then dropout: (B, T) ids -> (B, T, C)."""
+    pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)  # (T,)
+    return transformer.drop(transformer.wte(idx) + transformer.wpe(pos))  # pos broadcasts over B
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position of the batch."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -149,21 +160,14 @@ class GPT(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        B, T = idx.size()
+        T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
-        tok_emb = self.transformer.wte(idx)  # (B, T, C)
-        pos_emb = self.transformer.wpe(pos)  # (T, C), broadcast over the batch
-        x = self.transformer.drop(tok_emb + pos_emb)  # (B, T, C)
+        x = embed(self.transformer, idx)  # (B, T, C)
         for block in self.transformer.h:
             x = block(x)  # (B, T, C)
-        x = self.transformer.ln_f(x)  # (B, T, C)
-        logits = self.lm_head(x)  # (B, T, vocab)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-        return logits, loss
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+        return logits, None if targets is None else lm_loss(logits, targets)
 
     def flops_per_token(self) -> float:
         """Approximate training FLOPs per token (6N + attention), for MFU reporting."""

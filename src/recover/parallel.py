@@ -38,10 +38,11 @@ Dropout under TP draws each rank's attention masks for its own heads: determinis
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -50,12 +51,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from recover.config import TrainConfig
-from recover.data.addressing import TokenDataset
-from recover.model import GPT
+from recover.data.addressing import TokenDataset, microbatch_seed
+from recover.model import GPT, embed, lm_loss
 from recover.trainer import ReplicaTrainer, local_part
 
 _FULL = StateDictOptions(full_state_dict=True)
@@ -96,12 +98,18 @@ class MultiRankTrainer(ReplicaTrainer):
         dist.all_reduce(mine, group=self.intra.group)
         return float(mine)
 
+    def _counted_in_norm(self, p: torch.Tensor) -> bool:
+        """Whether this rank adds p's gradient to the global norm: sharded parts everywhere,
+        whole (replicated) tensors on rank 0 only, so that every value counts once."""
+        return _is_sharded(p.grad) or self.intra.rank == 0
+
     def _clip_gradients(self, clip: float) -> float:
         sq = torch.zeros(1, dtype=torch.float64)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        for g in grads:
-            if _is_sharded(g) or self.intra.rank == 0:  # whole tensors: counted once
-                sq += local_part(g).double().pow(2).sum()
+        with_grad = [p for p in self.params if p.grad is not None]
+        grads = [p.grad for p in with_grad]
+        for p in with_grad:
+            if self._counted_in_norm(p):
+                sq += local_part(p.grad).double().pow(2).sum()
         dist.all_reduce(sq, group=self.intra.group)
         norm = math.sqrt(float(sq))
         if norm > clip:
@@ -119,14 +127,18 @@ class MultiRankTrainer(ReplicaTrainer):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        layout = state.get("layout")
-        if layout != {self.layout: self.intra.size}:
-            raise ValueError(
-                f"checkpoint layout {layout or 'single rank'} differs from this replica's "
-                f"({self.layout} {self.intra.size}); resume with the layout it was saved with"
-            )
+        self._check_layout(state)
         set_model_state_dict(self.model, state["model"], options=_FULL)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=_FULL)
+
+    def _check_layout(self, state: dict) -> None:
+        layout = state.get("layout")
+        if layout != {self.layout: self.intra.size}:
+            saved = " ".join(f"--{k} {v}" for k, v in (layout or {}).items()) or "one rank"
+            raise ValueError(
+                f"the checkpoint was saved by replicas of {saved}, this replica is "
+                f"--{self.layout} {self.intra.size}; resume with the layout it was saved with"
+            )
 
     def save_model(self, path: str | None) -> None:
         from safetensors.torch import save_model
@@ -205,4 +217,177 @@ class TensorParallelTrainer(MultiRankTrainer):
         return model
 
 
-TRAINERS = {"shard": ShardedTrainer, "tp": TensorParallelTrainer}
+class _Stage(nn.Module):
+    """The layers of one pipeline stage, under the whole model's parameter names."""
+
+    def __init__(self, model: GPT, stage: int, stages: int) -> None:
+        super().__init__()
+        n = model.config.n_layer
+        lo, hi = stage * n // stages, (stage + 1) * n // stages  # contiguous, balanced
+        self.first, self.last = stage == 0, stage == stages - 1
+        parts: dict[str, nn.Module] = {}
+        if self.first:
+            parts.update(wte=model.transformer.wte, wpe=model.transformer.wpe)
+            parts.update(drop=model.transformer.drop)
+        parts["h"] = nn.ModuleDict({str(i): model.transformer.h[i] for i in range(lo, hi)})
+        if self.last:
+            parts["ln_f"] = model.transformer.ln_f
+            self.lm_head = model.lm_head  # tied to wte: the first stage holds the other copy
+        self.transformer = nn.ModuleDict(parts)
+        self.before_forward: Callable[[], Callable[[torch.Tensor], None]] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        after = self.before_forward() if self.before_forward is not None else None
+        if self.first:
+            x = embed(self.transformer, x)
+        for block in self.transformer["h"].values():
+            x = block(x)
+        if self.last:
+            x = self.lm_head(self.transformer["ln_f"](x))
+        if after is not None:
+            after(x)
+        return x
+
+
+class PipelineTrainer(MultiRankTrainer):
+    """One model copy cut into P consecutive stages, one per rank of the replica (GPipe).
+
+    The replica's ids of a call are the pipeline's microbatches, in order. The tied embedding
+    and head live on the first and the last stage: after each call their gradient contributions
+    are summed between those two ranks, so both copies get the same update and stay tied. Dropout
+    is seeded per (seed, step, j) at the start of every stage's forward of microbatch j.
+    """
+
+    layout = "pp"
+
+    def __init__(self, cfg: TrainConfig, dataset: TokenDataset, *, intra) -> None:
+        super().__init__(cfg, dataset, intra=intra)
+        stage: _Stage = self.model
+        self._tied = stage.lm_head.weight if stage.last else stage.transformer["wte"].weight
+        # Every rank takes part in creating the group of the two ends (a collective).
+        self._tie_group = dist.new_group([0, intra.size - 1])
+        # Shapes given up front (static): no inference pass through the stage at the first step.
+        mb, seq, width = cfg.microbatch_size, cfg.seq_len, self.model_config.n_embd
+        # (requires_grad: a stage's received activations need their gradient sent back.)
+        hidden = torch.empty(mb, seq, width, device="meta", requires_grad=True)
+        self._pipe = PipelineStage(
+            stage, intra.rank, intra.size, self.device, group=intra.group,
+            input_args=torch.empty(mb, seq, dtype=torch.long, device="meta") if stage.first
+            else hidden,
+            output_args=torch.empty(mb, seq, self.model_config.vocab_size, device="meta")
+            if stage.last else hidden,
+            output_grads=None if stage.last else hidden,
+            input_grads=None if stage.first else hidden,
+        )  # fmt: skip
+        self._ordinal_step, self._ordinal = -1, 0
+
+    @property
+    def counts_losses(self) -> bool:
+        return self.model.last
+
+    def _parallelize(self, model: GPT) -> torch.nn.Module:
+        layers, stages = model.config.n_layer, self.intra.size
+        if stages > layers:
+            raise ValueError(f"--pp {stages} exceeds the preset's {layers} layers")
+        return _Stage(model, self.intra.rank, stages)
+
+    def _counted_in_norm(self, p: torch.Tensor) -> bool:
+        return not (self.model.last and p is self._tied)  # the tied copy counts on stage 0
+
+    def compute_microbatches(self, step: int, ids: Iterable[int], *, first_index: int = 0) -> None:
+        ids = list(ids)
+        if not ids:
+            return
+        if step != self._ordinal_step:
+            self._ordinal_step, self._ordinal = step, 0
+        stage: _Stage = self.model
+        stage.train()
+        calls = iter(ids)
+
+        def before_forward():
+            j, index = next(calls), self._ordinal
+            self._ordinal += 1
+            torch.manual_seed(microbatch_seed(self.cfg.seed, step, j))  # dropout of (step, j)
+            self.phase_hook("forward", step, index)
+
+            def after(out: torch.Tensor) -> None:
+                def on_backward(grad: torch.Tensor) -> None:
+                    self.phase_hook("backward", step, index)
+                    self.phase_hook("done", step, index)
+
+                if out.requires_grad:
+                    out.register_hook(on_backward)
+
+            return after
+
+        tied_before = self._tied.grad.clone() if self._tied.grad is not None else None
+        stage.before_forward = before_forward
+        try:
+            schedule = ScheduleGPipe(
+                self._pipe, n_microbatches=len(ids), loss_fn=lm_loss, scale_grads=False
+            )
+            if stage.first:
+                schedule.step(torch.cat([self._tokens(step, j)[0] for j in ids]))
+            elif stage.last:
+                losses: list[torch.Tensor] = []
+                schedule.step(
+                    target=torch.cat([self._tokens(step, j)[1] for j in ids]), losses=losses
+                )
+                self.loss_sum += sum(float(x.detach()) for x in losses)
+            else:
+                schedule.step()
+        finally:
+            stage.before_forward = None
+        self._sum_tied(tied_before)
+
+    def _sum_tied(self, before: torch.Tensor | None) -> None:
+        """Add the two ends' new contributions to the tied weight's gradient, on both ends."""
+        stage: _Stage = self.model
+        if not (stage.first or stage.last) or self.intra.size == 1:
+            return
+        grad = self._tied.grad if self._tied.grad is not None else torch.zeros_like(self._tied)
+        delta = grad - before if before is not None else grad.clone()
+        dist.all_reduce(delta, group=self._tie_group)
+        self._tied.grad = delta if before is None else before + delta
+
+    # ---- evaluation and state: through the whole model, gathered --------------------------------
+    def _whole_model(self) -> GPT:
+        """A plain GPT holding every stage's parameters (a collective: all ranks take part)."""
+        parts = self.intra.gather({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+        whole = GPT(self.model_config)
+        state = {}
+        for part in parts:
+            state.update(part)
+        state["transformer.wte.weight"] = state["lm_head.weight"]  # tied: one tensor
+        whole.load_state_dict(state)
+        return whole
+
+    def evaluate(self) -> float:
+        stage, self.model = self.model, self._whole_model()
+        try:
+            return super().evaluate()
+        finally:
+            self.model = stage
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self._whole_model().state_dict(),
+            "optimizer_stages": self.intra.gather(self.optimizer.state_dict()),
+            "layout": {self.layout: self.intra.size},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._check_layout(state)
+        mine = self.model.state_dict()
+        self.model.load_state_dict({k: state["model"][k] for k in mine})
+        self.optimizer.load_state_dict(state["optimizer_stages"][self.intra.rank])
+
+    def save_model(self, path: str | None) -> None:
+        from safetensors.torch import save_model
+
+        whole = self._whole_model()
+        if path is not None:
+            save_model(whole, path)
+
+
+TRAINERS = {"shard": ShardedTrainer, "tp": TensorParallelTrainer, "pp": PipelineTrainer}

@@ -40,7 +40,10 @@ def build_trainer_for_run(
             start = check_resume_state(
                 state, cfg=cfg, data_hash=dataset.content_hash, path=paths.checkpoints
             )
-            trainer.load_state_dict(state)
+            try:
+                trainer.load_state_dict(state)
+            except ValueError as e:  # a checkpoint of another layout
+                raise CheckpointError(f"{paths.checkpoints}: {e}") from None
     return trainer, start
 
 

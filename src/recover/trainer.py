@@ -77,7 +77,9 @@ class ReplicaTrainer:
             cfg.preset, vocab_size=dataset.vocab_size, block_size=cfg.seq_len, dropout=cfg.dropout
         )
         self.model_config = model_cfg
-        self.model = self._parallelize(GPT(model_cfg).to(self.device))
+        model = GPT(model_cfg).to(self.device)
+        self.model_values = model.num_params()  # of the whole model, whatever this rank holds
+        self.model = self._parallelize(model)
         self.params = list(self.model.parameters())
         self.numel = sum(local_part(p).numel() for p in self.params)  # this rank's values
         decay = [p for p in self.params if p.dim() >= 2]
@@ -114,16 +116,7 @@ class ReplicaTrainer:
         """Forward and backward of microbatch (step, j), its gradient scaled by `weight` (0 for a
         padding pass that only keeps the ranks of a sharded replica in lockstep; index None then:
         no phase hook fires and its loss is not counted)."""
-        x, y = microbatch_tokens(
-            self.dataset,
-            seed=self.cfg.seed,
-            step=step,
-            j=j,
-            microbatches=self.cfg.microbatches,
-            microbatch_size=self.cfg.microbatch_size,
-            seq_len=self.cfg.seq_len,
-        )
-        x, y = x.to(self.device), y.to(self.device)
+        x, y = self._tokens(step, j)
         torch.manual_seed(microbatch_seed(self.cfg.seed, step, j))  # dropout of (step, j)
         if index is not None:
             self.phase_hook("forward", step, index)
@@ -134,6 +127,19 @@ class ReplicaTrainer:
         if index is not None:
             self.loss_sum += float(loss.detach())
             self.phase_hook("done", step, index)
+
+    def _tokens(self, step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of microbatch (step, j), on this trainer's device."""
+        x, y = microbatch_tokens(
+            self.dataset,
+            seed=self.cfg.seed,
+            step=step,
+            j=j,
+            microbatches=self.cfg.microbatches,
+            microbatch_size=self.cfg.microbatch_size,
+            seq_len=self.cfg.seq_len,
+        )
+        return x.to(self.device), y.to(self.device)
 
     def zero_local(self) -> None:
         for p in self.params:
@@ -224,6 +230,13 @@ class ReplicaTrainer:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        layout = state.get("layout")
+        if layout:  # saved by replicas of several ranks (recover.parallel)
+            ((name, ranks),) = layout.items()
+            raise ValueError(
+                f"the checkpoint was saved by replicas of {ranks} ranks ({name}); resume with "
+                f"--{name} {ranks}"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 

@@ -86,15 +86,17 @@ class WorkerConfig:
     # restarts the job; a replica never recovers nor checkpoints on a failure) or shrink
     # (a redo discards the local sum; the committed step averages what was computed).
     mode: str = "recover"
-    # Ranks per replica that shard the model with FSDP2 (HSDP), or that split it by tensor
-    # parallelism (one of the two; 1 and 1: a replica is one rank).
+    # Ranks per replica that shard the model with FSDP2 (HSDP), split its blocks by tensor
+    # parallelism, or hold its consecutive pipeline stages (one of the three above 1; all 1:
+    # a replica is one rank).
     shard: int = 1
     tp: int = 1
+    pp: int = 1
     # A rank whose replica-mate is silent this long stops the replica (see recover.intra).
     watchdog_s: float = 5.0
 
     def __post_init__(self) -> None:
-        check_layout(self.shard, self.tp)
+        check_layout(self.shard, self.tp, self.pp)
         if not self.watchdog_s > 0:
             raise ValueError(f"--watchdog must be > 0 seconds, got {self.watchdog_s}")
         if self.replica_id < 0:
@@ -119,7 +121,7 @@ def parameter_hash(trainer) -> str:
     return hashlib.sha256(flat.numpy()).hexdigest()[:16]
 
 
-def fingerprint(cfg: TrainConfig, dataset: TokenDataset, shard: int = 1, tp: int = 1) -> dict:
+def fingerprint(cfg: TrainConfig, dataset: TokenDataset, layout: tuple[str, int] = ("", 1)) -> dict:
     """What every replica of a run must agree on; a joiner with another one is refused."""
     return {
         "preset": cfg.preset,
@@ -129,8 +131,7 @@ def fingerprint(cfg: TrainConfig, dataset: TokenDataset, shard: int = 1, tp: int
         "seed": cfg.seed,
         "steps": cfg.steps,
         "data_hash": dataset.content_hash,
-        "shard": shard,
-        "tp": tp,
+        "layout": f"{layout[0]} {layout[1]}" if layout[1] > 1 else "single rank",
     }
 
 
@@ -157,7 +158,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     paths = RunPaths(out=wcfg.out)
     writer = MetricsWriter(paths.metrics)
     intra = None
-    layout, ranks = replica_layout(wcfg.shard, wcfg.tp)
+    layout, ranks = replica_layout(wcfg.shard, wcfg.tp, wcfg.pp)
     if ranks > 1:
         intra = IntraReplica(
             replica_id=me,
@@ -176,7 +177,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     writer.event(
         "rank_started", replica=me, rank=rank, ranks=ranks, layout=layout or "single",
         local_values=trainer.numel,  # what this rank holds of ...
-        model_values=sum(p.numel() for p in trainer.params),  # ... the whole model's values
+        model_values=trainer.model_values,  # ... the whole model's values
     )  # fmt: skip
     client = None
     if intra is None or intra.leader:
@@ -210,7 +211,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     )
     try:
         view = link.register(
-            fingerprint=fingerprint(cfg, dataset, wcfg.shard, wcfg.tp),
+            fingerprint=fingerprint(cfg, dataset, (layout, ranks)),
             next_step=start,
             deadline_s=wcfg.register_timeout_s,
         )
