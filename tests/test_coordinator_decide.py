@@ -431,11 +431,17 @@ def test_throughput_weights_and_joiners_start_at_the_median():
     s = sim.state
     assert s.weights == {0: 1.0, 1: 1.0, 2: 2.0, 5: 1.0}
     assert [len(s.holdings[r]) for r in (0, 1, 2, 5)] == [3, 2, 5, 2]
-    # The next samples fold into a moving average (alpha 0.3 by default), not a replacement.
-    for r, tp in ((0, 1.0), (1, 1.0), (2, 1.0), (5, 1.0)):
-        sim.done(r, throughput=tp)
-    assert sim.state.weights[2] == pytest.approx(0.3 * 1.0 + 0.7 * 2.0)
-    assert sim.state.weights[1] == 1.0
+    # The next samples fold into a moving average (alpha 0.3 by default), not a replacement,
+    # and the plan follows only a material change (rebalance_threshold 0.1 of a share): replica
+    # 2's average falls to 1.7, its share from 0.40 to 0.36 (-10%): the plan stays.
+    for r in (0, 1, 2, 5):
+        sim.done(r, throughput=1.0)
+    assert sim.state.weights == {0: 1.0, 1: 1.0, 2: 2.0, 5: 1.0}
+    assert sim.state.members[2].throughput == pytest.approx(0.3 * 1.0 + 0.7 * 2.0)
+    for r in (0, 1, 2, 5):  # 1.49: its share falls to 0.33 (-17%): re-planned
+        sim.done(r, throughput=1.0)
+    assert sim.state.weights[2] == pytest.approx(0.3 + 0.7 * 1.7)
+    assert [len(sim.state.holdings[r]) for r in (0, 1, 2, 5)] == [3, 3, 4, 2]
 
 
 def test_decide_never_mutates_its_input():

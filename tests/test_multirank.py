@@ -17,6 +17,7 @@ from test_multireplica import STEPS, M, train
 
 from conftest import assert_invariants as check_invariants
 from conftest import events
+from recover.compare import compare_runs
 from recover.config import check_layout_fits
 from recover.faults import parse_fault
 from recover.launch import LaunchConfig
@@ -173,6 +174,26 @@ def test_quorum_lost_checkpoints_the_whole_state_and_resume_continues(
     assert f"resume with --{layout} 2" in wrong.stdout, wrong.stdout[-2000:]
     resumed = two_by_two(tiny_dataset, out, layout, "--resume")
     assert_invariants(reference, out, resumed)
+
+
+def test_bf16_autocast_recovers_on_the_bf16_trajectory(reference, tiny_dataset, tmp_path):
+    # --precision bf16 runs the forward under bf16 autocast (gradients, sums and optimizer state
+    # stay fp32): a different trajectory from fp32, which a recovered run must still follow.
+    bf16_ref = tmp_path / "bf16-one"
+    r = train(tiny_dataset, bf16_ref, "--replicas", "1", "--precision", "bf16")
+    assert r.returncode == 0, r.stdout
+    assert compare_runs(reference, bf16_ref).param_rel_l2 > 1e-4  # autocast really ran
+    out = tmp_path / "bf16-hsdp"
+    r = hsdp(
+        tiny_dataset,
+        out,
+        "--precision",
+        "bf16",
+        "--fault",
+        "kill:replica=1,rank=1,step=2,phase=backward",
+    )
+    check_invariants(bf16_ref, out, r, steps=STEPS, microbatches=M)
+    assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [1]
 
 
 def test_layout_flags_are_checked():

@@ -31,6 +31,8 @@ TRAIN_HELP = {
     "beta2": "AdamW beta2",
     "grad_clip": "clip the global gradient norm to this (0: no clipping)",
     "dropout": "dropout probability (masks seeded per microbatch id)",
+    "precision": "fp32, or bf16: the forward pass under bf16 autocast; gradients, their sums "
+    "and the optimizer state stay fp32",
     "eval_every": "validation loss every N steps and at the end (0: never)",
     "eval_batches": "validation microbatches per evaluation",
     "ckpt_every": "checkpoint every N steps (0: no periodic checkpoints)",
@@ -116,6 +118,13 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
         help="ranks per replica, one process each, that hold P consecutive pipeline stages "
         "(GPipe; the replica's microbatches are the pipeline's). Only one of --shard, --tp and "
         "--pp may be above 1 (default: 1)",
+    )
+    group.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where replicas compute: auto (a GPU per process if any is visible, else the CPU), "
+        "cpu or cuda. Cross-replica reduces run on gloo over host copies (default: auto)",
     )
     group.add_argument(
         "--watchdog",
@@ -299,8 +308,14 @@ def run_train(args: argparse.Namespace) -> int:
             tp=args.tp,
             pp=args.pp,
             watchdog_s=args.watchdog,
+            device=args.device,
         )
         check_layout_fits(cfg.preset, lcfg.tp, lcfg.pp)
+        if args.device == "cuda":  # fail here, not in every replica (torch only for this check)
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda: no CUDA device is visible")
     except ValueError as e:
         return _error(str(e))
     if args.resume and args.out is None:
@@ -316,8 +331,11 @@ def run_train(args: argparse.Namespace) -> int:
             from recover.train import train_single
 
             try:
-                train_single(cfg, out=out, data_path=data, resume=args.resume, console=console)
-            except CheckpointError as e:
+                train_single(
+                    cfg, out=out, data_path=data, resume=args.resume, console=console,
+                    device=args.device,
+                )  # fmt: skip
+            except (CheckpointError, ValueError) as e:
                 return _error(str(e))
             return 0
         info = read_dataset_info(data)
@@ -358,6 +376,7 @@ def run_worker_cli(args: argparse.Namespace) -> int:
             tp=args.tp,
             pp=args.pp,
             watchdog_s=args.watchdog,
+            device=args.device,
         )
         check_layout_fits(cfg.preset, wcfg.tp, wcfg.pp)
     except ValueError as e:
@@ -365,6 +384,12 @@ def run_worker_cli(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)  # one core per replica process
+    from recover.trainer import pick_device
+
+    try:
+        pick_device(wcfg.device)  # a clear error, not a traceback, when no GPU is visible
+    except ValueError as e:
+        return _error(str(e))
     try:
         code = run_worker(cfg, wcfg)
     except (DataError, CheckpointError) as e:

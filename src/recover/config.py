@@ -16,6 +16,8 @@ from pathlib import Path
 
 from recover.presets import PRESETS
 
+PRECISIONS = ("fp32", "bf16")
+
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
@@ -37,6 +39,7 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables
     dropout: float = 0.0
+    precision: str = "fp32"  # fp32, or bf16: forward under bf16 autocast, fp32 gradients and state
     eval_every: int = 100  # validation loss every N steps (and at the end); 0 disables
     eval_batches: int = 8  # validation microbatches per evaluation
     ckpt_every: int = 100  # checkpoint every N steps; 0 disables periodic checkpoints
@@ -71,6 +74,8 @@ class TrainConfig:
                 raise ValueError(f"{_flag(name)} must be in [0, 1), got {getattr(self, name)!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be fp32 or bf16, got {self.precision!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

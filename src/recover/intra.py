@@ -79,6 +79,7 @@ class IntraReplica:
         size: int,
         timeout_s: float,
         watchdog_s: float,
+        device: str = "cpu",
         emit: Callable[..., None] | None = None,
     ) -> None:
         missing = [
@@ -95,11 +96,16 @@ class IntraReplica:
         self.replica_id, self.rank, self.size, self.layout = replica_id, rank, size, layout
         self.deadline_s = watchdog_s
         self.emit = emit or (lambda name, **fields: None)
+        # On GPUs: NCCL for the model's collectives, gloo for host tensors (the relay, the loss).
+        cuda = device.startswith("cuda")
         dist.init_process_group(
-            "gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s)
+            "cpu:gloo,cuda:nccl" if cuda else "gloo",
+            rank=rank,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
         self.group = dist.group.WORLD
-        self.mesh = init_device_mesh("cpu", (size,), mesh_dim_names=(layout,))
+        self.mesh = init_device_mesh("cuda" if cuda else "cpu", (size,), mesh_dim_names=(layout,))
         # The watchdog's own store client (a blocked main-thread call never delays it).
         self._store = dist.TCPStore(
             os.environ["MASTER_ADDR"],

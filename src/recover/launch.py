@@ -64,6 +64,7 @@ class LaunchConfig:
     tp: int = 1  # ... or split its blocks by tensor parallelism ...
     pp: int = 1  # ... or hold its pipeline stages (one of the three above 1)
     watchdog_s: float = 5.0  # a replica-mate silent this long stops the replica
+    device: str = "auto"  # where replicas compute: auto (GPUs if visible), cpu or cuda
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -71,6 +72,8 @@ class LaunchConfig:
         check_layout(self.shard, self.tp, self.pp)
         if not self.watchdog_s > 0:
             raise ValueError(f"--watchdog must be > 0 seconds, got {self.watchdog_s}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.ranks > 1 and self.respawn_s is not None:
             raise ValueError(
                 "--respawn needs single-rank replicas for now: a replica of several ranks cannot "
@@ -236,7 +239,7 @@ class LocalLauncher:
             "worker", "--coordinator", f"{host}:{port}", "--replica-id", str(r),
             "--data", str(self.data), "--out", str(self.paths.out),
             "--heartbeat", str(self.lcfg.heartbeat_s), "--check-every", str(self.lcfg.check_every),
-            "--mode", self.lcfg.mode, *train_flags(self.cfg),
+            "--mode", self.lcfg.mode, "--device", self.lcfg.device, *train_flags(self.cfg),
         ]  # fmt: skip
         if fresh:
             self.children.pop(f"replica {r}")  # reaped already; the slot gets the new process
@@ -245,8 +248,8 @@ class LocalLauncher:
         for spec in self._pending_faults(r):
             argv += ["--fault", fault_flag(spec)]
         layout, ranks = replica_layout(self.lcfg.shard, self.lcfg.tp, self.lcfg.pp)
-        if ranks == 1:
-            self._spawn(f"replica {r}", argv, f"[replica {r}] ")
+        if ranks == 1:  # (on GPUs: replica r takes GPU r, modulo the GPUs there are)
+            self._spawn(f"replica {r}", argv, f"[replica {r}] ", {"RECOVER_DEVICE_INDEX": str(r)})
             return
         # A replica of several ranks: one process per rank, with the variables torchrun would
         # give them; rank 0 hosts the replica's own store on a fresh port.
@@ -258,7 +261,7 @@ class LocalLauncher:
             env = {
                 "RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(ranks),
                 "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(master_port),
+                "MASTER_PORT": str(master_port), "RECOVER_DEVICE_INDEX": str(r * ranks + k),
             }  # fmt: skip
             self._spawn(_proc_name(r, k), argv, f"[replica {r}.{k}] ", env)
 

@@ -37,6 +37,7 @@ Dropout under TP draws each rank's attention masks for its own heads: determinis
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable
 
@@ -73,9 +74,11 @@ class MultiRankTrainer(ReplicaTrainer):
 
     layout = ""  # the layout's name, as in the flags and the checkpoint
 
-    def __init__(self, cfg: TrainConfig, dataset: TokenDataset, *, intra) -> None:
+    def __init__(
+        self, cfg: TrainConfig, dataset: TokenDataset, *, intra, device: str = "cpu"
+    ) -> None:
         self.intra = intra  # recover.intra.IntraReplica: the replica's own ranks and mesh
-        super().__init__(cfg, dataset)
+        super().__init__(cfg, dataset, device=device)
 
     counts_losses = True  # this rank's loss slot is part of the replica's loss
 
@@ -92,7 +95,7 @@ class MultiRankTrainer(ReplicaTrainer):
         p.grad = local
 
     def _committed_loss_sum(self, flat_sum: torch.Tensor) -> float:
-        mine = flat_sum[-1:].to(torch.float64).clone()
+        mine = flat_sum[-1:].to(self.device, torch.float64, copy=True)
         if not self.counts_losses:
             mine.zero_()
         dist.all_reduce(mine, group=self.intra.group)
@@ -104,7 +107,7 @@ class MultiRankTrainer(ReplicaTrainer):
         return _is_sharded(p.grad) or self.intra.rank == 0
 
     def _clip_gradients(self, clip: float) -> float:
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         with_grad = [p for p in self.params if p.grad is not None]
         grads = [p.grad for p in with_grad]
         for p in with_grad:
@@ -156,10 +159,12 @@ class ShardedTrainer(MultiRankTrainer):
 
     layout = "shard"
 
-    def __init__(self, cfg: TrainConfig, dataset: TokenDataset, *, intra) -> None:
+    def __init__(
+        self, cfg: TrainConfig, dataset: TokenDataset, *, intra, device: str = "cpu"
+    ) -> None:
         self._ordinal_step = -1
         self._ordinal = 0
-        super().__init__(cfg, dataset, intra=intra)
+        super().__init__(cfg, dataset, intra=intra, device=device)
 
     def _parallelize(self, model: GPT) -> torch.nn.Module:
         # Fixed order: every block is its own FSDP unit (on GPUs its all-gather overlaps the
@@ -235,15 +240,18 @@ class _Stage(nn.Module):
             self.lm_head = model.lm_head  # tied to wte: the first stage holds the other copy
         self.transformer = nn.ModuleDict(parts)
         self.before_forward: Callable[[], Callable[[torch.Tensor], None]] | None = None
+        self.autocast: Callable = contextlib.nullcontext  # the trainer's, set after building
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         after = self.before_forward() if self.before_forward is not None else None
-        if self.first:
-            x = embed(self.transformer, x)
-        for block in self.transformer["h"].values():
-            x = block(x)
-        if self.last:
-            x = self.lm_head(self.transformer["ln_f"](x))
+        with self.autocast():
+            if self.first:
+                x = embed(self.transformer, x)
+            for block in self.transformer["h"].values():
+                x = block(x)
+            if self.last:
+                x = self.lm_head(self.transformer["ln_f"](x))
+        x = x.float()  # what travels between stages and into the loss: fp32, as declared
         if after is not None:
             after(x)
         return x
@@ -260,9 +268,12 @@ class PipelineTrainer(MultiRankTrainer):
 
     layout = "pp"
 
-    def __init__(self, cfg: TrainConfig, dataset: TokenDataset, *, intra) -> None:
-        super().__init__(cfg, dataset, intra=intra)
+    def __init__(
+        self, cfg: TrainConfig, dataset: TokenDataset, *, intra, device: str = "cpu"
+    ) -> None:
+        super().__init__(cfg, dataset, intra=intra, device=device)
         stage: _Stage = self.model
+        stage.autocast = self.autocast
         self._tied = stage.lm_head.weight if stage.last else stage.transformer["wte"].weight
         # Every rank takes part in creating the group of the two ends (a collective).
         self._tie_group = dist.new_group([0, intra.size - 1])

@@ -18,21 +18,27 @@ from recover.data.addressing import TokenDataset
 from recover.metrics import MetricsWriter
 from recover.run import RunRecorder, check_resume_state, load_resume_state, unigram_loss
 from recover.runfolder import open_run_folder, read_dataset_info
-from recover.trainer import ReplicaTrainer
+from recover.trainer import ReplicaTrainer, pick_device
 
 
 def build_trainer_for_run(
-    cfg: TrainConfig, *, paths: RunPaths, dataset: TokenDataset, resume: bool, intra=None
+    cfg: TrainConfig,
+    *,
+    paths: RunPaths,
+    dataset: TokenDataset,
+    resume: bool,
+    intra=None,
+    device: str = "cpu",
 ) -> tuple[ReplicaTrainer, int]:
     """The trainer, loaded from the newest checkpoint when resuming; and the next step to run.
     With `intra` (a recover.intra.IntraReplica), the model is split over the replica's ranks
     by the layout `intra.layout` names."""
     if intra is None:
-        trainer = ReplicaTrainer(cfg, dataset)
+        trainer = ReplicaTrainer(cfg, dataset, device=device)
     else:
         from recover.parallel import TRAINERS
 
-        trainer = TRAINERS[intra.layout](cfg, dataset, intra=intra)
+        trainer = TRAINERS[intra.layout](cfg, dataset, intra=intra, device=device)
     start = 0
     if resume:
         state = load_resume_state(paths)
@@ -54,13 +60,17 @@ def train_single(
     data_path: Path,
     resume: bool = False,
     console: TextIO | None = sys.stdout,
+    device: str = "cpu",
 ) -> dict:
     """Train one replica; return the run summary. Raises RunFolderError / CheckpointError."""
     dataset = TokenDataset.open(data_path)
     paths = RunPaths(out=out)
     info = read_dataset_info(data_path)
+    device = pick_device(device)  # before the run folder: a bad --device leaves nothing behind
     open_run_folder(paths, cfg, data_info=info, resume=resume, launch={"replicas": 1})
-    trainer, start = build_trainer_for_run(cfg, paths=paths, dataset=dataset, resume=resume)
+    trainer, start = build_trainer_for_run(
+        cfg, paths=paths, dataset=dataset, resume=resume, device=device
+    )
     writer = MetricsWriter(paths.metrics)
     recorder = RunRecorder(
         cfg=cfg,

@@ -43,6 +43,24 @@ def _no_hook(phase: str, step: int, index: int | None) -> None:
     return None
 
 
+def pick_device(name: str) -> str:
+    """`--device` (auto, cpu, cuda) -> a torch device string for this process. A CUDA process
+    takes GPU RECOVER_DEVICE_INDEX (set by the local launcher), else LOCAL_RANK (torchrun), modulo
+    the visible GPUs, and makes it the current device."""
+    import os
+
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {name!r}")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to this process")
+    index = int(os.environ.get("RECOVER_DEVICE_INDEX", os.environ.get("LOCAL_RANK", "0")))
+    index %= torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """The part of a tensor this rank holds: the local shard of a DTensor, else the tensor."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -120,13 +138,21 @@ class ReplicaTrainer:
         torch.manual_seed(microbatch_seed(self.cfg.seed, step, j))  # dropout of (step, j)
         if index is not None:
             self.phase_hook("forward", step, index)
-        _, loss = self.model(x, y)
+        with self.autocast():
+            _, loss = self.model(x, y)
         if index is not None:
             self.phase_hook("backward", step, index)
         (loss * weight if weight != 1.0 else loss).backward()  # accumulates into p.grad
         if index is not None:
             self.loss_sum += float(loss.detach())
             self.phase_hook("done", step, index)
+
+    def autocast(self):
+        """The forward pass's precision: bf16 autocast with --precision bf16 (parameters,
+        gradients and their sums stay fp32), else a no-op."""
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"
+        )
 
     def _tokens(self, step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets of microbatch (step, j), on this trainer's device."""
@@ -167,6 +193,7 @@ class ReplicaTrainer:
     def _load_flat_grads(self, flat: torch.Tensor) -> None:
         if flat.numel() != self.numel + 1:
             raise ValueError(f"flat buffer has {flat.numel()} values, expected {self.numel + 1}")
+        flat = flat.to(self.device)  # the cross-replica sum arrives in host memory
         offset = 0
         for p in self.params:
             n = local_part(p).numel()
@@ -221,7 +248,8 @@ class ReplicaTrainer:
         self.model.eval()
         losses = []
         for x, y in self._eval_set:
-            _, loss = self.model(x.to(self.device), y.to(self.device))
+            with self.autocast():
+                _, loss = self.model(x.to(self.device), y.to(self.device))
             losses.append(float(loss))
         self.model.train()
         return sum(losses) / len(losses)

@@ -50,6 +50,7 @@ from recover.intra import IntraReplica, ReplicaLink, SoloLink, replica_hash
 from recover.metrics import MetricsWriter, read_metrics
 from recover.run import RunRecorder, unigram_loss
 from recover.train import build_trainer_for_run
+from recover.trainer import pick_device
 from recover.transfer import transfer_state
 
 EXIT_OK = 0
@@ -94,11 +95,14 @@ class WorkerConfig:
     pp: int = 1
     # A rank whose replica-mate is silent this long stops the replica (see recover.intra).
     watchdog_s: float = 5.0
+    device: str = "auto"  # auto (a GPU if one is visible), cpu or cuda
 
     def __post_init__(self) -> None:
         check_layout(self.shard, self.tp, self.pp)
         if not self.watchdog_s > 0:
             raise ValueError(f"--watchdog must be > 0 seconds, got {self.watchdog_s}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.replica_id < 0:
             raise ValueError(f"--replica-id must be >= 0, got {self.replica_id}")
         if not 0 < self.coordinator_port < 65536:
@@ -131,6 +135,7 @@ def fingerprint(cfg: TrainConfig, dataset: TokenDataset, layout: tuple[str, int]
         "seed": cfg.seed,
         "steps": cfg.steps,
         "data_hash": dataset.content_hash,
+        "precision": cfg.precision,
         "layout": f"{layout[0]} {layout[1]}" if layout[1] > 1 else "single rank",
     }
 
@@ -157,6 +162,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     dataset = TokenDataset.open(wcfg.data)
     paths = RunPaths(out=wcfg.out)
     writer = MetricsWriter(paths.metrics)
+    device = pick_device(wcfg.device)
     intra = None
     layout, ranks = replica_layout(wcfg.shard, wcfg.tp, wcfg.pp)
     if ranks > 1:
@@ -166,16 +172,18 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             size=ranks,
             timeout_s=wcfg.outcome_timeout_s + wcfg.register_timeout_s,
             watchdog_s=wcfg.watchdog_s,
+            device=device,
             emit=writer.event,
         )
     rank = intra.rank if intra is not None else 0
     injector = FaultInjector([f for f in wcfg.faults if f.rank == rank], emit=writer.event)
     trainer, start = build_trainer_for_run(
-        cfg, paths=paths, dataset=dataset, resume=wcfg.resume, intra=intra
+        cfg, paths=paths, dataset=dataset, resume=wcfg.resume, intra=intra, device=device
     )
     trainer.phase_hook = injector
     writer.event(
         "rank_started", replica=me, rank=rank, ranks=ranks, layout=layout or "single",
+        device=device,
         local_values=trainer.numel,  # what this rank holds of ...
         model_values=trainer.model_values,  # ... the whole model's values
     )  # fmt: skip
@@ -523,7 +531,9 @@ class ReplicaLoop:
         epoch = view.attempt_epoch
         should_abort = self._should_abort(epoch)
         should_abort_reduce = self._with_fault("reduce", step, should_abort)
-        buffer = snapshot.clone()  # for this attempt only; dropped on abort
+        # For this attempt only; dropped on abort. In host memory: the cross-replica groups are
+        # gloo's, whatever device the replica computes on.
+        buffer = snapshot.to("cpu", copy=True)
         t0 = time.perf_counter()
         try:
             group, members = self._group(view, should_abort)

@@ -459,7 +459,18 @@ def _weights(s: CoordinatorState, ids: tuple[int, ...]) -> dict[int, float]:
         return {r: 1.0 for r in ids}
     median = statistics.median(known)
     floor = max(known) * 1e-3  # a stalled replica keeps a tiny positive share
-    return {r: max(w if w is not None and w > 0 else median, floor) for r, w in measured.items()}
+    fresh = {r: max(w if w is not None and w > 0 else median, floor) for r, w in measured.items()}
+    old = {r: s.weights[r] for r in ids if r in s.weights}
+    if len(old) == len(ids) and not _moved(old, fresh, s.options.rebalance_threshold):
+        return old  # same members, no material change: keep the plan's weights
+    return fresh
+
+
+def _moved(old: dict[int, float], new: dict[int, float], threshold: float) -> bool:
+    """True when some replica's share of the total weight changed by more than `threshold`
+    (relative to its old share)."""
+    old_total, new_total = sum(old.values()), sum(new.values())
+    return any(abs((new[r] / new_total) / (old[r] / old_total) - 1.0) > threshold for r in old)
 
 
 # ---------------------------------------------------------------- small helpers

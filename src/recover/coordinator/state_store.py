@@ -72,6 +72,10 @@ class CoordinatorOptions:
     start_deadline_s: float = 300.0  # forming gives up (or starts with >= min_replicas) after this
     throughput_weights: bool = False  # weight shares by measured throughput instead of equally
     throughput_ema_alpha: float = 0.3  # weight of the newest sample in the throughput average
+    # Re-plan on measured throughput only when some replica's share of the weights moved by more
+    # than this fraction: measurement noise must not reshuffle plans (and summation order) at
+    # every step.
+    rebalance_threshold: float = 0.1
     # "recover": lost ids are reassigned (the constant-batch invariant). "shrink" is a baseline
     # for comparison only (torchft's semantics): a dead replica's ids are dropped, each replica
     # keeps the fixed slot of ids it had in a full job, so the global batch shrinks.
@@ -92,6 +96,12 @@ class CoordinatorOptions:
         if not isinstance(self.throughput_weights, bool):
             raise ValueError(f"throughput_weights must be a bool, got {self.throughput_weights!r}")
         _positive("throughput_ema_alpha", self.throughput_ema_alpha)
+        if isinstance(self.rebalance_threshold, bool) or not (
+            isinstance(self.rebalance_threshold, int | float) and self.rebalance_threshold >= 0
+        ):
+            raise ValueError(
+                f"rebalance_threshold must be a number >= 0, got {self.rebalance_threshold!r}"
+            )
         if self.mode not in ("recover", "shrink"):
             raise ValueError(f"mode must be recover or shrink, got {self.mode!r}")
         if self.throughput_ema_alpha > 1:
