@@ -176,6 +176,25 @@ def test_quorum_lost_checkpoints_the_whole_state_and_resume_continues(
     assert_invariants(reference, out, resumed)
 
 
+def test_two_dimensional_replicas_shard_by_tp(reference, tiny_dataset, tmp_path):
+    # 2 replicas of 2 x 2 ranks (FSDP2 across TP pairs). Rank 3 (shard 1, tp 1) of replica 1
+    # dies in the backward of step 2; its three mates stop, the other replica finishes the step.
+    out = tmp_path / "2d"
+    r = train(
+        tiny_dataset, out, "--replicas", "2", "--shard", "2", "--tp", "2", "--watchdog", "2",
+        "--balance", "equal", "--fault", "kill:replica=1,rank=3,step=2,phase=backward",
+    )  # fmt: skip
+    assert_invariants(reference, out, r)
+    ranks = {(e["replica"], e["rank"]): e for e in events(out, "rank_started")}
+    assert sorted(ranks) == [(r, k) for r in (0, 1) for k in range(4)]
+    assert {e["layout"] for e in ranks.values()} == {"shard+tp"}
+    held = [ranks[0, k]["local_values"] for k in range(4)]
+    assert max(held) < ranks[0, 0]["model_values"] / 2, held  # split both ways
+    assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [1]
+    (redo,) = events(out, "coordinator.redo")
+    assert redo["step"] == 2 and sorted(redo["lost"]) == [3, 4, 5]
+
+
 def test_bf16_autocast_recovers_on_the_bf16_trajectory(reference, tiny_dataset, tmp_path):
     # --precision bf16 runs the forward under bf16 autocast (gradients, sums and optimizer state
     # stay fp32): a different trajectory from fp32, which a recovered run must still follow.
@@ -207,12 +226,11 @@ def test_layout_flags_are_checked():
         LaunchConfig(replicas=2, shard=2, respawn_s=1.0)
     with pytest.raises(ValueError, match="--shard"):
         LaunchConfig(replicas=2, shard=0)
-    with pytest.raises(ValueError, match="only one of"):
-        LaunchConfig(replicas=2, shard=2, tp=2)
+    assert LaunchConfig(replicas=2, shard=2, tp=2).ranks == 4
     with pytest.raises(ValueError, match="must divide the tiny preset's 2 attention heads"):
         check_layout_fits("tiny", 3)
     check_layout_fits("small", 4)
     with pytest.raises(ValueError, match="--pp 3 exceeds the tiny preset's 2 layers"):
         check_layout_fits("tiny", 1, 3)
-    with pytest.raises(ValueError, match="only one of"):
+    with pytest.raises(ValueError, match="--pp together with --shard or --tp"):
         LaunchConfig(replicas=2, tp=2, pp=2)

@@ -130,15 +130,12 @@ LAYOUTS = ("shard", "tp", "pp")  # what a replica of several ranks can be inside
 
 
 def check_layout(shard: int, tp: int, pp: int = 1) -> None:
-    """ValueError unless at most one of --shard, --tp and --pp is above 1 (all >= 1)."""
+    """ValueError unless the layout is built: --shard, --tp, --pp alone, or --shard with --tp."""
     for name, value in zip(LAYOUTS, (shard, tp, pp), strict=True):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
-    if sum(v > 1 for v in (shard, tp, pp)) > 1:
-        raise ValueError(
-            "only one of --shard, --tp and --pp may be above 1: layouts of several dimensions "
-            "are not supported yet"
-        )
+    if pp > 1 and (shard > 1 or tp > 1):
+        raise ValueError("--pp together with --shard or --tp is not supported yet")
 
 
 def check_layout_fits(preset: str, tp: int, pp: int = 1) -> None:
@@ -150,9 +147,19 @@ def check_layout_fits(preset: str, tp: int, pp: int = 1) -> None:
         raise ValueError(f"--pp {pp} exceeds the {preset} preset's {layers} layers")
 
 
-def replica_layout(shard: int, tp: int, pp: int = 1) -> tuple[str, int]:
-    """(layout name, ranks per replica); ("", 1) for a replica of one rank."""
-    for name, value in zip(LAYOUTS, (shard, tp, pp), strict=True):
-        if value > 1:
-            return name, value
-    return "", 1
+def replica_layout(shard: int, tp: int, pp: int = 1) -> dict[str, int]:
+    """The dimensions of a replica above 1, in mesh order: {"shard": 2, "tp": 2}; {} for one rank."""
+    return {n: v for n, v in zip(LAYOUTS, (shard, tp, pp), strict=True) if v > 1}
+
+
+def layout_ranks(dims: dict[str, int]) -> int:
+    """Processes per replica."""
+    return math.prod(dims.values())
+
+
+def layout_name(dims: dict[str, int]) -> str:
+    return "+".join(dims) or "single"
+
+
+def layout_flags(dims: dict[str, int]) -> list[str]:
+    return [x for name, size in dims.items() for x in (f"--{name}", str(size))]

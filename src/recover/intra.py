@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import math
 import os
 import sys
 import threading
@@ -75,8 +76,7 @@ class IntraReplica:
         self,
         *,
         replica_id: int,
-        layout: str,
-        size: int,
+        dims: dict[str, int],
         timeout_s: float,
         watchdog_s: float,
         device: str = "cpu",
@@ -85,15 +85,19 @@ class IntraReplica:
         missing = [
             k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
         ]
+        size = math.prod(dims.values())
+        flags = " ".join(f"--{k} {v}" for k, v in dims.items())
         if missing:
             raise RuntimeError(
-                f"--{layout} {size} needs one process per rank with {', '.join(missing)} set: "
+                f"{flags} needs one process per rank with {', '.join(missing)} set: "
                 f"start it under torchrun --nproc-per-node {size}, or with recover train"
             )
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world != size:
-            raise RuntimeError(f"--{layout} {size} but WORLD_SIZE is {world}: one process per rank")
-        self.replica_id, self.rank, self.size, self.layout = replica_id, rank, size, layout
+            raise RuntimeError(f"{flags} but WORLD_SIZE is {world}: one process per rank")
+        self.replica_id, self.rank, self.size = replica_id, rank, size
+        self.dims = dict(dims)  # mesh order: shard, then tp (or pp alone)
+        self.layout = "+".join(dims)  # the name recover.parallel.TRAINERS knows
         self.deadline_s = watchdog_s
         self.emit = emit or (lambda name, **fields: None)
         # On GPUs: NCCL for the model's collectives, gloo for host tensors (the relay, the loss).
@@ -105,7 +109,9 @@ class IntraReplica:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         self.group = dist.group.WORLD
-        self.mesh = init_device_mesh("cuda" if cuda else "cpu", (size,), mesh_dim_names=(layout,))
+        self.mesh = init_device_mesh(
+            "cuda" if cuda else "cpu", tuple(dims.values()), mesh_dim_names=tuple(dims)
+        )
         # The watchdog's own store client (a blocked main-thread call never delays it).
         self._store = dist.TCPStore(
             os.environ["MASTER_ADDR"],
@@ -122,6 +128,13 @@ class IntraReplica:
     @property
     def leader(self) -> bool:
         return self.rank == 0
+
+    def coordinate(self, dim: str) -> int:
+        """This rank's index along mesh dimension `dim` (0 when the layout lacks it)."""
+        return self.mesh.get_local_rank(dim) if dim in self.dims else 0
+
+    def submesh(self, dim: str):
+        return self.mesh[dim] if len(self.dims) > 1 else self.mesh
 
     # ---- collectives of the replica's control flow ---------------------------------------------
     def gather(self, obj: Any) -> list[Any]:

@@ -31,7 +31,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TextIO
 
-from recover.config import RunPaths, TrainConfig, check_layout, replica_layout
+from recover.config import (
+    RunPaths,
+    TrainConfig,
+    check_layout,
+    layout_flags,
+    layout_ranks,
+    replica_layout,
+)
 from recover.faults import FaultSpec, faults_for
 from recover.metrics import MetricsWriter, read_metrics
 from recover.runfolder import open_run_folder
@@ -106,7 +113,7 @@ class LaunchConfig:
     @property
     def ranks(self) -> int:
         """Processes per replica."""
-        return replica_layout(self.shard, self.tp, self.pp)[1]
+        return layout_ranks(replica_layout(self.shard, self.tp, self.pp))
 
 
 def train_flags(cfg: TrainConfig) -> list[str]:
@@ -247,13 +254,14 @@ class LocalLauncher:
             argv.append("--resume")
         for spec in self._pending_faults(r):
             argv += ["--fault", fault_flag(spec)]
-        layout, ranks = replica_layout(self.lcfg.shard, self.lcfg.tp, self.lcfg.pp)
+        dims = replica_layout(self.lcfg.shard, self.lcfg.tp, self.lcfg.pp)
+        ranks = layout_ranks(dims)
         if ranks == 1:  # (on GPUs: replica r takes GPU r, modulo the GPUs there are)
             self._spawn(f"replica {r}", argv, f"[replica {r}] ", {"RECOVER_DEVICE_INDEX": str(r)})
             return
         # A replica of several ranks: one process per rank, with the variables torchrun would
         # give them; rank 0 hosts the replica's own store on a fresh port.
-        argv += [f"--{layout}", str(ranks), "--watchdog", str(self.lcfg.watchdog_s)]
+        argv += [*layout_flags(dims), "--watchdog", str(self.lcfg.watchdog_s)]
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             master_port = probe.getsockname()[1]

@@ -6,8 +6,7 @@ gradient it holds, and the cross-replica reduce of that part runs among the rank
 position in every live replica (see `intra.py`). Replicas of one run have the same layout, so
 positions line up.
 
-Layouts (one of them per run; the order in which they are applied is fixed and commented in each
-`_parallelize`):
+Layouts (the order in which each is applied is fixed and commented where it is applied):
 
 - `--shard S` (`ShardedTrainer`): `fully_shard` over the replica's mesh, every transformer block
   its own unit, then the root (embeddings, the tied head, the last norm). The replica's ids of a
@@ -20,13 +19,16 @@ Layouts (one of them per run; the order in which they are applied is fixed and c
   all-reduce per sublayer in the forward, one in the backward). Every rank computes every id of
   the replica; embeddings, norms and the head stay whole on every rank, and their gradients are
   the same on every rank (their inputs are). Needs n_head divisible by T.
+- `--shard S --tp T` (`ShardedTensorParallelTrainer`, S x T ranks): TP inside each group of T
+  ranks, FSDP2 across the S groups (torch's 2-D recipe); ids dealt over the shard dimension.
+- `--pp P` (`PipelineTrainer`, alone for now): P consecutive GPipe stages; see the class.
 
 Invariants:
 - the update equals the single-rank one up to summation order (tested: rtol 1e-4);
 - the flat snapshot layout is the local parts in parameter order, then this rank's loss slot; at
   a commit the replica adds the slots of the ranks that count losses (each id once);
-- the gradient norm for clipping counts every value once: sharded parts on every rank, whole
-  (replicated) tensors on rank 0 only;
+- the gradient norm for clipping counts every value once: along each mesh dimension, a gradient
+  sharded on it counts on every rank, one replicated on it on coordinate 0 only;
 - `microbatch=K` in a fault names the K-th microbatch the targeted rank computes in the step.
 
 Checkpoints and the final model hold the full state (torch.distributed.checkpoint's state_dict
@@ -64,10 +66,6 @@ from recover.trainer import ReplicaTrainer, local_part
 _FULL = StateDictOptions(full_state_dict=True)
 
 
-def _is_sharded(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
-
-
 class MultiRankTrainer(ReplicaTrainer):
     """What every layout of several ranks shares: gradients as local parts, the replica's loss
     and gradient norm, and full-state checkpoints."""
@@ -80,7 +78,11 @@ class MultiRankTrainer(ReplicaTrainer):
         self.intra = intra  # recover.intra.IntraReplica: the replica's own ranks and mesh
         super().__init__(cfg, dataset, device=device)
 
-    counts_losses = True  # this rank's loss slot is part of the replica's loss
+    @property
+    def counts_losses(self) -> bool:
+        """Whether this rank's loss slot is part of the replica's loss: ranks split the ids over
+        the shard dimension and compute the same loss along tp."""
+        return self.intra.coordinate("tp") == 0
 
     def _set_grad(self, p: torch.Tensor, local: torch.Tensor) -> None:
         if isinstance(p, DTensor):
@@ -102,9 +104,18 @@ class MultiRankTrainer(ReplicaTrainer):
         return float(mine)
 
     def _counted_in_norm(self, p: torch.Tensor) -> bool:
-        """Whether this rank adds p's gradient to the global norm: sharded parts everywhere,
-        whole (replicated) tensors on rank 0 only, so that every value counts once."""
-        return _is_sharded(p.grad) or self.intra.rank == 0
+        """Whether this rank adds p's gradient to the global norm, so that every value counts
+        once: along each dimension of the replica's mesh, a gradient sharded on it counts on
+        every rank, one replicated on it (or not laid out on it) on coordinate 0 only."""
+        g = p.grad
+        placed = {}
+        if isinstance(g, DTensor):
+            names = g.device_mesh.mesh_dim_names or ()
+            placed = dict(zip(names, g.placements, strict=True))
+        return all(
+            (dim in placed and not placed[dim].is_replicate()) or self.intra.coordinate(dim) == 0
+            for dim in self.intra.dims
+        )
 
     def _clip_gradients(self, clip: float) -> float:
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -126,7 +137,7 @@ class MultiRankTrainer(ReplicaTrainer):
         return {
             "model": get_model_state_dict(self.model, options=_FULL),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=_FULL),
-            "layout": {self.layout: self.intra.size},
+            "layout": dict(self.intra.dims),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -136,11 +147,12 @@ class MultiRankTrainer(ReplicaTrainer):
 
     def _check_layout(self, state: dict) -> None:
         layout = state.get("layout")
-        if layout != {self.layout: self.intra.size}:
+        if layout != self.intra.dims:
             saved = " ".join(f"--{k} {v}" for k, v in (layout or {}).items()) or "one rank"
+            mine = " ".join(f"--{k} {v}" for k, v in self.intra.dims.items())
             raise ValueError(
-                f"the checkpoint was saved by replicas of {saved}, this replica is "
-                f"--{self.layout} {self.intra.size}; resume with the layout it was saved with"
+                f"the checkpoint was saved by replicas of {saved}, this replica is {mine}; "
+                f"resume with {saved}"
             )
 
     def save_model(self, path: str | None) -> None:
@@ -152,6 +164,39 @@ class MultiRankTrainer(ReplicaTrainer):
         plain = GPT(self.model_config)
         plain.load_state_dict(full)
         save_model(plain, path)
+
+
+def _fully_shard(model: GPT, mesh) -> GPT:
+    """FSDP2 over `mesh`, in one fixed order: every block its own unit (on GPUs its all-gather
+    overlaps the previous block's compute), then the root takes what is left (embeddings, the
+    tied head, the last norm). Sums, not means: the trainer divides by M at the commit."""
+    units = [*model.transformer.h, model]
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+    return model
+
+
+def _tensor_parallel(model: GPT, mesh) -> GPT:
+    """Split every block over `mesh`, in one fixed order inside each block: attention's q, k, v
+    column-wise (each rank gets whole heads), its output projection row-wise; then the MLP the
+    same way. Everything outside the blocks stays whole on every rank."""
+    heads, size = model.config.n_head, mesh.size()
+    if heads % size:
+        raise ValueError(f"--tp {size} must divide the preset's n_head ({heads})")
+    plan = {
+        "attn.q_proj": ColwiseParallel(),
+        "attn.k_proj": ColwiseParallel(),
+        "attn.v_proj": ColwiseParallel(),
+        "attn.c_proj": RowwiseParallel(),
+        "mlp.c_fc": ColwiseParallel(),
+        "mlp.c_proj": RowwiseParallel(),
+    }
+    for block in model.transformer.h:
+        parallelize_module(block, mesh, plan)
+    return model
 
 
 class ShardedTrainer(MultiRankTrainer):
@@ -167,20 +212,11 @@ class ShardedTrainer(MultiRankTrainer):
         super().__init__(cfg, dataset, intra=intra, device=device)
 
     def _parallelize(self, model: GPT) -> torch.nn.Module:
-        # Fixed order: every block is its own FSDP unit (on GPUs its all-gather overlaps the
-        # previous block's compute), then the root takes what is left. Sums, not means: the
-        # trainer divides by M itself at the commit.
-        units = [*model.transformer.h, model]
-        for unit in units:
-            fully_shard(unit, mesh=self.intra.mesh)
-        for unit in units:
-            unit.set_gradient_divide_factor(1.0)
-            unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
-        return model
+        return _fully_shard(model, self.intra.submesh("shard"))
 
     def compute_microbatches(self, step: int, ids: Iterable[int], *, first_index: int = 0) -> None:
         ids = list(ids)
-        size, rank = self.intra.size, self.intra.rank
+        size, rank = self.intra.dims["shard"], self.intra.coordinate("shard")
         if step != self._ordinal_step:
             self._ordinal_step, self._ordinal = step, 0
         self.model.train()
@@ -193,33 +229,27 @@ class ShardedTrainer(MultiRankTrainer):
                 self._microbatch(step, chunk[0], None, weight=0.0)
 
 
+class ShardedTensorParallelTrainer(ShardedTrainer):
+    """Both at once (`--shard S --tp T`, S x T ranks): TP inside each group of T ranks, then FSDP2
+    across the S groups. The ids are dealt over the shard dimension; the T ranks of a group
+    compute the same ids."""
+
+    layout = "shard+tp"
+
+    def _parallelize(self, model: GPT) -> torch.nn.Module:
+        # TP first (it rewrites the blocks' parameters as DTensors on the tp mesh), then FSDP2
+        # shards those over the shard mesh: the order torch's 2-D (FSDP + TP) recipe needs.
+        _tensor_parallel(model, self.intra.submesh("tp"))
+        return _fully_shard(model, self.intra.submesh("shard"))
+
+
 class TensorParallelTrainer(MultiRankTrainer):
     """One model copy whose blocks are split over the T ranks of a replica (Megatron style)."""
 
     layout = "tp"
 
-    @property
-    def counts_losses(self) -> bool:  # every rank computes the same loss: count it once
-        return self.intra.rank == 0
-
     def _parallelize(self, model: GPT) -> torch.nn.Module:
-        heads, size = model.config.n_head, self.intra.size
-        if heads % size:
-            raise ValueError(f"--tp {size} must divide the preset's n_head ({heads})")
-        # Fixed order inside every block: attention's q, k, v column-wise (each rank gets whole
-        # heads), its output projection row-wise; then the MLP the same way. Everything outside
-        # the blocks stays whole on every rank.
-        plan = {
-            "attn.q_proj": ColwiseParallel(),
-            "attn.k_proj": ColwiseParallel(),
-            "attn.v_proj": ColwiseParallel(),
-            "attn.c_proj": RowwiseParallel(),
-            "mlp.c_fc": ColwiseParallel(),
-            "mlp.c_proj": RowwiseParallel(),
-        }
-        for block in model.transformer.h:
-            parallelize_module(block, self.intra.mesh, plan)
-        return model
+        return _tensor_parallel(model, self.intra.submesh("tp"))
 
 
 class _Stage(nn.Module):
@@ -384,7 +414,7 @@ class PipelineTrainer(MultiRankTrainer):
         return {
             "model": self._whole_model().state_dict(),
             "optimizer_stages": self.intra.gather(self.optimizer.state_dict()),
-            "layout": {self.layout: self.intra.size},
+            "layout": dict(self.intra.dims),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -401,4 +431,9 @@ class PipelineTrainer(MultiRankTrainer):
             save_model(whole, path)
 
 
-TRAINERS = {"shard": ShardedTrainer, "tp": TensorParallelTrainer, "pp": PipelineTrainer}
+TRAINERS = {
+    "shard": ShardedTrainer,
+    "tp": TensorParallelTrainer,
+    "pp": PipelineTrainer,
+    "shard+tp": ShardedTensorParallelTrainer,
+}

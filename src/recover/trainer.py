@@ -260,10 +260,9 @@ class ReplicaTrainer:
     def load_state_dict(self, state: dict) -> None:
         layout = state.get("layout")
         if layout:  # saved by replicas of several ranks (recover.parallel)
-            ((name, ranks),) = layout.items()
+            flags = " ".join(f"--{k} {v}" for k, v in layout.items())
             raise ValueError(
-                f"the checkpoint was saved by replicas of {ranks} ranks ({name}); resume with "
-                f"--{name} {ranks}"
+                f"the checkpoint was saved by replicas of {flags}; resume with {flags}"
             )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

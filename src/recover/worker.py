@@ -34,7 +34,14 @@ from typing import TextIO
 import torch
 
 from recover.collective import CollectiveAborted, CollectiveConfig, GroupCache
-from recover.config import RunPaths, TrainConfig, check_layout, replica_layout
+from recover.config import (
+    RunPaths,
+    TrainConfig,
+    check_layout,
+    layout_name,
+    layout_ranks,
+    replica_layout,
+)
 from recover.coordinator.client import (
     Committed,
     CoordinatorClient,
@@ -125,7 +132,9 @@ def parameter_hash(trainer) -> str:
     return hashlib.sha256(flat.numpy()).hexdigest()[:16]
 
 
-def fingerprint(cfg: TrainConfig, dataset: TokenDataset, layout: tuple[str, int] = ("", 1)) -> dict:
+def fingerprint(
+    cfg: TrainConfig, dataset: TokenDataset, dims: dict[str, int] | None = None
+) -> dict:
     """What every replica of a run must agree on; a joiner with another one is refused."""
     return {
         "preset": cfg.preset,
@@ -136,7 +145,7 @@ def fingerprint(cfg: TrainConfig, dataset: TokenDataset, layout: tuple[str, int]
         "steps": cfg.steps,
         "data_hash": dataset.content_hash,
         "precision": cfg.precision,
-        "layout": f"{layout[0]} {layout[1]}" if layout[1] > 1 else "single rank",
+        "layout": " ".join(f"{k} {v}" for k, v in (dims or {}).items()) or "single rank",
     }
 
 
@@ -164,12 +173,12 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     writer = MetricsWriter(paths.metrics)
     device = pick_device(wcfg.device)
     intra = None
-    layout, ranks = replica_layout(wcfg.shard, wcfg.tp, wcfg.pp)
+    dims = replica_layout(wcfg.shard, wcfg.tp, wcfg.pp)
+    ranks = layout_ranks(dims)
     if ranks > 1:
         intra = IntraReplica(
             replica_id=me,
-            layout=layout,
-            size=ranks,
+            dims=dims,
             timeout_s=wcfg.outcome_timeout_s + wcfg.register_timeout_s,
             watchdog_s=wcfg.watchdog_s,
             device=device,
@@ -182,7 +191,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     )
     trainer.phase_hook = injector
     writer.event(
-        "rank_started", replica=me, rank=rank, ranks=ranks, layout=layout or "single",
+        "rank_started", replica=me, rank=rank, ranks=ranks, layout=layout_name(dims),
         device=device,
         local_values=trainer.numel,  # what this rank holds of ...
         model_values=trainer.model_values,  # ... the whole model's values
@@ -219,7 +228,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     )
     try:
         view = link.register(
-            fingerprint=fingerprint(cfg, dataset, (layout, ranks)),
+            fingerprint=fingerprint(cfg, dataset, dims),
             next_step=start,
             deadline_s=wcfg.register_timeout_s,
         )
