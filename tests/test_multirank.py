@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_multireplica import STEPS, M, train
+from test_multireplica import STEPS, M, failure_free_run, train
 
 from conftest import assert_invariants as check_invariants
 from conftest import events
@@ -29,11 +29,7 @@ def assert_invariants(reference: Path, out: Path, r) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tiny_dataset, tmp_path_factory) -> Path:
-    """The failure-free trajectory: one replica of one rank."""
-    out = tmp_path_factory.mktemp("ref") / "one"
-    r = train(tiny_dataset, out, "--replicas", "1")
-    assert r.returncode == 0, r.stdout
-    return out
+    return failure_free_run(tiny_dataset, tmp_path_factory)
 
 
 def two_by_two(data: Path, out: Path, layout: str, *extra: str):
@@ -112,24 +108,6 @@ def test_two_replicas_of_two_tensor_parallel_ranks_equal_one_rank(
     assert_two_ranks_per_replica(out, "tp", split=False)
 
 
-def test_tensor_parallel_rank_killed_mid_forward(reference, tiny_dataset, tmp_path):
-    out = tmp_path / "tp-kill"
-    r = two_by_two(
-        tiny_dataset,
-        out,
-        "tp",
-        "--fault",
-        "kill:replica=0,rank=1,step=1,phase=forward,microbatch=1",
-    )
-    assert_invariants(reference, out, r)
-    (lost,) = events(out, "replica_mate_lost")
-    assert (lost["replica"], lost["rank"]) == (0, 0)
-    assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [0]
-    (redo,) = events(out, "coordinator.redo")
-    assert redo["step"] == 1 and sorted(redo["lost"]) == [0, 1, 2]
-    assert {e["replica"] for e in events(out, "replica_finished")} == {1}
-
-
 def test_two_replicas_of_two_pipeline_stages_equal_one_rank(reference, tiny_dataset, tmp_path):
     out = tmp_path / "pp"
     r = two_by_two(tiny_dataset, out, "pp")
@@ -137,22 +115,29 @@ def test_two_replicas_of_two_pipeline_stages_equal_one_rank(reference, tiny_data
     assert_two_ranks_per_replica(out, "pp", split=False)  # the tied embedding is on both ends
 
 
-def test_pipeline_stage_killed_in_its_backward(reference, tiny_dataset, tmp_path):
-    # The last stage dies in the backward of its second microbatch; the first stage is then
-    # waiting for that microbatch's gradient, and the other replica redoes ids 3, 4, 5.
-    out = tmp_path / "pp-kill"
-    r = two_by_two(
-        tiny_dataset,
-        out,
-        "pp",
-        "--fault",
-        "kill:replica=1,rank=1,step=2,phase=backward,microbatch=1",
-    )
+@pytest.mark.parametrize(
+    "layout, fault, dead, step, lost",
+    [
+        # A TP rank dies in the forward of its second microbatch: its mate is inside the same
+        # all-reduce of that forward.
+        ("tp", "kill:replica=0,rank=1,step=1,phase=forward,microbatch=1", 0, 1, [0, 1, 2]),
+        # The last stage dies in the backward of its second microbatch; the first stage is then
+        # waiting for that microbatch's gradient.
+        ("pp", "kill:replica=1,rank=1,step=2,phase=backward,microbatch=1", 1, 2, [3, 4, 5]),
+    ],
+)
+def test_a_rank_killed_inside_a_layout(
+    layout, fault, dead, step, lost, reference, tiny_dataset, tmp_path
+):
+    out = tmp_path / f"{layout}-kill"
+    r = two_by_two(tiny_dataset, out, layout, "--fault", fault)
     assert_invariants(reference, out, r)
-    (lost,) = events(out, "replica_mate_lost")
-    assert (lost["replica"], lost["rank"]) == (1, 0)
+    (mate,) = events(out, "replica_mate_lost")
+    assert (mate["replica"], mate["rank"]) == (dead, 0)  # rank 0 stopped itself
+    assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [dead]
     (redo,) = events(out, "coordinator.redo")
-    assert redo["step"] == 2 and sorted(redo["lost"]) == [3, 4, 5]
+    assert redo["step"] == step and sorted(redo["lost"]) == lost
+    assert {e["replica"] for e in events(out, "replica_finished")} == {1 - dead}
 
 
 @pytest.mark.parametrize("layout", ["shard", "pp"])

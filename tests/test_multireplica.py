@@ -47,13 +47,17 @@ def assert_invariants(reference: Path, out: Path, r: subprocess.CompletedProcess
     check_invariants(reference, out, r, steps=STEPS, microbatches=M)
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_dataset, tmp_path_factory) -> Path:
-    """The failure-free trajectory: one replica, same seed and M."""
+def failure_free_run(data: Path, tmp_path_factory, *extra: str) -> Path:
+    """The failure-free trajectory: one replica of one rank, same seed and M."""
     out = tmp_path_factory.mktemp("ref") / "one"
-    r = train(tiny_dataset, out, "--replicas", "1")
+    r = train(data, out, "--replicas", "1", *extra)
     assert r.returncode == 0, r.stdout
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dataset, tmp_path_factory) -> Path:
+    return failure_free_run(tiny_dataset, tmp_path_factory)
 
 
 def test_four_replicas_equal_one_replica(reference, tiny_dataset, tmp_path):

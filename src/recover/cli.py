@@ -136,6 +136,13 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def replica_inside(args: argparse.Namespace) -> dict:
+    """What a replica is inside, as LaunchConfig and WorkerConfig both take it."""
+    return dict(
+        shard=args.shard, tp=args.tp, pp=args.pp, watchdog_s=args.watchdog, device=args.device
+    )
+
+
 def parse_faults(specs: list[str]):
     from recover.faults import parse_fault
 
@@ -304,11 +311,7 @@ def run_train(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             balance=args.balance,
             mode=args.mode,
-            shard=args.shard,
-            tp=args.tp,
-            pp=args.pp,
-            watchdog_s=args.watchdog,
-            device=args.device,
+            **replica_inside(args),
         )
         check_layout_fits(cfg.preset, lcfg.tp, lcfg.pp)
         if args.device == "cuda":  # fail here, not in every replica (torch only for this check)
@@ -372,11 +375,7 @@ def run_worker_cli(args: argparse.Namespace) -> int:
             heartbeat_s=args.heartbeat,
             register_timeout_s=args.register_timeout,
             mode=args.mode,
-            shard=args.shard,
-            tp=args.tp,
-            pp=args.pp,
-            watchdog_s=args.watchdog,
-            device=args.device,
+            **replica_inside(args),
         )
         check_layout_fits(cfg.preset, wcfg.tp, wcfg.pp)
     except ValueError as e:
