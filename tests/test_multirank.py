@@ -207,8 +207,6 @@ def test_layout_flags_are_checked():
         LaunchConfig(
             replicas=2, shard=2, faults=(parse_fault("kill:replica=0,rank=2,step=1,phase=reduce"),)
         )
-    with pytest.raises(ValueError, match="--respawn"):
-        LaunchConfig(replicas=2, shard=2, respawn_s=1.0)
     with pytest.raises(ValueError, match="--shard"):
         LaunchConfig(replicas=2, shard=0)
     assert LaunchConfig(replicas=2, shard=2, tp=2).ranks == 4

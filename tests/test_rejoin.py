@@ -88,6 +88,31 @@ def test_a_killed_replica_is_respawned_and_four_replicas_train_again(
 
 
 @pytest.mark.timeout(180)
+def test_a_replica_of_two_sharded_ranks_is_respawned_and_gets_its_halves(
+    reference, tiny_dataset, tmp_path
+):
+    # Rank 1 of replica 1 is killed; its mate stops; the launcher respawns both ranks, which join
+    # at a step boundary: each receives the state of its position (its half of the parameters
+    # and of the AdamW moments) from replica 0's rank at the same position.
+    out = tmp_path / "respawn-hsdp"
+    r = finish(
+        cli("train", *FLAGS, "--data", str(tiny_dataset), "--out", str(out), "--replicas", "2",
+            "--shard", "2", "--watchdog", "2", "--respawn", "0",
+            "--fault", "kill:replica=1,rank=1,step=3,phase=backward"),
+        150,
+    )  # fmt: skip
+    assert_invariants(reference, out, r)
+    assert "respawning replica 1" in r.stdout
+    transfers = events(out, "state_transfer")
+    assert sorted((t["replica"], t["rank"]) for t in transfers) == [(1, 0), (1, 1)]
+    assert len({t["step"] for t in transfers}) == 1 and all(t["bytes"] > 0 for t in transfers)
+    finished = {e["replica"]: e["param_hash"] for e in events(out, "replica_finished")}
+    assert sorted(finished) == [0, 1] and len(set(finished.values())) == 1
+    steps = committed_steps(out / "metrics.jsonl")
+    assert steps[STEPS - 1]["replicas"] == 2
+
+
+@pytest.mark.timeout(180)
 def test_hand_started_joiners_refused_killed_in_transfer_and_scale_up(
     reference, tiny_dataset, tmp_path
 ):

@@ -81,11 +81,6 @@ class LaunchConfig:
             raise ValueError(f"--watchdog must be > 0 seconds, got {self.watchdog_s}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
-        if self.ranks > 1 and self.respawn_s is not None:
-            raise ValueError(
-                "--respawn needs single-rank replicas for now: a replica of several ranks cannot "
-                "receive the live state transfer yet"
-            )
         if not 1 <= self.min_replicas <= self.replicas:
             raise ValueError(
                 f"--min-replicas must be in 1..{self.replicas} (--replicas), got {self.min_replicas}"
@@ -147,6 +142,18 @@ def _pump(stream, prefix: str, console: TextIO | None) -> None:
     stream.close()
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports that were free a moment ago (held open together while drawn)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _proc_name(replica: int, rank: int) -> str:
     return f"replica {replica}" if rank == 0 else f"replica {replica}.{rank}"
 
@@ -180,6 +187,7 @@ class LocalLauncher:
         # workers can join; else a fresh random one for this run.
         self.token = token or secrets.token_hex(16)
         self.children: dict[str, subprocess.Popen] = {}
+        self._ports: list[int] = []  # drawn for the job's processes, handed out as they start
         self._pumps: list[threading.Thread] = []
 
     def say(self, line: str) -> None:
@@ -216,9 +224,7 @@ class LocalLauncher:
         """
         address_file = self.paths.out / "coordinator.json"
         address_file.unlink(missing_ok=True)
-        with socket.socket() as probe:  # a free port; the coordinator binds it a moment later
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = self._ports.pop()  # free a moment ago; the coordinator binds it a moment later
         lc = self.lcfg
         self._spawn(
             "coordinator",
@@ -248,8 +254,9 @@ class LocalLauncher:
             "--heartbeat", str(self.lcfg.heartbeat_s), "--check-every", str(self.lcfg.check_every),
             "--mode", self.lcfg.mode, "--device", self.lcfg.device, *train_flags(self.cfg),
         ]  # fmt: skip
-        if fresh:
-            self.children.pop(f"replica {r}")  # reaped already; the slot gets the new process
+        if fresh:  # reaped already; the slots get the new processes
+            for k in range(self.lcfg.ranks):
+                self.children.pop(_proc_name(r, k))
         elif self.resume:
             argv.append("--resume")
         for spec in self._pending_faults(r):
@@ -262,9 +269,7 @@ class LocalLauncher:
         # A replica of several ranks: one process per rank, with the variables torchrun would
         # give them; rank 0 hosts the replica's own store on a fresh port.
         argv += [*layout_flags(dims), "--watchdog", str(self.lcfg.watchdog_s)]
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            master_port = probe.getsockname()[1]
+        master_port = (self._ports or free_ports(1)).pop()  # rank 0 hosts the store there
         for k in range(ranks):
             env = {
                 "RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(ranks),
@@ -337,6 +342,9 @@ class LocalLauncher:
             self.writer.close()
 
     def _run_job(self) -> int:
+        # Every port the job's processes will bind, drawn at once, so that no two of them are
+        # handed the same one (a port probed and released can be handed out again at once).
+        self._ports = free_ports(1 + (self.lcfg.replicas if self.lcfg.ranks > 1 else 0))
         host, port = self._start_coordinator()
         self.coordinator_address = (host, port)
         self.say(f"coordinator at {host}:{port}; starting {self.lcfg.replicas} replicas")
@@ -394,14 +402,14 @@ class LocalLauncher:
             for r, at in sorted(respawn_at.items()):
                 if finishing:
                     del respawn_at[r]
-                elif now >= at:
+                elif now >= at and not alive[r]:  # every rank of the old incarnation is gone
                     del respawn_at[r]
                     incarnation[r] += 1
                     dead.discard(r)
                     self.say(f"respawning replica {r} (restart {incarnation[r]})")
                     self.writer.event("launcher.respawned", replica=r, restart=incarnation[r])
                     self._start_replica(r, *self.coordinator_address, fresh=True)
-                    alive[r] = {0}
+                    alive[r] = set(range(lc.ranks))
             if not respawn_at and self._only_hung_left(alive, codes, wake):
                 break
             time.sleep(0.02)

@@ -145,6 +145,38 @@ class MultiRankTrainer(ReplicaTrainer):
         set_model_state_dict(self.model, state["model"], options=_FULL)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=_FULL)
 
+    def transfer_state_dict(self) -> dict:
+        """The part of the committed state this rank holds (no collective): its parameters'
+        local parts and its optimizer state's, for the joiner's rank at the same position."""
+        opt = self.optimizer.state_dict()
+        state = {
+            i: {k: local_part(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for i, s in opt["state"].items()
+        }
+        return {
+            "model": {n: local_part(p.detach()) for n, p in self.model.named_parameters()},
+            "optimizer": {"state": state, "param_groups": opt["param_groups"]},
+        }
+
+    def load_transfer_state(self, state: dict) -> None:
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                local_part(p).copy_(state["model"][name])
+        # The optimizer's moments of a DTensor parameter are DTensors laid out like it.
+        ordered = [p for group in self.optimizer.param_groups for p in group["params"]]
+        opt = state["optimizer"]
+        for i, s in opt["state"].items():
+            p = ordered[int(i)]
+            if not isinstance(p, DTensor):
+                continue
+            for k, v in s.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    s[k] = DTensor.from_local(
+                        v.view_as(local_part(p)), p.device_mesh, p.placements,
+                        run_check=False, shape=p.shape, stride=p.stride(),
+                    )  # fmt: skip
+        self.optimizer.load_state_dict(opt)
+
     def _check_layout(self, state: dict) -> None:
         layout = state.get("layout")
         if layout != self.intra.dims:

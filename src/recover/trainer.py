@@ -267,6 +267,13 @@ class ReplicaTrainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
+    def transfer_state_dict(self) -> dict:
+        """What the live state transfer sends to a joiner: this rank's committed state."""
+        return self.state_dict()
+
+    def load_transfer_state(self, state: dict) -> None:
+        self.load_state_dict(state)
+
     def flat_parameters(self) -> torch.Tensor:
         """This rank's parameter values, flat (the local shards in a sharded replica)."""
         return torch.cat([local_part(p.detach()).reshape(-1).float().cpu() for p in self.params])

@@ -7,7 +7,8 @@ collective copies it to everyone; the joiners load it. The step counter and the 
 schedule need no transfer: the step comes with the view and lr(step) is a pure function.
 
 Invariants: a joiner computes nothing before it has loaded the committed state; the payload is the
-source's `ReplicaTrainer.state_dict()`, bit for bit. A failure during the transfer is a collective
+source's `transfer_state_dict()`, bit for bit (in a replica of several ranks: the part this rank
+holds, sent over the group of its position to the joiner's rank at the same position). A failure during the transfer is a collective
 failure like any other (the caller reports it and the step is redone in the next epoch, where the
 transfer is repeated).
 
@@ -71,7 +72,7 @@ def pack_state(trainer: ReplicaTrainer) -> tuple[torch.Tensor, torch.Tensor]:
     state into bytes holds the GIL for seconds and let the lease expire).
     """
     tensors: list[torch.Tensor] = []
-    structure = _flatten(trainer.state_dict(), tensors)
+    structure = _flatten(trainer.transfer_state_dict(), tensors)
     for t in tensors:
         if t.dtype != torch.float32:
             raise TypeError(f"state transfer handles float32 tensors, got {t.dtype}")
@@ -88,7 +89,7 @@ def unpack_state(trainer: ReplicaTrainer, header: torch.Tensor, flat: torch.Tens
         offsets.append(offsets[-1] + n)
     if offsets[-1] != flat.numel():
         raise ValueError(f"state transfer: {flat.numel()} values received, {offsets[-1]} described")
-    trainer.load_state_dict(_unflatten(meta["structure"], flat, offsets))
+    trainer.load_transfer_state(_unflatten(meta["structure"], flat, offsets))
 
 
 def transfer_state(

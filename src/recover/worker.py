@@ -233,11 +233,6 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             deadline_s=wcfg.register_timeout_s,
         )
         joining = me in view.joined
-        if joining and intra is not None:
-            raise RuntimeError(
-                "a replica of several ranks cannot join a running job yet (no sharded state "
-                "transfer): start the job with every replica"
-            )
         if joining:
             writer.event("replica_joining", replica=me, step=view.step, epoch=view.epoch)
             recorder.start_step = view.step
@@ -360,6 +355,11 @@ class ReplicaLoop:
     @property
     def me(self) -> int:
         return self.wcfg.replica_id
+
+    @property
+    def rank(self) -> int:
+        intra = getattr(self.link, "intra", None)
+        return intra.rank if intra is not None else 0
 
     def replica_hash(self) -> str:
         """The parameter fingerprint of the whole replica (a collective with several ranks)."""
@@ -530,7 +530,8 @@ class ReplicaLoop:
         self.has_state = True
         if self.me in joined:
             self.recorder.event(
-                "state_transfer", replica=self.me, step=step, epoch=epoch, source=stats.source,
+                "state_transfer", replica=self.me, rank=self.rank, step=step, epoch=epoch,
+                source=stats.source,
                 bytes=stats.bytes, seconds=round(stats.seconds, 4),
             )  # fmt: skip
         return True
