@@ -153,7 +153,9 @@ def test_hand_started_joiners_refused_killed_in_transfer_and_scale_up(
                     p.wait()
     assert_invariants(reference, out, r)
     assert any(e.get("during") == "state transfer" for e in events(out, "failure_detected"))
-    assert [t["replica"] for t in events(out, "state_transfer")] == [5]
+    # Only the good joiner ever loads the state; it may load it twice when it was admitted with
+    # the doomed one (the transfer is repeated in the epoch after the doomed one died in it).
+    assert {t["replica"] for t in events(out, "state_transfer")} == {5}
     finished = {e["replica"]: e["param_hash"] for e in events(out, "replica_finished")}
     assert sorted(finished) == [0, 1, 2, 5] and len(set(finished.values())) == 1
     assert max(s["replicas"] for s in committed_steps(out / "metrics.jsonl").values()) == 4
