@@ -65,26 +65,34 @@ def wait_for(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def respawned_run(reference, data: Path, out: Path, replicas: int, *extra: str):
+    """A run whose dead replica is respawned at once: DESIGN.md's invariants hold, every replica
+    (the respawned one too) finishes with the same parameters, and its state_transfer events."""
+    r = finish(
+        cli("train", *FLAGS, "--data", str(data), "--out", str(out), "--replicas", str(replicas),
+            "--respawn", "0", *extra),
+        150,
+    )  # fmt: skip
+    assert_invariants(reference, out, r)
+    finished = {e["replica"]: e["param_hash"] for e in events(out, "replica_finished")}
+    assert sorted(finished) == list(range(replicas)) and len(set(finished.values())) == 1
+    return r, events(out, "state_transfer")
+
+
 @pytest.mark.timeout(180)
 def test_a_killed_replica_is_respawned_and_four_replicas_train_again(
     reference, tiny_dataset, tmp_path
 ):
     out = tmp_path / "respawn"
-    r = finish(
-        cli("train", *FLAGS, "--data", str(tiny_dataset), "--out", str(out), "--replicas", "4",
-            "--respawn", "0", "--fault", "kill:replica=2,step=3,phase=backward,microbatch=0"),
-        150,
-    )  # fmt: skip
-    assert_invariants(reference, out, r)
+    r, transfers = respawned_run(
+        reference, tiny_dataset, out, 4, "--fault", "kill:replica=2,step=3,phase=backward"
+    )
     assert "respawning replica 2" in r.stdout
-    transfers = events(out, "state_transfer")
     assert [t["replica"] for t in transfers] == [2] and transfers[0]["bytes"] > 0
     joined_at = transfers[0]["step"]
     steps = committed_steps(out / "metrics.jsonl")
     assert all(steps[s]["replicas"] == 3 for s in range(4, joined_at))
     assert all(steps[s]["replicas"] == 4 for s in range(joined_at, STEPS))
-    finished = {e["replica"]: e["param_hash"] for e in events(out, "replica_finished")}
-    assert sorted(finished) == [0, 1, 2, 3] and len(set(finished.values())) == 1
 
 
 @pytest.mark.timeout(180)
@@ -95,21 +103,14 @@ def test_a_replica_of_two_sharded_ranks_is_respawned_and_gets_its_halves(
     # at a step boundary: each receives the state of its position (its half of the parameters
     # and of the AdamW moments) from replica 0's rank at the same position.
     out = tmp_path / "respawn-hsdp"
-    r = finish(
-        cli("train", *FLAGS, "--data", str(tiny_dataset), "--out", str(out), "--replicas", "2",
-            "--shard", "2", "--watchdog", "2", "--respawn", "0",
-            "--fault", "kill:replica=1,rank=1,step=3,phase=backward"),
-        150,
+    r, transfers = respawned_run(
+        reference, tiny_dataset, out, 2, "--shard", "2", "--watchdog", "2",
+        "--fault", "kill:replica=1,rank=1,step=3,phase=backward",
     )  # fmt: skip
-    assert_invariants(reference, out, r)
     assert "respawning replica 1" in r.stdout
-    transfers = events(out, "state_transfer")
     assert sorted((t["replica"], t["rank"]) for t in transfers) == [(1, 0), (1, 1)]
     assert len({t["step"] for t in transfers}) == 1 and all(t["bytes"] > 0 for t in transfers)
-    finished = {e["replica"]: e["param_hash"] for e in events(out, "replica_finished")}
-    assert sorted(finished) == [0, 1] and len(set(finished.values())) == 1
-    steps = committed_steps(out / "metrics.jsonl")
-    assert steps[STEPS - 1]["replicas"] == 2
+    assert committed_steps(out / "metrics.jsonl")[STEPS - 1]["replicas"] == 2
 
 
 @pytest.mark.timeout(180)
