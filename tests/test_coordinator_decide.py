@@ -424,14 +424,16 @@ def test_everyone_leaving_finishes_without_quorum_loss():
 
 
 def test_throughput_weights_and_joiners_start_at_the_median():
-    sim = Sim(expected_replicas=3, microbatches=12, throughput_weights=True).formed(n=3)
+    sim = Sim(
+        expected_replicas=3, microbatches=12, throughput_weights=True, throughput_ema_alpha=0.3
+    ).formed(n=3)
     sim.reg(5)
     for r, tp in ((0, 1.0), (1, 1.0), (2, 2.0)):
         sim.done(r, throughput=tp)  # one sample per replica per step, with its report
     s = sim.state
     assert s.weights == {0: 1.0, 1: 1.0, 2: 2.0, 5: 1.0}
     assert [len(s.holdings[r]) for r in (0, 1, 2, 5)] == [3, 2, 5, 2]
-    # The next samples fold into a moving average (alpha 0.3 by default), not a replacement,
+    # The next samples fold into a moving average (alpha 0.3 here), not a replacement,
     # and the plan follows only a material change (rebalance_threshold 0.1 of a share): replica
     # 2's average falls to 1.7, its share from 0.40 to 0.36 (-10%): the plan stays.
     for r in (0, 1, 2, 5):

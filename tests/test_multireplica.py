@@ -151,7 +151,7 @@ def test_a_hung_replica_is_evicted_and_fenced_when_it_wakes(reference, tiny_data
 
 def test_a_slow_replica_is_not_evicted(reference, tiny_dataset, tmp_path):
     out = tmp_path / "slow"
-    r = train(tiny_dataset, out, "--replicas", "3", "--fault", "slow:replica=1,step=1,factor=3")
+    r = train(tiny_dataset, out, "--replicas", "3", "--fault", "slow:replica=1,step=1,factor=6")
     assert_invariants(reference, out, r)
     assert not events(out, "coordinator.member_dead")
     assert {e["replica"] for e in events(out, "replica_finished")} == {0, 1, 2}

@@ -71,7 +71,9 @@ class CoordinatorOptions:
     suspect_grace_s: float = 0.3  # an accused replica must heartbeat within this or it is dead
     start_deadline_s: float = 300.0  # forming gives up (or starts with >= min_replicas) after this
     throughput_weights: bool = False  # weight shares by measured throughput instead of equally
-    throughput_ema_alpha: float = 0.3  # weight of the newest sample in the throughput average
+    # Weight of the newest sample (one per step, itself a mean over the step's microbatches) in
+    # the throughput average: a straggler's share falls within two or three steps.
+    throughput_ema_alpha: float = 0.5
     # Re-plan on measured throughput only when some replica's share of the weights moved by more
     # than this fraction: measurement noise must not reshuffle plans (and summation order) at
     # every step.
