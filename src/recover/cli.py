@@ -12,7 +12,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from recover.config import TrainConfig
+from recover.config import DEVICES, TrainConfig
 
 DEFAULT_DATA_ROOT = Path("data")
 
@@ -121,7 +121,7 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--device",
-        choices=("auto", "cpu", "cuda"),
+        choices=DEVICES,
         default="auto",
         help="where replicas compute: auto (a GPU per process if any is visible, else the CPU), "
         "cpu or cuda. Cross-replica reduces run on gloo over host copies (default: auto)",
@@ -131,8 +131,8 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=5.0,
         metavar="S",
-        help="with --shard, --tp or --pp > 1: a rank whose replica-mate is silent this long stops the whole "
-        "replica, which the others then recover from (default: 5)",
+        help="with --shard, --tp or --pp > 1: a rank whose replica-mate is silent this long "
+        "stops the whole replica, which the others then recover from (default: 5)",
     )
 
 

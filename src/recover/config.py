@@ -127,15 +127,21 @@ class RunPaths:
 
 
 LAYOUTS = ("shard", "tp", "pp")  # what a replica of several ranks can be inside
+DEVICES = ("auto", "cpu", "cuda")
 
 
-def check_layout(shard: int, tp: int, pp: int = 1) -> None:
-    """ValueError unless the layout is built: --shard, --tp, --pp alone, or --shard with --tp."""
+def check_replica_inside(shard: int, tp: int, pp: int, watchdog_s: float, device: str) -> None:
+    """ValueError unless the layout is built (--shard, --tp, --pp alone, or --shard with --tp),
+    the watchdog deadline is positive and the device is one of DEVICES."""
     for name, value in zip(LAYOUTS, (shard, tp, pp), strict=True):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
     if pp > 1 and (shard > 1 or tp > 1):
         raise ValueError("--pp together with --shard or --tp is not supported yet")
+    if not watchdog_s > 0:
+        raise ValueError(f"--watchdog must be > 0 seconds, got {watchdog_s}")
+    if device not in DEVICES:
+        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
 
 
 def check_layout_fits(preset: str, tp: int, pp: int = 1) -> None:
@@ -162,4 +168,10 @@ def layout_name(dims: dict[str, int]) -> str:
 
 
 def layout_flags(dims: dict[str, int]) -> list[str]:
+    """The command-line flags of a layout: ["--shard", "2", "--tp", "2"]."""
     return [x for name, size in dims.items() for x in (f"--{name}", str(size))]
+
+
+def describe_layout(dims: dict[str, int] | None) -> str:
+    """The flags of a layout as text, for messages: "--shard 2 --tp 2", or "one rank"."""
+    return " ".join(layout_flags(dims or {})) or "one rank"

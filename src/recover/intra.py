@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import math
 import os
 import sys
 import threading
@@ -43,6 +42,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from recover.config import describe_layout, layout_ranks
 from recover.coordinator.client import (
     Committed,
     CoordinatorClient,
@@ -85,8 +85,8 @@ class IntraReplica:
         missing = [
             k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
         ]
-        size = math.prod(dims.values())
-        flags = " ".join(f"--{k} {v}" for k, v in dims.items())
+        size = layout_ranks(dims)
+        flags = describe_layout(dims)
         if missing:
             raise RuntimeError(
                 f"{flags} needs one process per rank with {', '.join(missing)} set: "
@@ -217,8 +217,14 @@ class IntraReplica:
 class SoloLink:
     """A replica of one rank: the coordinator client itself (no relay, no agreement)."""
 
+    rank = 0  # this process's rank in its replica
+
     def __init__(self, client: CoordinatorClient) -> None:
         self.client = client
+
+    def gather(self, obj: Any) -> list[Any]:
+        """`obj` of every rank of the replica, in rank order: this one's only."""
+        return [obj]
 
     def register(self, **kw) -> View:
         return self.client.register(**kw)
@@ -300,6 +306,13 @@ class ReplicaLink:
         self._watcher = None if intra.leader else _ViewWatcher(host, port, token)
 
     # ---- what every rank sees --------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.intra.rank
+
+    def gather(self, obj: Any) -> list[Any]:
+        return self.intra.gather(obj)
+
     @property
     def store_address(self) -> tuple[str, int]:
         return self._store_address

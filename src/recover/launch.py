@@ -34,7 +34,7 @@ from typing import TextIO
 from recover.config import (
     RunPaths,
     TrainConfig,
-    check_layout,
+    check_replica_inside,
     layout_flags,
     layout_ranks,
     replica_layout,
@@ -76,11 +76,7 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
-        check_layout(self.shard, self.tp, self.pp)
-        if not self.watchdog_s > 0:
-            raise ValueError(f"--watchdog must be > 0 seconds, got {self.watchdog_s}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        check_replica_inside(self.shard, self.tp, self.pp, self.watchdog_s, self.device)
         if not 1 <= self.min_replicas <= self.replicas:
             raise ValueError(
                 f"--min-replicas must be in 1..{self.replicas} (--replicas), got {self.min_replicas}"
@@ -106,9 +102,14 @@ class LaunchConfig:
                 )
 
     @property
+    def dims(self) -> dict[str, int]:
+        """What a replica is inside (recover.config.replica_layout)."""
+        return replica_layout(self.shard, self.tp, self.pp)
+
+    @property
     def ranks(self) -> int:
         """Processes per replica."""
-        return layout_ranks(replica_layout(self.shard, self.tp, self.pp))
+        return layout_ranks(self.dims)
 
 
 def train_flags(cfg: TrainConfig) -> list[str]:
@@ -261,8 +262,7 @@ class LocalLauncher:
             argv.append("--resume")
         for spec in self._pending_faults(r):
             argv += ["--fault", fault_flag(spec)]
-        dims = replica_layout(self.lcfg.shard, self.lcfg.tp, self.lcfg.pp)
-        ranks = layout_ranks(dims)
+        dims, ranks = self.lcfg.dims, self.lcfg.ranks
         if ranks == 1:  # (on GPUs: replica r takes GPU r, modulo the GPUs there are)
             self._spawn(f"replica {r}", argv, f"[replica {r}] ", {"RECOVER_DEVICE_INDEX": str(r)})
             return

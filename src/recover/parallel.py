@@ -58,12 +58,22 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from recover.config import TrainConfig
+from recover.config import TrainConfig, describe_layout
 from recover.data.addressing import TokenDataset, microbatch_seed
 from recover.model import GPT, embed, lm_loss
 from recover.trainer import ReplicaTrainer, local_part
 
 _FULL = StateDictOptions(full_state_dict=True)
+
+
+def _laid_out_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's part) as a tensor laid out like parameter `p`: a DTensor with p's
+    mesh, placements and global shape when p is one, else `local` itself."""
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 class MultiRankTrainer(ReplicaTrainer):
@@ -76,7 +86,16 @@ class MultiRankTrainer(ReplicaTrainer):
         self, cfg: TrainConfig, dataset: TokenDataset, *, intra, device: str = "cpu"
     ) -> None:
         self.intra = intra  # recover.intra.IntraReplica: the replica's own ranks and mesh
+        self._ordinal_step, self._ordinal = -1, 0
         super().__init__(cfg, dataset, device=device)
+
+    def _next_ordinal(self, step: int) -> int:
+        """The phase hook's index of this rank's next microbatch: the K-th it computes in the
+        step (its own count: the ranks of a replica do not compute the same ids)."""
+        if step != self._ordinal_step:
+            self._ordinal_step, self._ordinal = step, 0
+        self._ordinal += 1
+        return self._ordinal - 1
 
     @property
     def counts_losses(self) -> bool:
@@ -85,16 +104,7 @@ class MultiRankTrainer(ReplicaTrainer):
         return self.intra.coordinate("tp") == 0
 
     def _set_grad(self, p: torch.Tensor, local: torch.Tensor) -> None:
-        if isinstance(p, DTensor):
-            local = DTensor.from_local(
-                local,
-                p.device_mesh,
-                p.placements,
-                run_check=False,
-                shape=p.shape,
-                stride=p.stride(),
-            )
-        p.grad = local
+        p.grad = _laid_out_like(p, local)
 
     def _committed_loss_sum(self, flat_sum: torch.Tensor) -> float:
         mine = flat_sum[-1:].to(self.device, torch.float64, copy=True)
@@ -167,35 +177,32 @@ class MultiRankTrainer(ReplicaTrainer):
         opt = state["optimizer"]
         for i, s in opt["state"].items():
             p = ordered[int(i)]
-            if not isinstance(p, DTensor):
-                continue
             for k, v in s.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    s[k] = DTensor.from_local(
-                        v.view_as(local_part(p)), p.device_mesh, p.placements,
-                        run_check=False, shape=p.shape, stride=p.stride(),
-                    )  # fmt: skip
+                if isinstance(v, torch.Tensor) and v.dim() > 0:  # ("step" is a scalar)
+                    s[k] = _laid_out_like(p, v.view_as(local_part(p)))
         self.optimizer.load_state_dict(opt)
 
     def _check_layout(self, state: dict) -> None:
         layout = state.get("layout")
         if layout != self.intra.dims:
-            saved = " ".join(f"--{k} {v}" for k, v in (layout or {}).items()) or "one rank"
-            mine = " ".join(f"--{k} {v}" for k, v in self.intra.dims.items())
+            saved, mine = describe_layout(layout), describe_layout(self.intra.dims)
             raise ValueError(
                 f"the checkpoint was saved by replicas of {saved}, this replica is {mine}; "
                 f"resume with {saved}"
             )
 
+    def _whole_model(self) -> GPT:
+        """A plain GPT holding the whole model (a collective: every rank takes part)."""
+        whole = GPT(self.model_config)
+        whole.load_state_dict(get_model_state_dict(self.model, options=_FULL))
+        return whole
+
     def save_model(self, path: str | None) -> None:
         from safetensors.torch import save_model
 
-        full = get_model_state_dict(self.model, options=_FULL)  # every rank takes part
-        if path is None:
-            return
-        plain = GPT(self.model_config)
-        plain.load_state_dict(full)
-        save_model(plain, path)
+        whole = self._whole_model()
+        if path is not None:
+            save_model(whole, path)
 
 
 def _fully_shard(model: GPT, mesh) -> GPT:
@@ -215,10 +222,7 @@ def _tensor_parallel(model: GPT, mesh) -> GPT:
     """Split every block over `mesh`, in one fixed order inside each block: attention's q, k, v
     column-wise (each rank gets whole heads), its output projection row-wise; then the MLP the
     same way. Everything outside the blocks stays whole on every rank."""
-    heads, size = model.config.n_head, mesh.size()
-    if heads % size:
-        raise ValueError(f"--tp {size} must divide the preset's n_head ({heads})")
-    plan = {
+    plan = {  # (recover.config.check_layout_fits checked that T divides n_head)
         "attn.q_proj": ColwiseParallel(),
         "attn.k_proj": ColwiseParallel(),
         "attn.v_proj": ColwiseParallel(),
@@ -236,27 +240,17 @@ class ShardedTrainer(MultiRankTrainer):
 
     layout = "shard"
 
-    def __init__(
-        self, cfg: TrainConfig, dataset: TokenDataset, *, intra, device: str = "cpu"
-    ) -> None:
-        self._ordinal_step = -1
-        self._ordinal = 0
-        super().__init__(cfg, dataset, intra=intra, device=device)
-
     def _parallelize(self, model: GPT) -> torch.nn.Module:
         return _fully_shard(model, self.intra.submesh("shard"))
 
     def compute_microbatches(self, step: int, ids: Iterable[int], *, first_index: int = 0) -> None:
         ids = list(ids)
         size, rank = self.intra.dims["shard"], self.intra.coordinate("shard")
-        if step != self._ordinal_step:
-            self._ordinal_step, self._ordinal = step, 0
         self.model.train()
         for start in range(0, len(ids), size):
             chunk = ids[start : start + size]
             if rank < len(chunk):
-                self._microbatch(step, chunk[rank], self._ordinal)
-                self._ordinal += 1
+                self._microbatch(step, chunk[rank], self._next_ordinal(step))
             else:  # padding: keeps this rank in the mesh's collectives, adds exactly zero
                 self._microbatch(step, chunk[0], None, weight=0.0)
 
@@ -352,17 +346,14 @@ class PipelineTrainer(MultiRankTrainer):
             output_grads=None if stage.last else hidden,
             input_grads=None if stage.first else hidden,
         )  # fmt: skip
-        self._ordinal_step, self._ordinal = -1, 0
 
     @property
     def counts_losses(self) -> bool:
         return self.model.last
 
     def _parallelize(self, model: GPT) -> torch.nn.Module:
-        layers, stages = model.config.n_layer, self.intra.size
-        if stages > layers:
-            raise ValueError(f"--pp {stages} exceeds the preset's {layers} layers")
-        return _Stage(model, self.intra.rank, stages)
+        # (recover.config.check_layout_fits checked that every stage gets a layer)
+        return _Stage(model, self.intra.rank, self.intra.size)
 
     def _counted_in_norm(self, p: torch.Tensor) -> bool:
         return not (self.model.last and p is self._tied)  # the tied copy counts on stage 0
@@ -371,15 +362,12 @@ class PipelineTrainer(MultiRankTrainer):
         ids = list(ids)
         if not ids:
             return
-        if step != self._ordinal_step:
-            self._ordinal_step, self._ordinal = step, 0
         stage: _Stage = self.model
         stage.train()
         calls = iter(ids)
 
         def before_forward():
-            j, index = next(calls), self._ordinal
-            self._ordinal += 1
+            j, index = next(calls), self._next_ordinal(step)
             torch.manual_seed(microbatch_seed(self.cfg.seed, step, j))  # dropout of (step, j)
             self.phase_hook("forward", step, index)
 
@@ -416,7 +404,7 @@ class PipelineTrainer(MultiRankTrainer):
     def _sum_tied(self, before: torch.Tensor | None) -> None:
         """Add the two ends' new contributions to the tied weight's gradient, on both ends."""
         stage: _Stage = self.model
-        if not (stage.first or stage.last) or self.intra.size == 1:
+        if not (stage.first or stage.last):
             return
         grad = self._tied.grad if self._tied.grad is not None else torch.zeros_like(self._tied)
         delta = grad - before if before is not None else grad.clone()
@@ -454,13 +442,6 @@ class PipelineTrainer(MultiRankTrainer):
         mine = self.model.state_dict()
         self.model.load_state_dict({k: state["model"][k] for k in mine})
         self.optimizer.load_state_dict(state["optimizer_stages"][self.intra.rank])
-
-    def save_model(self, path: str | None) -> None:
-        from safetensors.torch import save_model
-
-        whole = self._whole_model()
-        if path is not None:
-            save_model(whole, path)
 
 
 TRAINERS = {

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recover.config import TrainConfig, compute_lr
+from recover.config import DEVICES, TrainConfig, compute_lr, describe_layout
 from recover.data.addressing import (
     TokenDataset,
     microbatch_seed,
@@ -49,7 +49,7 @@ def pick_device(name: str) -> str:
     the visible GPUs, and makes it the current device."""
     import os
 
-    if name not in ("auto", "cpu", "cuda"):
+    if name not in DEVICES:
         raise ValueError(f"--device must be auto, cpu or cuda, got {name!r}")
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return "cpu"
@@ -115,7 +115,7 @@ class ReplicaTrainer:
         self._eval_set: list | None = None
 
     def _parallelize(self, model: GPT) -> torch.nn.Module:
-        """What a replica is inside: one rank holding the whole model here (see sharded.py)."""
+        """What a replica is inside: one rank holding the whole model here (see parallel.py)."""
         return model
 
     # ---- microbatches -------------------------------------------------------------------------
@@ -260,7 +260,7 @@ class ReplicaTrainer:
     def load_state_dict(self, state: dict) -> None:
         layout = state.get("layout")
         if layout:  # saved by replicas of several ranks (recover.parallel)
-            flags = " ".join(f"--{k} {v}" for k, v in layout.items())
+            flags = describe_layout(layout)
             raise ValueError(
                 f"the checkpoint was saved by replicas of {flags}; resume with {flags}"
             )

@@ -8,9 +8,9 @@ schedule need no transfer: the step comes with the view and lr(step) is a pure f
 
 Invariants: a joiner computes nothing before it has loaded the committed state; the payload is the
 source's `transfer_state_dict()`, bit for bit (in a replica of several ranks: the part this rank
-holds, sent over the group of its position to the joiner's rank at the same position). A failure during the transfer is a collective
-failure like any other (the caller reports it and the step is redone in the next epoch, where the
-transfer is repeated).
+holds, sent over the group of its position to the joiner's rank at the same position). A failure
+during the transfer is a collective failure like any other (the caller reports it and the step is
+redone in the next epoch, where the transfer is repeated).
 
 Cost: one flat copy of the state (parameters plus two AdamW moments: about 12 bytes per
 parameter) and one broadcast of it, bucketed by the collective; members that already hold the state receive it too (a

@@ -37,7 +37,7 @@ from recover.collective import CollectiveAborted, CollectiveConfig, GroupCache
 from recover.config import (
     RunPaths,
     TrainConfig,
-    check_layout,
+    check_replica_inside,
     layout_name,
     layout_ranks,
     replica_layout,
@@ -105,11 +105,7 @@ class WorkerConfig:
     device: str = "auto"  # auto (a GPU if one is visible), cpu or cuda
 
     def __post_init__(self) -> None:
-        check_layout(self.shard, self.tp, self.pp)
-        if not self.watchdog_s > 0:
-            raise ValueError(f"--watchdog must be > 0 seconds, got {self.watchdog_s}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        check_replica_inside(self.shard, self.tp, self.pp, self.watchdog_s, self.device)
         if self.replica_id < 0:
             raise ValueError(f"--replica-id must be >= 0, got {self.replica_id}")
         if not 0 < self.coordinator_port < 65536:
@@ -356,16 +352,9 @@ class ReplicaLoop:
     def me(self) -> int:
         return self.wcfg.replica_id
 
-    @property
-    def rank(self) -> int:
-        intra = getattr(self.link, "intra", None)
-        return intra.rank if intra is not None else 0
-
     def replica_hash(self) -> str:
         """The parameter fingerprint of the whole replica (a collective with several ranks)."""
-        own = parameter_hash(self.trainer)
-        intra = getattr(self.link, "intra", None)
-        return replica_hash(intra.gather(own) if intra is not None else [own])
+        return replica_hash(self.link.gather(parameter_hash(self.trainer)))
 
     def run_step(self, step: int) -> int:
         """Run step `step` until it commits; return it. The recovery loop lives here."""
@@ -530,7 +519,7 @@ class ReplicaLoop:
         self.has_state = True
         if self.me in joined:
             self.recorder.event(
-                "state_transfer", replica=self.me, rank=self.rank, step=step, epoch=epoch,
+                "state_transfer", replica=self.me, rank=self.link.rank, step=step, epoch=epoch,
                 source=stats.source,
                 bytes=stats.bytes, seconds=round(stats.seconds, 4),
             )  # fmt: skip
