@@ -180,6 +180,34 @@ def test_two_dimensional_replicas_shard_by_tp(reference, tiny_dataset, tmp_path)
     assert redo["step"] == 2 and sorted(redo["lost"]) == [3, 4, 5]
 
 
+@pytest.mark.parametrize(
+    "inside, layout, fault",
+    [
+        # Stages split by TP (mesh pp x tp: ranks 0, 1 are stage 0). The last stage's tp-1 rank
+        # dies in the backward of its first microbatch of step 2.
+        (["--tp", "2"], "pp+tp", "kill:replica=1,rank=3,step=2,phase=backward"),
+        # Stages sharded by FSDP2 (mesh pp x shard): two pipelines per replica, the replica's
+        # ids dealt over them. The first stage's shard-1 rank dies in a forward.
+        (["--shard", "2"], "pp+shard", "kill:replica=0,rank=1,step=3,phase=forward"),
+    ],
+)
+def test_pipeline_stages_that_are_split_or_sharded(
+    inside, layout, fault, reference, tiny_dataset, tmp_path
+):
+    out = tmp_path / layout
+    r = train(
+        tiny_dataset, out, "--replicas", "2", "--pp", "2", *inside, "--watchdog", "2",
+        "--balance", "equal", "--fault", fault,
+    )  # fmt: skip
+    assert_invariants(reference, out, r)
+    ranks = {(e["replica"], e["rank"]): e for e in events(out, "rank_started")}
+    assert sorted(ranks) == [(r, k) for r in (0, 1) for k in range(4)]
+    assert {e["layout"] for e in ranks.values()} == {layout}
+    dead = parse_fault(fault).replica
+    assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [dead]
+    assert {e["replica"] for e in events(out, "replica_finished")} == {1 - dead}
+
+
 def test_bf16_autocast_recovers_on_the_bf16_trajectory(reference, tiny_dataset, tmp_path):
     # --precision bf16 runs the forward under bf16 autocast (gradients, sums and optimizer state
     # stay fp32): a different trajectory from fp32, which a recovered run must still follow.
@@ -215,5 +243,5 @@ def test_layout_flags_are_checked():
     check_layout_fits("small", 4)
     with pytest.raises(ValueError, match="--pp 3 exceeds the tiny preset's 2 layers"):
         check_layout_fits("tiny", 1, 3)
-    with pytest.raises(ValueError, match="--pp together with --shard or --tp"):
-        LaunchConfig(replicas=2, tp=2, pp=2)
+    assert LaunchConfig(replicas=2, shard=2, tp=2, pp=2).ranks == 8
+    assert LaunchConfig(replicas=2, tp=2, pp=2).dims == {"pp": 2, "tp": 2}  # mesh order

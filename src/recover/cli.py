@@ -116,8 +116,8 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="P",
         help="ranks per replica, one process each, that hold P consecutive pipeline stages "
-        "(GPipe; the replica's microbatches are the pipeline's). --shard and --tp combine (S x T "
-        "ranks: TP inside, FSDP2 across); --pp does not combine yet (default: 1)",
+        "(GPipe; the replica's microbatches are the pipeline's). The three combine: P x S x T "
+        "ranks, each stage split by TP and sharded by FSDP2 over its S x T ranks (default: 1)",
     )
     group.add_argument(
         "--device",

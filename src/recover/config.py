@@ -126,18 +126,19 @@ class RunPaths:
         return self.out / "final" / "model.safetensors"
 
 
-LAYOUTS = ("shard", "tp", "pp")  # what a replica of several ranks can be inside
+# What a replica of several ranks can be inside, in the order of its device mesh: pipeline stages
+# outermost, tensor parallel innermost (on GPUs the TP ranks, which talk in every layer, are then
+# neighbours: the same host, the fastest links).
+LAYOUTS = ("pp", "shard", "tp")
 DEVICES = ("auto", "cpu", "cuda")
 
 
 def check_replica_inside(shard: int, tp: int, pp: int, watchdog_s: float, device: str) -> None:
-    """ValueError unless the layout is built (--shard, --tp, --pp alone, or --shard with --tp),
-    the watchdog deadline is positive and the device is one of DEVICES."""
-    for name, value in zip(LAYOUTS, (shard, tp, pp), strict=True):
+    """ValueError unless every size is an int >= 1 (any combination of the three is built), the
+    watchdog deadline is positive and the device is one of DEVICES."""
+    for name, value in zip(("shard", "tp", "pp"), (shard, tp, pp), strict=True):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
-    if pp > 1 and (shard > 1 or tp > 1):
-        raise ValueError("--pp together with --shard or --tp is not supported yet")
     if not watchdog_s > 0:
         raise ValueError(f"--watchdog must be > 0 seconds, got {watchdog_s}")
     if device not in DEVICES:
@@ -154,8 +155,9 @@ def check_layout_fits(preset: str, tp: int, pp: int = 1) -> None:
 
 
 def replica_layout(shard: int, tp: int, pp: int = 1) -> dict[str, int]:
-    """The dimensions of a replica above 1, in mesh order: {"shard": 2, "tp": 2}; {} for one rank."""
-    return {n: v for n, v in zip(LAYOUTS, (shard, tp, pp), strict=True) if v > 1}
+    """The dimensions of a replica above 1, in mesh order: {"pp": 2, "tp": 2}; {} for one rank."""
+    sizes = {"pp": pp, "shard": shard, "tp": tp}
+    return {n: sizes[n] for n in LAYOUTS if sizes[n] > 1}
 
 
 def layout_ranks(dims: dict[str, int]) -> int:

@@ -96,8 +96,7 @@ class IntraReplica:
         if world != size:
             raise RuntimeError(f"{flags} but WORLD_SIZE is {world}: one process per rank")
         self.replica_id, self.rank, self.size = replica_id, rank, size
-        self.dims = dict(dims)  # mesh order: shard, then tp (or pp alone)
-        self.layout = "+".join(dims)  # the name recover.parallel.TRAINERS knows
+        self.dims = dict(dims)  # in mesh order (recover.config.LAYOUTS)
         self.deadline_s = watchdog_s
         self.emit = emit or (lambda name, **fields: None)
         # On GPUs: NCCL for the model's collectives, gloo for host tensors (the relay, the loss).

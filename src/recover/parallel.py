@@ -1,4 +1,5 @@
-"""What a replica of several ranks is inside: FSDP2 (HSDP's shard dimension) or tensor parallel.
+"""What a replica of several ranks is inside: FSDP2 (HSDP's shard dimension), tensor parallel,
+pipeline parallel, and their combinations.
 
 Job: the `ReplicaTrainer` contract for a replica made of K ranks, applied to the unchanged model
 from outside. The recovery protocol does not change: each rank's snapshot is the part of the
@@ -21,7 +22,8 @@ Layouts (the order in which each is applied is fixed and commented where it is a
   the same on every rank (their inputs are). Needs n_head divisible by T.
 - `--shard S --tp T` (`ShardedTensorParallelTrainer`, S x T ranks): TP inside each group of T
   ranks, FSDP2 across the S groups (torch's 2-D recipe); ids dealt over the shard dimension.
-- `--pp P` (`PipelineTrainer`, alone for now): P consecutive GPipe stages; see the class.
+- `--pp P` (`PipelineTrainer`): P consecutive GPipe stages; with `--shard` and/or `--tp` each
+  stage is itself sharded and/or split over the ranks at its stage; see the class.
 
 Invariants:
 - the update equals the single-rank one up to summation order (tested: rtol 1e-4);
@@ -80,8 +82,6 @@ class MultiRankTrainer(ReplicaTrainer):
     """What every layout of several ranks shares: gradients as local parts, the replica's loss
     and gradient norm, and full-state checkpoints."""
 
-    layout = ""  # the layout's name, as in the flags and the checkpoint
-
     def __init__(
         self, cfg: TrainConfig, dataset: TokenDataset, *, intra, device: str = "cpu"
     ) -> None:
@@ -116,7 +116,9 @@ class MultiRankTrainer(ReplicaTrainer):
     def _counted_in_norm(self, p: torch.Tensor) -> bool:
         """Whether this rank adds p's gradient to the global norm, so that every value counts
         once: along each dimension of the replica's mesh, a gradient sharded on it counts on
-        every rank, one replicated on it (or not laid out on it) on coordinate 0 only."""
+        every rank, one replicated on it (or not laid out on it) on coordinate 0 only. Pipeline
+        stages hold different parameters: along pp every rank counts (PipelineTrainer drops the
+        tied head's second copy)."""
         g = p.grad
         placed = {}
         if isinstance(g, DTensor):
@@ -125,6 +127,7 @@ class MultiRankTrainer(ReplicaTrainer):
         return all(
             (dim in placed and not placed[dim].is_replicate()) or self.intra.coordinate(dim) == 0
             for dim in self.intra.dims
+            if dim != "pp"
         )
 
     def _clip_gradients(self, clip: float) -> float:
@@ -205,20 +208,20 @@ class MultiRankTrainer(ReplicaTrainer):
             save_model(whole, path)
 
 
-def _fully_shard(model: GPT, mesh) -> GPT:
+def _fully_shard(blocks: Iterable[nn.Module], root: nn.Module, mesh) -> nn.Module:
     """FSDP2 over `mesh`, in one fixed order: every block its own unit (on GPUs its all-gather
     overlaps the previous block's compute), then the root takes what is left (embeddings, the
     tied head, the last norm). Sums, not means: the trainer divides by M at the commit."""
-    units = [*model.transformer.h, model]
+    units = [*blocks, root]
     for unit in units:
         fully_shard(unit, mesh=mesh)
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
-    return model
+    return root
 
 
-def _tensor_parallel(model: GPT, mesh) -> GPT:
+def _tensor_parallel(blocks: Iterable[nn.Module], mesh) -> None:
     """Split every block over `mesh`, in one fixed order inside each block: attention's q, k, v
     column-wise (each rank gets whole heads), its output projection row-wise; then the MLP the
     same way. Everything outside the blocks stays whole on every rank."""
@@ -230,29 +233,35 @@ def _tensor_parallel(model: GPT, mesh) -> GPT:
         "mlp.c_fc": ColwiseParallel(),
         "mlp.c_proj": RowwiseParallel(),
     }
-    for block in model.transformer.h:
+    for block in blocks:
         parallelize_module(block, mesh, plan)
-    return model
+
+
+def _deal(ids: list[int], ways: int, mine: int) -> list[tuple[int, bool]]:
+    """Round-robin dealing of a call's ids over `ways` ranks that shard one model copy: rank
+    `mine` computes ids[mine], ids[mine + ways], ... as (id, True). FSDP2 needs every rank in
+    every forward and backward, so a rank with one id fewer gets a padding pass (id, False) on a
+    real microbatch, whose gradient is scaled by 0 (exactly zero, no phase hook, no loss counted)."""
+    out = []
+    for start in range(0, len(ids), ways):
+        chunk = ids[start : start + ways]
+        out.append((chunk[mine], True) if mine < len(chunk) else (chunk[0], False))
+    return out
 
 
 class ShardedTrainer(MultiRankTrainer):
     """One model copy sharded over the S ranks of a replica by FSDP2."""
 
-    layout = "shard"
-
     def _parallelize(self, model: GPT) -> torch.nn.Module:
-        return _fully_shard(model, self.intra.submesh("shard"))
+        return _fully_shard(model.transformer.h, model, self.intra.submesh("shard"))
 
     def compute_microbatches(self, step: int, ids: Iterable[int], *, first_index: int = 0) -> None:
-        ids = list(ids)
-        size, rank = self.intra.dims["shard"], self.intra.coordinate("shard")
         self.model.train()
-        for start in range(0, len(ids), size):
-            chunk = ids[start : start + size]
-            if rank < len(chunk):
-                self._microbatch(step, chunk[rank], self._next_ordinal(step))
+        for j, real in _deal(list(ids), self.intra.dims["shard"], self.intra.coordinate("shard")):
+            if real:
+                self._microbatch(step, j, self._next_ordinal(step))
             else:  # padding: keeps this rank in the mesh's collectives, adds exactly zero
-                self._microbatch(step, chunk[0], None, weight=0.0)
+                self._microbatch(step, j, None, weight=0.0)
 
 
 class ShardedTensorParallelTrainer(ShardedTrainer):
@@ -260,22 +269,19 @@ class ShardedTensorParallelTrainer(ShardedTrainer):
     across the S groups. The ids are dealt over the shard dimension; the T ranks of a group
     compute the same ids."""
 
-    layout = "shard+tp"
-
     def _parallelize(self, model: GPT) -> torch.nn.Module:
         # TP first (it rewrites the blocks' parameters as DTensors on the tp mesh), then FSDP2
         # shards those over the shard mesh: the order torch's 2-D (FSDP + TP) recipe needs.
-        _tensor_parallel(model, self.intra.submesh("tp"))
-        return _fully_shard(model, self.intra.submesh("shard"))
+        _tensor_parallel(model.transformer.h, self.intra.submesh("tp"))
+        return _fully_shard(model.transformer.h, model, self.intra.submesh("shard"))
 
 
 class TensorParallelTrainer(MultiRankTrainer):
     """One model copy whose blocks are split over the T ranks of a replica (Megatron style)."""
 
-    layout = "tp"
-
     def _parallelize(self, model: GPT) -> torch.nn.Module:
-        return _tensor_parallel(model, self.intra.submesh("tp"))
+        _tensor_parallel(model.transformer.h, self.intra.submesh("tp"))
+        return model
 
 
 class _Stage(nn.Module):
@@ -314,15 +320,18 @@ class _Stage(nn.Module):
 
 
 class PipelineTrainer(MultiRankTrainer):
-    """One model copy cut into P consecutive stages, one per rank of the replica (GPipe).
+    """One model copy cut into P consecutive stages (GPipe), each stage alone on one rank or, with
+    `--shard` and/or `--tp`, itself sharded by FSDP2 and/or split by TP over the ranks at its
+    stage (`--pp P --shard S --tp T`: P x S x T ranks, mesh order pp, shard, tp).
 
-    The replica's ids of a call are the pipeline's microbatches, in order. The tied embedding
-    and head live on the first and the last stage: after each call their gradient contributions
-    are summed between those two ranks, so both copies get the same update and stay tied. Dropout
-    is seeded per (seed, step, j) at the start of every stage's forward of microbatch j.
+    The replica's ids of a call are the pipeline's microbatches, in order; with `--shard S` they
+    are dealt round-robin over the S shard coordinates first (as in ShardedTrainer), each running
+    its own pipeline, padded to the same length with zero-weight passes. The ranks of one stage
+    along tp compute the same microbatches. The tied embedding and head live on the first and the
+    last stage: after each call their gradient contributions are summed between the two ranks at
+    the same (shard, tp) position of those stages, so both copies get the same update and stay
+    tied. Dropout is seeded per (seed, step, j) at the start of every stage's forward of j.
     """
-
-    layout = "pp"
 
     def __init__(
         self, cfg: TrainConfig, dataset: TokenDataset, *, intra, device: str = "cpu"
@@ -331,14 +340,14 @@ class PipelineTrainer(MultiRankTrainer):
         stage: _Stage = self.model
         stage.autocast = self.autocast
         self._tied = stage.lm_head.weight if stage.last else stage.transformer["wte"].weight
-        # Every rank takes part in creating the group of the two ends (a collective).
-        self._tie_group = dist.new_group([0, intra.size - 1])
+        self._tie_group = self._tie_groups()
         # Shapes given up front (static): no inference pass through the stage at the first step.
         mb, seq, width = cfg.microbatch_size, cfg.seq_len, self.model_config.n_embd
         # (requires_grad: a stage's received activations need their gradient sent back.)
         hidden = torch.empty(mb, seq, width, device="meta", requires_grad=True)
+        pp = intra.submesh("pp")
         self._pipe = PipelineStage(
-            stage, intra.rank, intra.size, self.device, group=intra.group,
+            stage, pp.get_local_rank(), pp.size(), self.device, group=pp.get_group(),
             input_args=torch.empty(mb, seq, dtype=torch.long, device="meta") if stage.first
             else hidden,
             output_args=torch.empty(mb, seq, self.model_config.vocab_size, device="meta")
@@ -347,16 +356,38 @@ class PipelineTrainer(MultiRankTrainer):
             input_grads=None if stage.first else hidden,
         )  # fmt: skip
 
+    def _tie_groups(self):
+        """This rank's group of the two ends: the first and the last stage's ranks at its
+        (shard, tp) position. Every rank creates every such group, in one order (collectives)."""
+        ranks = self.intra.mesh.mesh.reshape(self.intra.dims["pp"], -1)  # pp is the outermost
+        mine = None
+        for column in range(ranks.shape[1]):
+            ends = [int(ranks[0, column]), int(ranks[-1, column])]
+            group = dist.new_group(ends)
+            if self.intra.rank in ends:
+                mine = group
+        return mine
+
     @property
     def counts_losses(self) -> bool:
-        return self.model.last
+        return self.model.last and self.intra.coordinate("tp") == 0
 
     def _parallelize(self, model: GPT) -> torch.nn.Module:
         # (recover.config.check_layout_fits checked that every stage gets a layer)
-        return _Stage(model, self.intra.rank, self.intra.size)
+        stage = _Stage(model, self.intra.coordinate("pp"), self.intra.dims["pp"])
+        blocks = list(stage.transformer["h"].values())
+        # Cut first (each rank keeps its stage only), then TP inside the stage, then FSDP2 over
+        # the stage's shard ranks: the order of ShardedTensorParallelTrainer, per stage.
+        if "tp" in self.intra.dims:
+            _tensor_parallel(blocks, self.intra.submesh("tp"))
+        if "shard" in self.intra.dims:
+            _fully_shard(blocks, stage, self.intra.submesh("shard"))
+        return stage
 
     def _counted_in_norm(self, p: torch.Tensor) -> bool:
-        return not (self.model.last and p is self._tied)  # the tied copy counts on stage 0
+        if self.model.last and p is self._tied:
+            return False  # the tied copy counts on the first stage
+        return super()._counted_in_norm(p)
 
     def compute_microbatches(self, step: int, ids: Iterable[int], *, first_index: int = 0) -> None:
         ids = list(ids)
@@ -364,11 +395,16 @@ class PipelineTrainer(MultiRankTrainer):
             return
         stage: _Stage = self.model
         stage.train()
-        calls = iter(ids)
+        shards = self.intra.dims.get("shard", 1)
+        plan = _deal(ids, shards, self.intra.coordinate("shard"))  # [(id, real)]
+        forwards, weights = iter(plan), iter(plan)
 
         def before_forward():
-            j, index = next(calls), self._next_ordinal(step)
+            j, real = next(forwards)
             torch.manual_seed(microbatch_seed(self.cfg.seed, step, j))  # dropout of (step, j)
+            if not real:  # a padding pass: no phase hook
+                return None
+            index = self._next_ordinal(step)
             self.phase_hook("forward", step, index)
 
             def after(out: torch.Tensor) -> None:
@@ -381,45 +417,71 @@ class PipelineTrainer(MultiRankTrainer):
 
             return after
 
-        tied_before = self._tied.grad.clone() if self._tied.grad is not None else None
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            _, real = next(weights)  # the schedule computes the losses in microbatch order
+            loss = lm_loss(logits, targets)
+            return loss if real else loss * 0.0  # padding: its gradient is exactly zero
+
+        # Set aside the gradient sum so far: a new schedule drops FSDP2 parameters' gradients
+        # (after its shape inference, even with static shapes), and what the call adds is then
+        # exactly the gradients it leaves, which the tied ends need on their own.
+        kept = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
         stage.before_forward = before_forward
         try:
             schedule = ScheduleGPipe(
-                self._pipe, n_microbatches=len(ids), loss_fn=lm_loss, scale_grads=False
+                self._pipe, n_microbatches=len(plan), loss_fn=loss_fn, scale_grads=False
             )
             if stage.first:
-                schedule.step(torch.cat([self._tokens(step, j)[0] for j in ids]))
+                schedule.step(torch.cat([self._tokens(step, j)[0] for j, _ in plan]))
             elif stage.last:
                 losses: list[torch.Tensor] = []
                 schedule.step(
-                    target=torch.cat([self._tokens(step, j)[1] for j in ids]), losses=losses
+                    target=torch.cat([self._tokens(step, j)[1] for j, _ in plan]), losses=losses
                 )
-                self.loss_sum += sum(float(x.detach()) for x in losses)
+                self.loss_sum += sum(
+                    float(x.detach()) for x, (_, real) in zip(losses, plan, strict=True) if real
+                )
             else:
                 schedule.step()
         finally:
             stage.before_forward = None
-        self._sum_tied(tied_before)
+        self._sum_tied()
+        for p, before in zip(self.params, kept, strict=True):
+            if before is not None:
+                added = local_part(p.grad) if p.grad is not None else 0
+                self._set_grad(p, local_part(before) + added)
 
-    def _sum_tied(self, before: torch.Tensor | None) -> None:
-        """Add the two ends' new contributions to the tied weight's gradient, on both ends."""
+    def _sum_tied(self) -> None:
+        """Sum this call's contributions to the tied weight between the two ends, on both (on
+        local parts: under FSDP2 both copies are sharded alike over the same shard ranks)."""
         stage: _Stage = self.model
         if not (stage.first or stage.last):
             return
-        grad = self._tied.grad if self._tied.grad is not None else torch.zeros_like(self._tied)
-        delta = grad - before if before is not None else grad.clone()
-        dist.all_reduce(delta, group=self._tie_group)
-        self._tied.grad = delta if before is None else before + delta
+        grad = self._tied.grad
+        added = local_part(grad) if grad is not None else torch.zeros_like(local_part(self._tied))
+        dist.all_reduce(added, group=self._tie_group)
+        self._set_grad(self._tied, added)
 
     # ---- evaluation and state: through the whole model, gathered --------------------------------
+    def _stage_leader(self) -> bool:
+        """Whether this rank speaks for its stage: shard and tp coordinates 0."""
+        return self.intra.coordinate("shard") == 0 and self.intra.coordinate("tp") == 0
+
+    def _gather_stages(self, part: dict) -> list[dict]:
+        """Every stage's `part` (a collective: all ranks take part), in stage order."""
+        rows = self.intra.gather(part if self._stage_leader() else None)
+        return [row for row in rows if row is not None]  # rank order is stage order (pp outermost)
+
     def _whole_model(self) -> GPT:
         """A plain GPT holding every stage's parameters (a collective: all ranks take part)."""
-        parts = self.intra.gather({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
-        whole = GPT(self.model_config)
+        mine = get_model_state_dict(self.model, options=_FULL)
         state = {}
-        for part in parts:
+        for part in self._gather_stages({k: v.detach().cpu() for k, v in mine.items()}):
             state.update(part)
         state["transformer.wte.weight"] = state["lm_head.weight"]  # tied: one tensor
+        whole = GPT(self.model_config)
         whole.load_state_dict(state)
         return whole
 
@@ -431,22 +493,29 @@ class PipelineTrainer(MultiRankTrainer):
             self.model = stage
 
     def state_dict(self) -> dict:
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
         return {
             "model": self._whole_model().state_dict(),
-            "optimizer_stages": self.intra.gather(self.optimizer.state_dict()),
+            "optimizer_stages": self._gather_stages(optimizer),  # keyed by parameter name
             "layout": dict(self.intra.dims),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self._check_layout(state)
-        mine = self.model.state_dict()
-        self.model.load_state_dict({k: state["model"][k] for k in mine})
-        self.optimizer.load_state_dict(state["optimizer_stages"][self.intra.rank])
+        names = get_model_state_dict(self.model, options=_FULL).keys()
+        set_model_state_dict(self.model, {k: state["model"][k] for k in names}, options=_FULL)
+        mine = state["optimizer_stages"][self.intra.coordinate("pp")]
+        set_optimizer_state_dict(self.model, self.optimizer, mine, options=_FULL)
 
 
-TRAINERS = {
-    "shard": ShardedTrainer,
-    "tp": TensorParallelTrainer,
-    "pp": PipelineTrainer,
-    "shard+tp": ShardedTensorParallelTrainer,
-}
+def trainer_class(dims: dict[str, int]) -> type[MultiRankTrainer]:
+    """The trainer of a layout of several ranks (recover.config.replica_layout)."""
+    if "pp" in dims:
+        return PipelineTrainer  # stages, each sharded and/or split as the other flags say
+    if "shard" in dims and "tp" in dims:
+        return ShardedTensorParallelTrainer
+    if "shard" in dims:
+        return ShardedTrainer
+    if "tp" in dims:
+        return TensorParallelTrainer
+    raise ValueError(f"a replica of one rank has no multi-rank trainer: {dims}")

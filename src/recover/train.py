@@ -32,13 +32,13 @@ def build_trainer_for_run(
 ) -> tuple[ReplicaTrainer, int]:
     """The trainer, loaded from the newest checkpoint when resuming; and the next step to run.
     With `intra` (a recover.intra.IntraReplica), the model is split over the replica's ranks
-    by the layout `intra.layout` names."""
+    as its layout `intra.dims` says."""
     if intra is None:
         trainer = ReplicaTrainer(cfg, dataset, device=device)
     else:
-        from recover.parallel import TRAINERS
+        from recover.parallel import trainer_class
 
-        trainer = TRAINERS[intra.layout](cfg, dataset, intra=intra, device=device)
+        trainer = trainer_class(intra.dims)(cfg, dataset, intra=intra, device=device)
     start = 0
     if resume:
         state = load_resume_state(paths)
