@@ -29,6 +29,7 @@ from recover.collective import (
     CollectiveConfig,
     EpochGroup,
     GroupCache,
+    _construct,
     compute_buckets,
     compute_verdict,
 )
@@ -175,6 +176,76 @@ def test_build_deadline_when_peer_never_shows_up() -> None:
 
 
 @pytest.mark.timeout(20)
+def test_a_build_without_its_own_timeout_is_bounded_and_abandoned_on_a_new_epoch() -> None:
+    # NCCL's rendezvous waits on the store with no timeout of its own: _construct bounds it by
+    # build_timeout_s, and gives up at once when should_abort names a newer epoch.
+    config = CollectiveConfig(build_timeout_s=0.5, op_deadline_s=1, pg_timeout_s=5)
+    release = threading.Event()  # the stuck "rendezvous"; set at the end to end its thread
+
+    def stuck() -> Any:
+        release.wait(30)
+        return object()
+
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveAborted) as info:
+            _construct(stuck, config, 3, None, bounded=False)
+        assert info.value.kind == "deadline" and 0.4 < time.monotonic() - t0 < 2.0
+        calls = iter([None, None, "epoch 4 announced"])
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveAborted) as info:
+            _construct(stuck, config, 3, lambda: next(calls), bounded=False)
+        assert info.value.kind == "epoch" and time.monotonic() - t0 < 0.4
+        assert "epoch 4 announced" in info.value.detail
+        made = _construct(lambda: "group", config, 3, None, bounded=False)
+        assert made == "group"
+    finally:
+        release.set()
+
+
+class _FailedQuietly:
+    """A completed op whose wait() returns although it failed: an NCCL op with torch's NCCL
+    error handling off (as for the cross-replica NCCL groups)."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        return True
+
+    def exception(self) -> Exception:
+        return RuntimeError("NCCL error: remote process exited or there was a network error")
+
+
+def test_a_failed_op_whose_wait_returns_is_an_error_on_nccl_groups() -> None:
+    config = CollectiveConfig()
+    nccl = EpochGroup(pg=None, epoch=3, rank=0, world_size=2, config=config, device="cuda")
+    nccl._in_flight = [_FailedQuietly()]
+    verdict = nccl._wait_in_flight(lambda: None)
+    assert verdict is not None and verdict.kind == "error", verdict
+    assert "remote process exited" in verdict.detail
+    # gloo reports failures through wait(); its groups do not ask the deprecated exception().
+    gloo = EpochGroup(pg=None, epoch=3, rank=0, world_size=2, config=config)
+    gloo._in_flight = [_FailedQuietly()]
+    assert gloo._wait_in_flight(lambda: None) is None
+
+
+@pytest.mark.timeout(20)
+def test_buffers_must_live_on_the_groups_device() -> None:
+    store = _host_store()
+    with pytest.raises(ValueError, match="CPU or a CUDA device"):
+        EpochGroup.build(store, epoch=1, rank=0, world_size=1, device="meta")
+    group = EpochGroup.build(store, epoch=2, rank=0, world_size=1)  # gloo, host memory
+    assert group.device == torch.device("cpu")
+    with pytest.raises(ValueError, match="contiguous tensor on cpu"):
+        group.allreduce_sum(torch.ones(4, device="meta"), should_abort=lambda: None)
+    x = torch.ones(4)
+    group.allreduce_sum(x, should_abort=lambda: None)
+    assert torch.equal(x, torch.ones(4))
+    group.abandon().join(timeout=10)
+
+
+@pytest.mark.timeout(20)
 def test_group_cache_fences_old_epochs_and_abandons_older_groups() -> None:
     store = _host_store()
     cache = GroupCache(store, config=CollectiveConfig(build_timeout_s=5))
@@ -210,36 +281,44 @@ def _child(scenario: str, rank: int, port: int, out: Any, args: dict[str, Any]) 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT)
     world = args["world"]
+    device = torch.device("cpu")  # gloo groups; on "cuda", NCCL groups, rank k on GPU k
+    if args.get("device") == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
     if scenario == "sum":
-        _child_sum(store, rank, world, out)
+        _child_sum(store, rank, world, out, device)
     elif scenario == "sigkill":
-        _child_sigkill(store, rank, world, out, args)
+        _child_sigkill(store, rank, world, out, args, device)
     elif scenario == "sigstop":
         _child_sigstop(store, rank, world, out, args)
 
 
-def _child_sum(store: dist.Store, rank: int, world: int, out: Any) -> None:
+def _child_sum(store: dist.Store, rank: int, world: int, out: Any, device: torch.device) -> None:
     n = 100_003  # odd, so the last bucket is short
-    one = EpochGroup.build(
-        store, epoch=1, rank=rank, world_size=world, config=CollectiveConfig(bucket_bytes=0)
-    )
-    many = EpochGroup.build(
-        store, epoch=2, rank=rank, world_size=world, config=CollectiveConfig(bucket_bytes=4000)
-    )
+    one, many = (
+        EpochGroup.build(
+            store, epoch=e, rank=rank, world_size=world, config=CollectiveConfig(bucket_bytes=b),
+            device=device,
+        )
+        for e, b in ((1, 0), (2, 4000))
+    )  # fmt: skip
     expected = sum(_ints(r, n) for r in range(world))
-    x_one, x_many = _ints(rank, n), _ints(rank, n)
+    x_one, x_many = _ints(rank, n).to(device), _ints(rank, n).to(device)
     one.allreduce_sum(x_one, should_abort=lambda: None)
     many.allreduce_sum(x_many, should_abort=lambda: None)
     gen = torch.Generator().manual_seed(rank)
-    rnd = torch.randn(n, generator=gen)
+    rnd = torch.randn(n, generator=gen).to(device)
     rnd_one, rnd_many = rnd.clone(), rnd.clone()
     one.allreduce_sum(rnd_one, should_abort=lambda: None)
     many.allreduce_sum(rnd_many, should_abort=lambda: None)
     rnd_expected = sum(
         torch.randn(n, generator=torch.Generator().manual_seed(r)).double() for r in range(world)
     )
-    payload = _ints(rank, 3 * 1001).view(3, 1001)
+    payload = _ints(rank, 3 * 1001).view(3, 1001).to(device)
     many.broadcast(payload, src=1, should_abort=lambda: None)
+    x_one, x_many, rnd_one, rnd_many, payload = (
+        t.cpu() for t in (x_one, x_many, rnd_one, rnd_many, payload)
+    )
     out.put(
         {
             "rank": rank,
@@ -253,14 +332,14 @@ def _child_sum(store: dist.Store, rank: int, world: int, out: Any) -> None:
 
 
 def _child_sigkill(
-    store: dist.Store, rank: int, world: int, out: Any, args: dict[str, Any]
+    store: dist.Store, rank: int, world: int, out: Any, args: dict[str, Any], device: torch.device
 ) -> None:
     config = CollectiveConfig(
         build_timeout_s=10, op_deadline_s=10, pg_timeout_s=60, bucket_bytes=4 * 2**20
     )
-    cache = GroupCache(store, config=config)
+    cache = GroupCache(store, config=config, device=device)
     old = cache.get(epoch=1, rank=rank, world_size=world)
-    snapshot = _ints(rank, args["numel"])
+    snapshot = _ints(rank, args["numel"]).to(device)
     flat = snapshot.clone()  # this attempt's buffer
 
     def should_abort() -> str | None:
@@ -295,6 +374,7 @@ def _child_sigkill(
     new.allreduce_sum(fresh, should_abort=lambda: None)
     redo_s = time.monotonic() - t0
     expected = sum(_ints(r, args["numel"]) for r in live)
+    fresh = fresh.cpu()
     teardown = cache.teardown_threads[0]
     teardown.join(timeout=20)
     out.put(
@@ -408,11 +488,25 @@ def _reap(procs: list[Any]) -> None:
         p.join(timeout=10)
 
 
+def _gpus(n: int):
+    """The NCCL variant of a test: n processes, each on its own GPU (NCCL refuses two ranks of
+    one communicator on one GPU). Skipped where fewer GPUs are visible."""
+    enough = torch.cuda.is_available() and torch.cuda.device_count() >= n
+    return pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not enough, reason=f"needs {n} GPUs for NCCL groups"),
+        ],
+    )
+
+
 @pytest.mark.timeout(60)
-def test_allreduce_exact_sum_bucketing_and_broadcast_three_processes() -> None:
+@pytest.mark.parametrize("device", ["cpu", _gpus(3)])
+def test_allreduce_exact_sum_bucketing_and_broadcast_three_processes(device: str) -> None:
     assert len(compute_buckets(100_003, 4, 4000)) > 1  # the bucketed group really splits
     store = _host_store()
-    procs, out = _start("sum", store, 3, {})
+    procs, out = _start("sum", store, 3, {"device": device})
     try:
         results = _collect(out, 3, 40, procs)
     finally:
@@ -424,11 +518,13 @@ def test_allreduce_exact_sum_bucketing_and_broadcast_three_processes() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_sigkill_mid_reduce_survivors_abort_fast_and_redo_in_next_epoch() -> None:
+@pytest.mark.parametrize("device", ["cpu", _gpus(3)])
+def test_sigkill_mid_reduce_survivors_abort_fast_and_redo_in_next_epoch(device: str) -> None:
     store = _host_store()
     store.add("epoch", 1)
     victim, world = 1, 3
-    procs, out = _start("sigkill", store, world, {"victim": victim, "numel": 4 * 2**20})
+    args = {"victim": victim, "numel": 4 * 2**20, "device": device}
+    procs, out = _start("sigkill", store, world, args)
     try:
         procs[victim].join(timeout=40)
         assert procs[victim].exitcode == -signal.SIGKILL

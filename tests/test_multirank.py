@@ -20,7 +20,7 @@ from conftest import events
 from recover.compare import compare_runs
 from recover.config import check_layout_fits
 from recover.faults import parse_fault
-from recover.launch import LaunchConfig
+from recover.launch import LaunchConfig, check_gpu_placement
 
 
 def assert_invariants(reference: Path, out: Path, r) -> None:
@@ -244,4 +244,17 @@ def test_layout_flags_are_checked():
     with pytest.raises(ValueError, match="--pp 3 exceeds the tiny preset's 2 layers"):
         check_layout_fits("tiny", 1, 3)
     assert LaunchConfig(replicas=2, shard=2, tp=2, pp=2).ranks == 8
+    # The cross-replica reduce over NCCL: GPUs only, one per process, checked before any start.
+    with pytest.raises(ValueError, match="--cross-reduce nccl reduces between GPUs"):
+        LaunchConfig(replicas=2, device="cpu", cross_reduce="nccl")
+    with pytest.raises(ValueError, match="--cross-reduce must be gloo or nccl"):
+        LaunchConfig(replicas=2, cross_reduce="mpi")
+    nccl = LaunchConfig(replicas=2, shard=2, cross_reduce="nccl")
+    with pytest.raises(ValueError, match="4 processes, 2 GPUs visible"):
+        check_gpu_placement(nccl, gpus=2)
+    check_gpu_placement(nccl, gpus=4)
+    with pytest.raises(ValueError, match="a replica of 2 ranks on GPUs needs 2 GPUs"):
+        check_gpu_placement(LaunchConfig(replicas=2, shard=2), gpus=1)
+    check_gpu_placement(LaunchConfig(replicas=4), gpus=1)  # gloo across: replicas share a GPU
+    check_gpu_placement(LaunchConfig(replicas=2, shard=2, device="cpu"), gpus=1)
     assert LaunchConfig(replicas=2, tp=2, pp=2).dims == {"pp": 2, "tp": 2}  # mesh order

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import TINY_TRAIN_FLAGS, child_env, run_cli
 from recover.compare import compare_runs
@@ -160,3 +161,11 @@ def test_corrupt_checkpoint_gives_a_clear_error(tiny_dataset, tmp_path):
 def test_resume_of_a_missing_run_is_refused(tiny_dataset, tmp_path):
     r = run_cli(train_args(tiny_dataset, tmp_path / "none", "--steps", "2", "--resume"))
     assert r.returncode == 2 and "no run" in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is visible")
+def test_nccl_cross_reduce_without_gpus_is_refused_before_anything_starts(tiny_dataset, tmp_path):
+    out = tmp_path / "run"
+    r = run_cli(train_args(tiny_dataset, out, "--replicas", "2", "--cross-reduce", "nccl"))
+    assert r.returncode == 2 and "2 processes, 0 GPUs visible" in r.stderr, r.stderr
+    assert not out.exists()

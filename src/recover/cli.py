@@ -12,7 +12,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from recover.config import DEVICES, TrainConfig
+from recover.config import CROSS_REDUCES, DEVICES, TrainConfig
 
 DEFAULT_DATA_ROOT = Path("data")
 
@@ -124,7 +124,15 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
         choices=DEVICES,
         default="auto",
         help="where replicas compute: auto (a GPU per process if any is visible, else the CPU), "
-        "cpu or cuda. Cross-replica reduces run on gloo over host copies (default: auto)",
+        "cpu or cuda (default: auto)",
+    )
+    group.add_argument(
+        "--cross-reduce",
+        choices=CROSS_REDUCES,
+        default="gloo",
+        help="how gradients are summed across replicas: gloo over a host copy (any device), or "
+        "nccl between GPUs, one GPU per process, without the copy (not yet run on GPUs in this "
+        "project) (default: gloo)",
     )
     group.add_argument(
         "--watchdog",
@@ -139,7 +147,12 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
 def replica_inside(args: argparse.Namespace) -> dict:
     """What a replica is inside, as LaunchConfig and WorkerConfig both take it."""
     return dict(
-        shard=args.shard, tp=args.tp, pp=args.pp, watchdog_s=args.watchdog, device=args.device
+        shard=args.shard,
+        tp=args.tp,
+        pp=args.pp,
+        watchdog_s=args.watchdog,
+        device=args.device,
+        cross_reduce=args.cross_reduce,
     )
 
 
@@ -295,7 +308,7 @@ def run_train(args: argparse.Namespace) -> int:
     from recover.config import check_layout_fits
     from recover.data.corpus import DataError
     from recover.data.prepare import ensure_dataset
-    from recover.launch import LaunchConfig, LocalLauncher
+    from recover.launch import LaunchConfig, LocalLauncher, check_gpu_placement
     from recover.runfolder import RunFolderError, read_dataset_info
 
     try:
@@ -319,6 +332,7 @@ def run_train(args: argparse.Namespace) -> int:
 
             if not torch.cuda.is_available():
                 raise ValueError("--device cuda: no CUDA device is visible")
+        check_gpu_placement(lcfg)
     except ValueError as e:
         return _error(str(e))
     if args.resume and args.out is None:

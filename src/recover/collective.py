@@ -1,4 +1,4 @@
-"""Fault-tolerant cross-replica collective: one gloo group per epoch, async ops, deadlines, abandon.
+"""Fault-tolerant cross-replica collective: one group per epoch, async ops, deadlines, abandon.
 
 Job: sum (or broadcast) a flat buffer across the live replicas of one epoch without ever hanging
 and without ever handing back a partially reduced buffer as if it were whole (DESIGN.md,
@@ -6,10 +6,12 @@ invariants 3 "no corruption" and 5 "bounded waits").
 
 How:
 
-* ``EpochGroup.build`` constructs a ``ProcessGroupGloo`` directly on a ``PrefixStore`` named after
-  the epoch (``recover/collective/epoch<e>``) over the coordinator's shared ``TCPStore``. There is
-  no ``init_process_group`` and no global default group, so groups of several epochs coexist in
-  one process. The rendezvous is bounded by ``build_timeout_s``.
+* ``EpochGroup.build`` constructs a ``ProcessGroupGloo`` (host buffers; the default) or, for
+  buffers on a GPU, a ``ProcessGroupNCCL`` directly on a ``PrefixStore`` named after the epoch
+  (``recover/collective/epoch<e>``) over the coordinator's shared ``TCPStore``. There is no
+  ``init_process_group`` and no global default group, so groups of several epochs coexist in one
+  process. The rendezvous is bounded by ``build_timeout_s``. An NCCL group is torn down with
+  ``abort()`` (ncclCommAbort), which also ends its in-flight kernels.
 * ``allreduce_sum`` / ``broadcast`` split the buffer into buckets of ``bucket_bytes``, issue them
   back to back as async gloo ops (each returns a ``Work``), then poll: ``Work.is_completed()``
   every ``poll_interval_s``, the caller's ``should_abort()`` every ``abort_check_interval_s``
@@ -39,16 +41,19 @@ rebuilt under the same prefix; no method of this module blocks the caller longer
 Costs and limits: polling costs one ``is_completed`` per in-flight bucket per ``poll_interval_s``
 (microseconds). ``should_abort`` must be cheap (a flag or one store round trip). The peer named in
 an ``error`` abort is the socket address gloo printed, not a rank. gloo has no shrink for this, so
-every membership change costs a fresh rendezvous (milliseconds on loopback). CPU tensors only.
+every membership change costs a fresh rendezvous (milliseconds on loopback). NCCL groups are
+built fresh per epoch too (see README on communicator shrink); their path has not run on GPUs.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -195,26 +200,93 @@ def _teardown(epoch: int, holder: list[Any], on_done: Callable[[float], None]) -
     on_done(seconds)
 
 
-def _construct(prefixed, rank, world_size, options, config, epoch, should_abort):
-    """ProcessGroupGloo(...), abandoned (left to time out on its thread) if should_abort fires."""
-    if should_abort is None:
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+def _gloo(prefixed, rank: int, world_size: int, config: CollectiveConfig) -> Callable[[], Any]:
+    """The maker of one epoch's gloo group (host buffers)."""
+    options = dist.ProcessGroupGloo._Options()
+    # The constructor's timeout bounds the rendezvous (full-mesh connect); ops get pg_timeout_s.
+    options._timeout = datetime.timedelta(seconds=config.build_timeout_s)
+    if config.gloo_hostname is not None:
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=config.gloo_hostname)]
+    else:
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return lambda: dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+
+
+_ENV_LOCK = threading.Lock()
+_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def _nccl(
+    prefixed, rank: int, world_size: int, config: CollectiveConfig, device: torch.device
+) -> Callable[[], Any]:
+    """The maker of one epoch's NCCL group (buffers on this rank's GPU).
+
+    The communicator is made here, eagerly on `device`, so that its rendezvous (the NCCL unique
+    id travels through the epoch's store prefix) falls under the build's deadline rather than
+    inside the first reduce. torch's own NCCL error handling would end the process when a peer
+    dies (TORCH_NCCL_ASYNC_ERROR_HANDLING, default 3: abort and crash): for these groups it is
+    off (0, read by the constructor), so an error only marks the op failed and this module's
+    polling, abandon and ncclCommAbort (the group's ``abort()``) handle it like gloo's errors.
+    Not yet run on GPUs in this project (see README, "Replicas of several ranks").
+    """
+    if not dist.is_nccl_available():
+        raise RuntimeError("the cross-replica reduce over NCCL needs a torch built with NCCL")
+
+    def make() -> Any:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = datetime.timedelta(seconds=config.pg_timeout_s)
+        with _ENV_LOCK:
+            saved = os.environ.get(_NCCL_ERROR_HANDLING)
+            os.environ[_NCCL_ERROR_HANDLING] = "0"
+            try:
+                pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+            finally:
+                if saved is None:
+                    del os.environ[_NCCL_ERROR_HANDLING]
+                else:
+                    os.environ[_NCCL_ERROR_HANDLING] = saved
+        pg.eager_connect_single_device(device)
+        return pg
+
+    return make
+
+
+def _construct(
+    make: Callable[[], Any],
+    config: CollectiveConfig,
+    epoch: int,
+    should_abort: ShouldAbort | None,
+    *,
+    bounded: bool,
+) -> Any:
+    """make(), on a helper thread when it must be abandoned early: when should_abort fires, or
+    after build_timeout_s if the maker does not bound itself (`bounded`: gloo's rendezvous has
+    its own timeout; NCCL's waits on the store). An abandoned build ends on its thread."""
+    if should_abort is None and bounded:
+        return make()
     box: dict[str, Any] = {}
     done = threading.Event()
 
     def target() -> None:
         try:
-            box["pg"] = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+            box["pg"] = make()
         except BaseException as exc:  # handed to the caller below, or dropped if it gave up
             box["error"] = exc
         finally:
             done.set()
 
-    threading.Thread(target=target, name=f"gloo-build-epoch{epoch}", daemon=True).start()
+    threading.Thread(target=target, name=f"group-build-epoch{epoch}", daemon=True).start()
+    give_up = time.monotonic() + config.build_timeout_s
     while not done.wait(config.abort_check_interval_s):
-        reason = should_abort()
+        reason = should_abort() if should_abort is not None else None
         if reason is not None:
             raise CollectiveAborted("epoch", f"group build abandoned: {reason}", epoch=epoch)
+        if not bounded and time.monotonic() > give_up:
+            raise CollectiveAborted(
+                "deadline",
+                f"group build not complete after build_timeout_s {config.build_timeout_s}",
+                epoch=epoch,
+            )
     if "error" in box:
         raise box["error"]
     return box["pg"]
@@ -224,9 +296,17 @@ class EpochGroup:
     """The cross-replica process group of one epoch. Build with ``EpochGroup.build``."""
 
     def __init__(
-        self, *, pg: Any, epoch: int, rank: int, world_size: int, config: CollectiveConfig
+        self,
+        *,
+        pg: Any,
+        epoch: int,
+        rank: int,
+        world_size: int,
+        config: CollectiveConfig,
+        device: torch.device | None = None,
     ) -> None:
         self._pg: Any = pg
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         self.epoch = epoch
         self.rank = rank
         self.world_size = world_size
@@ -249,8 +329,12 @@ class EpochGroup:
         config: CollectiveConfig | None = None,
         should_abort: ShouldAbort | None = None,
         scope: str = "",
+        device: torch.device | str | None = None,
     ) -> EpochGroup:
         """Rendezvous with the ``world_size`` ranks of ``epoch`` on ``store``; bounded by build_timeout_s.
+
+        ``device`` is where the group's buffers live: the CPU (None, the default) gives a gloo
+        group; a CUDA device an NCCL group on that GPU (each rank of the group on its own GPU).
 
         ``scope`` separates groups of the same epoch on one store: in replicas of several ranks,
         the ranks at one position of every replica form their own group of each epoch.
@@ -274,13 +358,6 @@ class EpochGroup:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-        options = dist.ProcessGroupGloo._Options()
-        # The constructor's timeout bounds the rendezvous (full-mesh connect); ops get pg_timeout_s.
-        options._timeout = datetime.timedelta(seconds=config.build_timeout_s)
-        if config.gloo_hostname is not None:
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=config.gloo_hostname)]
-        else:
-            options._devices = [dist.ProcessGroupGloo.create_default_device()]
         # A store client serialises its calls: a rendezvous blocked in wait() on the trainer's own
         # client would stall every other thread using it (heartbeats) until build_timeout_s. So
         # the group gets its own connection when the store can clone itself.
@@ -289,9 +366,16 @@ class EpochGroup:
         except (RuntimeError, NotImplementedError):
             own_client = store
         prefixed = dist.PrefixStore(f"{scope}{_STORE_PREFIX}{epoch}", own_client)
+        device = torch.device("cpu") if device is None else torch.device(device)
+        if device.type == "cuda":
+            make, bounded = _nccl(prefixed, rank, world_size, config, device), False
+        elif device.type == "cpu":
+            make, bounded = _gloo(prefixed, rank, world_size, config), True
+        else:
+            raise ValueError(f"device must be the CPU or a CUDA device, got {device}")
         started = time.monotonic()
         try:
-            pg = _construct(prefixed, rank, world_size, options, config, epoch, should_abort)
+            pg = _construct(make, config, epoch, should_abort, bounded=bounded)
         except dist.DistStoreError as exc:
             raise CollectiveAborted(
                 "deadline",
@@ -309,7 +393,9 @@ class EpochGroup:
             world_size,
             time.monotonic() - started,
         )
-        return cls(pg=pg, epoch=epoch, rank=rank, world_size=world_size, config=config)
+        return cls(
+            pg=pg, epoch=epoch, rank=rank, world_size=world_size, config=config, device=device
+        )
 
     @property
     def poisoned(self) -> CollectiveAborted | None:
@@ -319,7 +405,7 @@ class EpochGroup:
     def allreduce_sum(self, flat: torch.Tensor, *, should_abort: ShouldAbort) -> None:
         """Sum ``flat`` in place across the group, or raise ``CollectiveAborted``.
 
-        ``flat`` is a contiguous 1-D CPU buffer made for this attempt only: after a raise it is
+        ``flat`` is a contiguous 1-D buffer on the group's device, made for this attempt only: after a raise it is
         partially reduced, belongs to the graveyard, and must never be read again.
         ``should_abort`` is first called right after the buckets are issued (unless they have
         already completed), then every ``abort_check_interval_s``; a non-empty return aborts with
@@ -385,8 +471,8 @@ class EpochGroup:
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if one_dim and tensor.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
-        if not tensor.is_contiguous() or tensor.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous CPU tensor")
+        if not tensor.is_contiguous() or tensor.device != self.device:
+            raise ValueError(f"{name} must be a contiguous tensor on {self.device}")
 
     def _run(
         self, flat: torch.Tensor, issue: Callable[[torch.Tensor], Any], should_abort: ShouldAbort
@@ -434,6 +520,18 @@ class EpochGroup:
             raise caller_error
         raise verdict
 
+    def _silent_error(self, work: Any) -> str | None:
+        """The error of a completed op whose wait() did not raise. gloo's wait() raises; an NCCL
+        op's does not when torch's NCCL error handling is off (as for these groups): a failed
+        one also reports is_completed(), and only its exception() tells. (Work.exception() is
+        deprecated in torch 2.13, with no replacement that does not wait for the watchdog.)"""
+        if self.device.type != "cuda":
+            return None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            error = work.exception()
+        return None if error is None else str(error)
+
     def _wait_in_flight(self, should_abort: ShouldAbort) -> CollectiveAborted | None:
         """Poll the in-flight ops; return None when all completed, else the verdict. Never raises."""
         config = self.config
@@ -447,6 +545,9 @@ class EpochGroup:
                     self._in_flight[pending].wait()  # completed: returns or raises at once
                 except RuntimeError as exc:
                     error_text = str(exc)
+                    break
+                error_text = self._silent_error(self._in_flight[pending])
+                if error_text is not None:
                     break
                 pending += 1
             if error_text is None and pending == len(self._in_flight):
@@ -476,9 +577,15 @@ class GroupCache:
     """
 
     def __init__(
-        self, store: dist.Store, *, config: CollectiveConfig | None = None, scope: str = ""
+        self,
+        store: dist.Store,
+        *,
+        config: CollectiveConfig | None = None,
+        scope: str = "",
+        device: torch.device | str | None = None,
     ) -> None:
         self._store = store
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         self._scope = scope  # see EpochGroup.build
         self._config = config if config is not None else CollectiveConfig()
         self._current: EpochGroup | None = None
@@ -522,6 +629,7 @@ class GroupCache:
             config=self._config,
             should_abort=should_abort,
             scope=self._scope,
+            device=self.device,
         )
         self._current = group
         return group

@@ -131,11 +131,17 @@ class RunPaths:
 # neighbours: the same host, the fastest links).
 LAYOUTS = ("pp", "shard", "tp")
 DEVICES = ("auto", "cpu", "cuda")
+# How the cross-replica reduce moves gradients: gloo over a host copy (every device; verified),
+# or NCCL between the GPUs (one GPU per process; not yet run on GPUs in this project).
+CROSS_REDUCES = ("gloo", "nccl")
 
 
-def check_replica_inside(shard: int, tp: int, pp: int, watchdog_s: float, device: str) -> None:
+def check_replica_inside(
+    shard: int, tp: int, pp: int, watchdog_s: float, device: str, cross_reduce: str = "gloo"
+) -> None:
     """ValueError unless every size is an int >= 1 (any combination of the three is built), the
-    watchdog deadline is positive and the device is one of DEVICES."""
+    watchdog deadline is positive, the device is one of DEVICES and the cross-replica reduce one
+    of CROSS_REDUCES that the device allows (NCCL needs GPUs)."""
     for name, value in zip(("shard", "tp", "pp"), (shard, tp, pp), strict=True):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
@@ -143,6 +149,10 @@ def check_replica_inside(shard: int, tp: int, pp: int, watchdog_s: float, device
         raise ValueError(f"--watchdog must be > 0 seconds, got {watchdog_s}")
     if device not in DEVICES:
         raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if cross_reduce not in CROSS_REDUCES:
+        raise ValueError(f"--cross-reduce must be gloo or nccl, got {cross_reduce!r}")
+    if cross_reduce == "nccl" and device == "cpu":
+        raise ValueError("--cross-reduce nccl reduces between GPUs: use --device cuda (or auto)")
 
 
 def check_layout_fits(preset: str, tp: int, pp: int = 1) -> None:

@@ -72,11 +72,14 @@ class LaunchConfig:
     pp: int = 1  # ... or hold its pipeline stages (one of the three above 1)
     watchdog_s: float = 5.0  # a replica-mate silent this long stops the replica
     device: str = "auto"  # where replicas compute: auto (GPUs if visible), cpu or cuda
+    cross_reduce: str = "gloo"  # the cross-replica reduce: gloo over host copies, or nccl
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
-        check_replica_inside(self.shard, self.tp, self.pp, self.watchdog_s, self.device)
+        check_replica_inside(
+            self.shard, self.tp, self.pp, self.watchdog_s, self.device, self.cross_reduce
+        )
         if not 1 <= self.min_replicas <= self.replicas:
             raise ValueError(
                 f"--min-replicas must be in 1..{self.replicas} (--replicas), got {self.min_replicas}"
@@ -110,6 +113,32 @@ class LaunchConfig:
     def ranks(self) -> int:
         """Processes per replica."""
         return layout_ranks(self.dims)
+
+
+def check_gpu_placement(lc: LaunchConfig, gpus: int | None = None) -> None:
+    """ValueError when the local processes cannot get the GPUs NCCL needs. This launcher numbers
+    the GPUs process by process, replica after replica, modulo `gpus` (how many are visible; None
+    asks torch); NCCL refuses two ranks of one communicator on one GPU. So a replica of several
+    ranks on GPUs needs that many GPUs (its own group is NCCL's), and --cross-reduce nccl one GPU
+    per process. Replicas of one rank may share GPUs under the default gloo cross-reduce."""
+    if lc.cross_reduce == "gloo" and (lc.device == "cpu" or lc.ranks == 1):
+        return  # nothing to place (and no torch import in the launcher for it)
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    processes = lc.replicas * lc.ranks
+    if lc.cross_reduce == "nccl" and processes > gpus:
+        raise ValueError(
+            f"--cross-reduce nccl needs a GPU per process: {processes} processes, {gpus} GPUs "
+            "visible; use --cross-reduce gloo (the default) to share GPUs"
+        )
+    on_gpus = lc.device == "cuda" or (lc.device == "auto" and gpus > 0)
+    if on_gpus and lc.ranks > gpus:
+        raise ValueError(
+            f"a replica of {lc.ranks} ranks on GPUs needs {lc.ranks} GPUs (NCCL inside the "
+            f"replica), {gpus} visible; use fewer ranks per replica, or --device cpu"
+        )
 
 
 def train_flags(cfg: TrainConfig) -> list[str]:
@@ -253,7 +282,8 @@ class LocalLauncher:
             "worker", "--coordinator", f"{host}:{port}", "--replica-id", str(r),
             "--data", str(self.data), "--out", str(self.paths.out),
             "--heartbeat", str(self.lcfg.heartbeat_s), "--check-every", str(self.lcfg.check_every),
-            "--mode", self.lcfg.mode, "--device", self.lcfg.device, *train_flags(self.cfg),
+            "--mode", self.lcfg.mode, "--device", self.lcfg.device,
+            "--cross-reduce", self.lcfg.cross_reduce, *train_flags(self.cfg),
         ]  # fmt: skip
         if fresh:  # reaped already; the slots get the new processes
             for k in range(self.lcfg.ranks):

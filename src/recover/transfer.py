@@ -111,14 +111,19 @@ def transfer_state(
     source = sources[0]
     src_rank = members.index(source)
     t0 = time.perf_counter()
+    device = group.device  # host memory for gloo, this rank's GPU for NCCL
     header, flat = pack_state(trainer) if me == source else (None, None)
     sizes = torch.tensor(
-        [header.numel(), flat.numel()] if header is not None else [0, 0], dtype=torch.int64
+        [header.numel(), flat.numel()] if header is not None else [0, 0],
+        dtype=torch.int64,
+        device=device,
     )
     group.broadcast(sizes, src=src_rank, should_abort=should_abort)
     if header is None:
-        header = torch.empty(int(sizes[0]), dtype=torch.uint8)
-        flat = torch.empty(int(sizes[1]), dtype=torch.float32)
+        header = torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
+        flat = torch.empty(int(sizes[1]), dtype=torch.float32, device=device)
+    else:
+        header, flat = header.to(device), flat.to(device)
     group.broadcast(header, src=src_rank, should_abort=should_abort)
     group.broadcast(flat, src=src_rank, should_abort=should_abort)
     if me in joined:

@@ -103,9 +103,12 @@ class WorkerConfig:
     # A rank whose replica-mate is silent this long stops the replica (see recover.intra).
     watchdog_s: float = 5.0
     device: str = "auto"  # auto (a GPU if one is visible), cpu or cuda
+    cross_reduce: str = "gloo"  # the cross-replica reduce: gloo over host copies, or nccl
 
     def __post_init__(self) -> None:
-        check_replica_inside(self.shard, self.tp, self.pp, self.watchdog_s, self.device)
+        check_replica_inside(
+            self.shard, self.tp, self.pp, self.watchdog_s, self.device, self.cross_reduce
+        )
         if self.replica_id < 0:
             raise ValueError(f"--replica-id must be >= 0, got {self.replica_id}")
         if not 0 < self.coordinator_port < 65536:
@@ -129,7 +132,10 @@ def parameter_hash(trainer) -> str:
 
 
 def fingerprint(
-    cfg: TrainConfig, dataset: TokenDataset, dims: dict[str, int] | None = None
+    cfg: TrainConfig,
+    dataset: TokenDataset,
+    dims: dict[str, int] | None = None,
+    cross_reduce: str = "gloo",
 ) -> dict:
     """What every replica of a run must agree on; a joiner with another one is refused."""
     return {
@@ -142,6 +148,7 @@ def fingerprint(
         "data_hash": dataset.content_hash,
         "precision": cfg.precision,
         "layout": " ".join(f"{k} {v}" for k, v in (dims or {}).items()) or "single rank",
+        "cross_reduce": cross_reduce,  # one group of every epoch: one backend
     }
 
 
@@ -168,6 +175,10 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     paths = RunPaths(out=wcfg.out)
     writer = MetricsWriter(paths.metrics)
     device = pick_device(wcfg.device)
+    if wcfg.cross_reduce == "nccl" and not device.startswith("cuda"):
+        raise RuntimeError("--cross-reduce nccl needs a GPU, and no CUDA device is visible")
+    # Where the cross-replica buffers live: this rank's GPU for NCCL, else host memory.
+    cross_device = device if wcfg.cross_reduce == "nccl" else "cpu"
     intra = None
     dims = replica_layout(wcfg.shard, wcfg.tp, wcfg.pp)
     ranks = layout_ranks(dims)
@@ -224,7 +235,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     )
     try:
         view = link.register(
-            fingerprint=fingerprint(cfg, dataset, dims),
+            fingerprint=fingerprint(cfg, dataset, dims, wcfg.cross_reduce),
             next_step=start,
             deadline_s=wcfg.register_timeout_s,
         )
@@ -248,7 +259,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         loop = ReplicaLoop(
             trainer=trainer,
             link=link,
-            groups=GroupCache(store, config=wcfg.collective, scope=scope),
+            groups=GroupCache(store, config=wcfg.collective, scope=scope, device=cross_device),
             injector=injector,
             recorder=recorder,
             wcfg=wcfg,
@@ -530,9 +541,9 @@ class ReplicaLoop:
         epoch = view.attempt_epoch
         should_abort = self._should_abort(epoch)
         should_abort_reduce = self._with_fault("reduce", step, should_abort)
-        # For this attempt only; dropped on abort. In host memory: the cross-replica groups are
-        # gloo's, whatever device the replica computes on.
-        buffer = snapshot.to("cpu", copy=True)
+        # For this attempt only; dropped on abort. Where the cross-replica group reduces: in
+        # host memory for gloo (whatever device the replica computes on), on the GPU for NCCL.
+        buffer = snapshot.to(self.groups.device, copy=True)
         t0 = time.perf_counter()
         try:
             group, members = self._group(view, should_abort)
