@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from test_multireplica import STEPS, M, failure_free_run, train
 
 from conftest import assert_invariants as check_invariants
@@ -258,3 +259,41 @@ def test_layout_flags_are_checked():
     check_gpu_placement(LaunchConfig(replicas=4), gpus=1)  # gloo across: replicas share a GPU
     check_gpu_placement(LaunchConfig(replicas=2, shard=2, device="cpu"), gpus=1)
     assert LaunchConfig(replicas=2, tp=2, pp=2).dims == {"pp": 2, "tp": 2}  # mesh order
+
+
+def _gpu_case(flags: list[str], gpus: int):
+    enough = torch.cuda.is_available() and torch.cuda.device_count() >= gpus
+    return pytest.param(
+        flags,
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not enough, reason=f"needs {gpus} GPU(s)")],
+        id=" ".join(flags),
+    )
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        # Two replicas of one rank share one GPU; the cross-replica reduce on gloo (host copy).
+        _gpu_case(["--replicas", "2"], 1),
+        _gpu_case(["--replicas", "2", "--precision", "bf16"], 1),
+        # NCCL inside a replica (its two ranks on two GPUs) ...
+        _gpu_case(["--replicas", "2", "--shard", "2", "--watchdog", "5"], 2),
+        # ... and NCCL across replicas (a GPU per process).
+        _gpu_case(["--replicas", "2", "--cross-reduce", "nccl"], 2),
+    ],
+)
+def test_on_gpus_a_killed_replica_is_recovered(flags, tiny_dataset, tmp_path):
+    # The GPU smoke run: the reference is a one-replica run on the GPU (same precision), so
+    # the check is the recovery, not CPU against GPU arithmetic.
+    precision = flags[flags.index("--precision") :][:2] if "--precision" in flags else []
+    reference = tmp_path / "gpu-one"
+    r = train(tiny_dataset, reference, "--replicas", "1", "--device", "cuda", *precision)
+    assert r.returncode == 0, r.stdout
+    out = tmp_path / "gpu"
+    r = train(
+        tiny_dataset, out, *flags, "--device", "cuda", "--balance", "equal",
+        "--fault", "kill:replica=1,step=2,phase=backward", timeout=180,
+    )  # fmt: skip
+    assert_invariants(reference, out, r)
+    assert {e["device"] for e in events(out, "rank_started")} >= {"cuda:0"}
+    assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [1]
