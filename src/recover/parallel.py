@@ -424,7 +424,8 @@ class PipelineTrainer(MultiRankTrainer):
 
         # Set aside the gradient sum so far: a new schedule drops FSDP2 parameters' gradients
         # (after its shape inference, even with static shapes), and what the call adds is then
-        # exactly the gradients it leaves, which the tied ends need on their own.
+        # exactly the gradients it leaves, which the tied ends need on their own. (A step's first
+        # call sets nothing aside; a later one, recomputing lost ids, holds a second gradient.)
         kept = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
