@@ -91,6 +91,21 @@ def test_hung_rank_is_caught_by_the_watchdog(reference, tiny_dataset, tmp_path):
     assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [1]
 
 
+def test_a_frozen_rank_stops_its_replica_through_the_stall_guard(reference, tiny_dataset, tmp_path):
+    # Rank 1's training thread blocks in a forward while its watchdog thread keeps ticking (the
+    # watchdog alone would never fire); its mate blocks in FSDP2's all-gather with it. The stall
+    # guard ends the frozen rank (and its stuck mate) after 2 s; replica 0 finishes the step.
+    out = tmp_path / "freeze"
+    r = hsdp(
+        tiny_dataset, out, "--stall-timeout", "2",
+        "--fault", "freeze:replica=1,rank=1,step=2,phase=forward",
+    )  # fmt: skip
+    assert_invariants(reference, out, r)
+    assert 1 in {(e["rank"]) for e in events(out, "stalled") if e["replica"] == 1}
+    assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [1]
+    assert {e["replica"] for e in events(out, "replica_finished")} == {0}
+
+
 def test_killed_leader_takes_its_replica_down_during_the_reduce(reference, tiny_dataset, tmp_path):
     out = tmp_path / "leader"
     r = hsdp(tiny_dataset, out, "--fault", "kill:replica=1,rank=0,step=3,phase=reduce")

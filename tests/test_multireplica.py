@@ -149,6 +149,28 @@ def test_a_hung_replica_is_evicted_and_fenced_when_it_wakes(reference, tiny_data
     assert {e["replica"] for e in events(out, "replica_finished")} == {0, 2}
 
 
+@pytest.mark.parametrize("phase", ["backward", "reduce"])
+def test_a_frozen_training_thread_is_caught_by_the_stall_guard(
+    phase, reference, tiny_dataset, tmp_path
+):
+    # The training thread blocks for good while the process, its heartbeats and sockets live on:
+    # the coordinator alone would wait for its report until the outcome deadline. The stall
+    # guard ends the process after 2 s without progress; the others recover as from a crash.
+    out = tmp_path / f"freeze-{phase}"
+    r = train(
+        tiny_dataset, out, "--replicas", "3", "--stall-timeout", "2",
+        "--fault", f"freeze:replica=1,step=2,phase={phase}",
+    )  # fmt: skip
+    assert_invariants(reference, out, r)
+    (stalled,) = events(out, "stalled")
+    assert stalled["replica"] == 1 and "no progress" in stalled["reason"]
+    assert [(d["replica_id"], d["how"]) for d in events(out, "coordinator.member_dead")] == [
+        (1, "exit")
+    ]
+    assert "replica 1 exited with status 8" in r.stdout
+    assert {e["replica"] for e in events(out, "replica_finished")} == {0, 2}
+
+
 def test_a_slow_replica_is_not_evicted(reference, tiny_dataset, tmp_path):
     out = tmp_path / "slow"
     r = train(tiny_dataset, out, "--replicas", "3", "--fault", "slow:replica=1,step=1,factor=6")
@@ -163,7 +185,8 @@ def test_a_slow_replica_is_not_evicted(reference, tiny_dataset, tmp_path):
 
 def test_malformed_fault_specs_are_refused_with_the_grammar(tiny_dataset, tmp_path):
     for spec in ("kill:replica=1", "boom:replica=0,step=1,phase=forward",
-                 "kill:replica=0,step=1,phase=lunch", "kill", "kill:replica=9,step=1,phase=reduce"):  # fmt: skip
+                 "kill:replica=0,step=1,phase=lunch", "kill", "kill:replica=9,step=1,phase=reduce",
+                 "freeze:replica=0,step=1,phase=commit"):  # fmt: skip
         r = train(tiny_dataset, tmp_path / "bad", "--replicas", "3", "--fault", spec, timeout=30)
         assert r.returncode == 2, (spec, r.stdout)
         assert "--fault" in r.stdout

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from conftest import child_env
 from recover.checkpoint import (
     CheckpointError,
     CheckpointWriter,
@@ -109,3 +112,46 @@ def test_step_line_has_the_promised_fields():
     )
     assert line.startswith("step  5/10") and "loss 2.5000" in line and "tok/s" in line
     assert "200 ms" in line and "eta 1m05s" in line
+
+
+_GUARD_SCRIPT = """
+import sys, time
+from recover.stall import StallGuard
+guard = StallGuard(0.3, replica=4, rank=1)
+mode = sys.argv[1]
+if mode == "idle":  # not busy: never watched
+    time.sleep(1.0)
+elif mode == "ticking":  # busy, making progress
+    with guard.busy("computing"):
+        for _ in range(20):
+            time.sleep(0.05)
+            guard.tick()
+else:  # busy, stuck
+    with guard.busy("computing"):
+        time.sleep(5)
+print("finished")
+"""
+
+
+@pytest.mark.parametrize("mode, code", [("idle", 0), ("ticking", 0), ("stuck", 8)])
+def test_stall_guard_ends_only_a_process_busy_without_progress(mode, code):
+    r = subprocess.run(
+        [sys.executable, "-c", _GUARD_SCRIPT, mode],
+        capture_output=True, text=True, timeout=20, env=child_env(),
+    )  # fmt: skip
+    assert r.returncode == code, r.stderr
+    if code:
+        assert "replica 4 rank 1: no progress for" in r.stderr and "while computing" in r.stderr
+        assert "finished" not in r.stdout
+    else:
+        assert "finished" in r.stdout
+
+
+def test_stall_timeout_is_checked():
+    from recover.stall import check_stall
+
+    check_stall(0)
+    check_stall(2.5)
+    for bad in (-1, "10", True):
+        with pytest.raises(ValueError, match="--stall-timeout must be >= 0"):
+            check_stall(bad)

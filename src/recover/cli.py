@@ -142,6 +142,15 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
         help="with --shard, --tp or --pp > 1: a rank whose replica-mate is silent this long "
         "stops the whole replica, which the others then recover from (default: 5)",
     )
+    group.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a process whose training thread makes no progress this long while computing, "
+        "reducing or stepping the optimizer ends itself, and its replica is recovered from "
+        "like a crash; it must exceed one microbatch's forward or backward (0: off; default: 300)",
+    )
 
 
 def replica_inside(args: argparse.Namespace) -> dict:
@@ -153,6 +162,7 @@ def replica_inside(args: argparse.Namespace) -> dict:
         watchdog_s=args.watchdog,
         device=args.device,
         cross_reduce=args.cross_reduce,
+        stall_s=args.stall_timeout,
     )
 
 

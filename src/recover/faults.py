@@ -8,6 +8,9 @@ do the fault to the real process when the step reaches that point:
 - `hang`: the replica SIGSTOPs itself (a hung process that still holds its sockets); the local
   launcher sends SIGCONT after `wake_after` seconds if given, else leaves it stopped;
 - `exit`: the replica exits with status 17 without leaving the coordinator cleanly;
+- `freeze`: the replica's training thread blocks for good while the process, its heartbeats and
+  its sockets stay alive (a deadlock, or a kernel that never returns); phases forward, backward,
+  reduce and optimizer, where the stall guard watches (recover.stall);
 - `slow`: from step T on, every microbatch takes `factor` times as long (a straggler).
 
 Phases: `forward`, `backward` (at the K-th microbatch the rank computes in the step, default 0;
@@ -26,15 +29,17 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "exit", "slow")
+KINDS = ("kill", "hang", "exit", "freeze", "slow")
+FREEZE_PHASES = ("forward", "backward", "reduce", "optimizer")
 PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "transfer")
 GRAMMAR = (
     "KIND:replica=R,step=T,phase=P[,microbatch=K][,rank=N][,wake_after=S]  or  "
-    "slow:replica=R,step=T,factor=F[,rank=N]   with KIND in {kill, hang, exit} and "
+    "slow:replica=R,step=T,factor=F[,rank=N]   with KIND in {kill, hang, exit, freeze} and "
     "P in {forward, backward, reduce, commit, optimizer, transfer}"
 )
 EXIT_STATUS = 17
@@ -61,6 +66,11 @@ class FaultSpec:
                 raise ValueError(f"slow fault needs factor > 1, got {self.factor}")
         elif self.phase not in PHASES:
             raise ValueError(f"fault phase {self.phase!r} unknown; allowed: {', '.join(PHASES)}")
+        elif self.kind == "freeze" and self.phase not in FREEZE_PHASES:
+            raise ValueError(
+                f"freeze is for the phases the stall guard watches ({', '.join(FREEZE_PHASES)}), "
+                f"not {self.phase}"
+            )
         if self.wake_after is not None and (self.kind != "hang" or self.wake_after < 0):
             raise ValueError("wake_after is for hang faults only, and must be >= 0")
 
@@ -167,3 +177,5 @@ class FaultInjector:
         elif spec.kind == "exit":
             sys.stdout.flush()
             os._exit(EXIT_STATUS)
+        elif spec.kind == "freeze":
+            threading.Event().wait()  # never set: this thread is stuck, the others run on

@@ -42,10 +42,13 @@ from recover.config import (
 from recover.faults import FaultSpec, faults_for
 from recover.metrics import MetricsWriter, read_metrics
 from recover.runfolder import open_run_folder
+from recover.stall import EXIT_STALLED, check_stall
 
 TOKEN_ENV = "RECOVER_TOKEN"
 # exit fault, kill fault, evicted after a hang, a replica-mate lost (replicas of several ranks)
-EXPECTED_FAULT_EXITS = (17, -signal.SIGKILL, 4, 7)
+# An injected fault's own exits: `exit` (17), `kill`, evicted after a `hang` (4), a replica-mate
+# stopping on the lost rank (7), the stall guard ending a `freeze` (8).
+EXPECTED_FAULT_EXITS = (17, -signal.SIGKILL, 4, 7, EXIT_STALLED)
 RUN_FAILURE_EXITS = {3: "quorum lost", 5: "replicas diverged"}
 RESTART = -1000  # _supervise's answer in checkpoint-restart mode: restart the whole job
 MODES = ("recover", "checkpoint-restart", "shrink")
@@ -73,10 +76,12 @@ class LaunchConfig:
     watchdog_s: float = 5.0  # a replica-mate silent this long stops the replica
     device: str = "auto"  # where replicas compute: auto (GPUs if visible), cpu or cuda
     cross_reduce: str = "gloo"  # the cross-replica reduce: gloo over host copies, or nccl
+    stall_s: float = 300.0  # a training thread busy this long without progress ends its process
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        check_stall(self.stall_s)
         check_replica_inside(
             self.shard, self.tp, self.pp, self.watchdog_s, self.device, self.cross_reduce
         )
@@ -283,7 +288,8 @@ class LocalLauncher:
             "--data", str(self.data), "--out", str(self.paths.out),
             "--heartbeat", str(self.lcfg.heartbeat_s), "--check-every", str(self.lcfg.check_every),
             "--mode", self.lcfg.mode, "--device", self.lcfg.device,
-            "--cross-reduce", self.lcfg.cross_reduce, *train_flags(self.cfg),
+            "--cross-reduce", self.lcfg.cross_reduce, "--stall-timeout", str(self.lcfg.stall_s),
+            *train_flags(self.cfg),
         ]  # fmt: skip
         if fresh:  # reaped already; the slots get the new processes
             for k in range(self.lcfg.ranks):

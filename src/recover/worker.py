@@ -23,6 +23,7 @@ What it must not do: decide membership or plans (the coordinator does), or reach
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import sys
@@ -56,6 +57,7 @@ from recover.faults import FaultInjector, FaultSpec
 from recover.intra import IntraReplica, ReplicaLink, SoloLink, replica_hash
 from recover.metrics import MetricsWriter, read_metrics
 from recover.run import RunRecorder, unigram_loss
+from recover.stall import StallGuard, check_stall
 from recover.train import build_trainer_for_run
 from recover.trainer import pick_device
 from recover.transfer import transfer_state
@@ -104,6 +106,8 @@ class WorkerConfig:
     watchdog_s: float = 5.0
     device: str = "auto"  # auto (a GPU if one is visible), cpu or cuda
     cross_reduce: str = "gloo"  # the cross-replica reduce: gloo over host copies, or nccl
+    # A training thread busy this long without progress ends its process (recover.stall); 0: off.
+    stall_s: float = 300.0
 
     def __post_init__(self) -> None:
         check_replica_inside(
@@ -119,6 +123,7 @@ class WorkerConfig:
             )
         if self.check_every < 0:
             raise ValueError(f"--check-every must be >= 0, got {self.check_every}")
+        check_stall(self.stall_s)
         for name in ("register_timeout_s", "outcome_timeout_s", "heartbeat_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -196,7 +201,16 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     trainer, start = build_trainer_for_run(
         cfg, paths=paths, dataset=dataset, resume=wcfg.resume, intra=intra, device=device
     )
-    trainer.phase_hook = injector
+    guard = (
+        StallGuard(wcfg.stall_s, replica=me, rank=rank, emit=writer.event) if wcfg.stall_s else None
+    )
+
+    def phase_hook(phase: str, step: int, index: int | None) -> None:
+        if guard is not None:
+            guard.tick()  # every microbatch's forward and backward is progress
+        injector(phase, step, index)
+
+    trainer.phase_hook = phase_hook
     writer.event(
         "rank_started", replica=me, rank=rank, ranks=ranks, layout=layout_name(dims),
         device=device,
@@ -264,6 +278,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             recorder=recorder,
             wcfg=wcfg,
             has_state=not joining,
+            guard=guard,
         )
         step = view.step
         while step < cfg.steps:
@@ -357,6 +372,7 @@ class ReplicaLoop:
     recorder: RunRecorder
     wcfg: WorkerConfig
     has_state: bool  # False for a joiner until the state transfer has reached it
+    guard: StallGuard | None = None  # watches the training thread in compute, reduce, optimizer
     _transferred_epoch: int = -1
 
     @property
@@ -425,7 +441,8 @@ class ReplicaLoop:
         """Compute the ids this replica holds in the attempt and has not summed yet."""
         todo = [j for j in view.holdings.get(self.me, ()) if j not in attempt.computed]
         t0 = time.perf_counter()
-        self.trainer.compute_microbatches(step, todo, first_index=len(attempt.computed))
+        with self._busy("computing microbatches"):
+            self.trainer.compute_microbatches(step, todo, first_index=len(attempt.computed))
         attempt.computed.update(todo)
         if todo:  # reported with `done`: feeds the coordinator's throughput-aware plans
             attempt.compute_s += time.perf_counter() - t0
@@ -434,7 +451,8 @@ class ReplicaLoop:
         recorder, me = self.recorder, self.me
         recorder.holds_pen = me == min(self.link.step_view().live)
         count = sum(len(ids) for ids in view.holdings.values())  # M, but in the shrink baseline
-        stats = self.trainer.apply_commit(step, reduced, count=count)
+        with self._busy("in the optimizer step"):
+            stats = self.trainer.apply_commit(step, reduced, count=count)
         shares = {str(r): len(ids) for r, ids in sorted(view.holdings.items())}
         extra = {
             "epoch": epoch,
@@ -468,10 +486,15 @@ class ReplicaLoop:
 
         return wrapped
 
+    def _busy(self, what: str):
+        return self.guard.busy(what) if self.guard is not None else contextlib.nullcontext()
+
     def _should_abort(self, epoch: int):
-        link = self.link
+        link, guard = self.link, self.guard
 
         def should_abort() -> str | None:
+            if guard is not None:
+                guard.tick()  # polled all along an in-flight collective: progress
             if link.evicted:
                 return "this replica was evicted"
             newer = link.live_view()
@@ -546,11 +569,12 @@ class ReplicaLoop:
         buffer = snapshot.to(self.groups.device, copy=True)
         t0 = time.perf_counter()
         try:
-            group, members = self._group(view, should_abort)
-            if len(members) > 1:
-                group.allreduce_sum(buffer, should_abort=should_abort_reduce)
-            else:
-                should_abort_reduce()
+            with self._busy("in the cross-replica reduce"):  # its polls are the ticks
+                group, members = self._group(view, should_abort)
+                if len(members) > 1:
+                    group.allreduce_sum(buffer, should_abort=should_abort_reduce)
+                else:
+                    should_abort_reduce()
             return buffer
         except CollectiveAborted as e:
             if attempt.t_first_fault is None:
