@@ -503,7 +503,7 @@ class PipelineTrainer(MultiRankTrainer):
 
     def load_state_dict(self, state: dict) -> None:
         self._check_layout(state)
-        names = get_model_state_dict(self.model, options=_FULL).keys()
+        names = self.model.state_dict().keys()  # this stage's parameter names (no gathering)
         set_model_state_dict(self.model, {k: state["model"][k] for k in names}, options=_FULL)
         mine = state["optimizer_stages"][self.intra.coordinate("pp")]
         set_optimizer_state_dict(self.model, self.optimizer, mine, options=_FULL)
