@@ -138,6 +138,11 @@ class CollectiveConfig:
             )
 
 
+def _as_device(device: torch.device | str | None) -> torch.device:
+    """Where a group's buffers live: the CPU when None (gloo), else the given device."""
+    return torch.device("cpu") if device is None else torch.device(device)
+
+
 def compute_buckets(numel: int, element_size: int, bucket_bytes: int) -> list[tuple[int, int]]:
     """Pure: ``(start, stop)`` element ranges covering ``0..numel`` in buckets of ``bucket_bytes``."""
     if numel < 0 or element_size < 1 or bucket_bytes < 0:
@@ -306,7 +311,7 @@ class EpochGroup:
         device: torch.device | None = None,
     ) -> None:
         self._pg: Any = pg
-        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.device = _as_device(device)
         self.epoch = epoch
         self.rank = rank
         self.world_size = world_size
@@ -366,7 +371,7 @@ class EpochGroup:
         except (RuntimeError, NotImplementedError):
             own_client = store
         prefixed = dist.PrefixStore(f"{scope}{_STORE_PREFIX}{epoch}", own_client)
-        device = torch.device("cpu") if device is None else torch.device(device)
+        device = _as_device(device)
         if device.type == "cuda":
             make, bounded = _nccl(prefixed, rank, world_size, config, device), False
         elif device.type == "cpu":
@@ -405,8 +410,9 @@ class EpochGroup:
     def allreduce_sum(self, flat: torch.Tensor, *, should_abort: ShouldAbort) -> None:
         """Sum ``flat`` in place across the group, or raise ``CollectiveAborted``.
 
-        ``flat`` is a contiguous 1-D buffer on the group's device, made for this attempt only: after a raise it is
-        partially reduced, belongs to the graveyard, and must never be read again.
+        ``flat`` is a contiguous 1-D buffer on the group's device, made for this attempt only:
+        after a raise it is partially reduced, belongs to the graveyard, and must never be read
+        again.
         ``should_abort`` is first called right after the buckets are issued (unless they have
         already completed), then every ``abort_check_interval_s``; a non-empty return aborts with
         kind ``"epoch"``. A raise poisons the group and schedules its teardown (``abandon``).
@@ -585,7 +591,7 @@ class GroupCache:
         device: torch.device | str | None = None,
     ) -> None:
         self._store = store
-        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.device = _as_device(device)
         self._scope = scope  # see EpochGroup.build
         self._config = config if config is not None else CollectiveConfig()
         self._current: EpochGroup | None = None
