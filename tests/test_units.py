@@ -117,8 +117,8 @@ def test_step_line_has_the_promised_fields():
 _GUARD_SCRIPT = """
 import sys, time
 from recover.stall import StallGuard
-guard = StallGuard(0.3, replica=4, rank=1)
 mode = sys.argv[1]
+guard = StallGuard(0 if mode == "off" else 0.3, replica=4, rank=1)
 if mode == "idle":  # not busy: never watched
     time.sleep(1.0)
 elif mode == "ticking":  # busy, making progress
@@ -126,6 +126,9 @@ elif mode == "ticking":  # busy, making progress
         for _ in range(20):
             time.sleep(0.05)
             guard.tick()
+elif mode == "off":  # --stall-timeout 0: busy and stuck, but nothing watches
+    with guard.busy("computing"):
+        time.sleep(1.0)
 else:  # busy, stuck
     with guard.busy("computing"):
         time.sleep(5)
@@ -133,7 +136,7 @@ print("finished")
 """
 
 
-@pytest.mark.parametrize("mode, code", [("idle", 0), ("ticking", 0), ("stuck", 8)])
+@pytest.mark.parametrize("mode, code", [("idle", 0), ("ticking", 0), ("off", 0), ("stuck", 8)])
 def test_stall_guard_ends_only_a_process_busy_without_progress(mode, code):
     r = subprocess.run(
         [sys.executable, "-c", _GUARD_SCRIPT, mode],

@@ -40,7 +40,8 @@ def check_stall(seconds: float) -> None:
 
 
 class StallGuard:
-    """Ends this process when its training thread stays busy without progress for deadline_s."""
+    """Ends this process when its training thread stays busy without progress for deadline_s
+    (0: off; ticks and busy stretches then cost nothing and nothing is watched)."""
 
     def __init__(
         self,
@@ -50,8 +51,7 @@ class StallGuard:
         rank: int = 0,
         emit: Callable[..., None] | None = None,
     ) -> None:
-        if not deadline_s > 0:
-            raise ValueError(f"the stall deadline must be > 0 seconds, got {deadline_s}")
+        check_stall(deadline_s)
         self.deadline_s = deadline_s
         self.replica, self.rank = replica, rank
         self.emit = emit or (lambda name, **fields: None)
@@ -59,7 +59,8 @@ class StallGuard:
         self._last = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="stall-guard", daemon=True)
-        self._thread.start()
+        if deadline_s:
+            self._thread.start()
 
     def tick(self) -> None:
         """The training thread made progress (cheap: one clock read)."""
@@ -68,7 +69,7 @@ class StallGuard:
     @contextlib.contextmanager
     def busy(self, what: str) -> Iterator[None]:
         """A stretch in which the training thread must keep ticking; nests (the outer wins)."""
-        if self._what is not None:
+        if self._what is not None or not self.deadline_s:
             yield
             return
         self._what = what
@@ -80,7 +81,8 @@ class StallGuard:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=self.deadline_s)
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.deadline_s)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.deadline_s / 5):

@@ -23,7 +23,6 @@ What it must not do: decide membership or plans (the coordinator does), or reach
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 import sys
@@ -201,13 +200,10 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     trainer, start = build_trainer_for_run(
         cfg, paths=paths, dataset=dataset, resume=wcfg.resume, intra=intra, device=device
     )
-    guard = (
-        StallGuard(wcfg.stall_s, replica=me, rank=rank, emit=writer.event) if wcfg.stall_s else None
-    )
+    guard = StallGuard(wcfg.stall_s, replica=me, rank=rank, emit=writer.event)
 
     def phase_hook(phase: str, step: int, index: int | None) -> None:
-        if guard is not None:
-            guard.tick()  # every microbatch's forward and backward is progress
+        guard.tick()  # every microbatch's forward and backward is progress
         injector(phase, step, index)
 
     trainer.phase_hook = phase_hook
@@ -372,7 +368,7 @@ class ReplicaLoop:
     recorder: RunRecorder
     wcfg: WorkerConfig
     has_state: bool  # False for a joiner until the state transfer has reached it
-    guard: StallGuard | None = None  # watches the training thread in compute, reduce, optimizer
+    guard: StallGuard  # watches the training thread in compute, reduce, optimizer
     _transferred_epoch: int = -1
 
     @property
@@ -441,7 +437,7 @@ class ReplicaLoop:
         """Compute the ids this replica holds in the attempt and has not summed yet."""
         todo = [j for j in view.holdings.get(self.me, ()) if j not in attempt.computed]
         t0 = time.perf_counter()
-        with self._busy("computing microbatches"):
+        with self.guard.busy("computing microbatches"):
             self.trainer.compute_microbatches(step, todo, first_index=len(attempt.computed))
         attempt.computed.update(todo)
         if todo:  # reported with `done`: feeds the coordinator's throughput-aware plans
@@ -451,7 +447,7 @@ class ReplicaLoop:
         recorder, me = self.recorder, self.me
         recorder.holds_pen = me == min(self.link.step_view().live)
         count = sum(len(ids) for ids in view.holdings.values())  # M, but in the shrink baseline
-        with self._busy("in the optimizer step"):
+        with self.guard.busy("in the optimizer step"):
             stats = self.trainer.apply_commit(step, reduced, count=count)
         shares = {str(r): len(ids) for r, ids in sorted(view.holdings.items())}
         extra = {
@@ -486,15 +482,11 @@ class ReplicaLoop:
 
         return wrapped
 
-    def _busy(self, what: str):
-        return self.guard.busy(what) if self.guard is not None else contextlib.nullcontext()
-
     def _should_abort(self, epoch: int):
         link, guard = self.link, self.guard
 
         def should_abort() -> str | None:
-            if guard is not None:
-                guard.tick()  # polled all along an in-flight collective: progress
+            guard.tick()  # polled all along an in-flight collective: progress
             if link.evicted:
                 return "this replica was evicted"
             newer = link.live_view()
@@ -569,7 +561,7 @@ class ReplicaLoop:
         buffer = snapshot.to(self.groups.device, copy=True)
         t0 = time.perf_counter()
         try:
-            with self._busy("in the cross-replica reduce"):  # its polls are the ticks
+            with self.guard.busy("in the cross-replica reduce"):  # its polls are the ticks
                 group, members = self._group(view, should_abort)
                 if len(members) > 1:
                     group.allreduce_sum(buffer, should_abort=should_abort_reduce)
