@@ -570,3 +570,26 @@ def test_shrink_baseline_drops_the_dead_replicas_ids_and_keeps_fixed_slots():
     assert sim.state.holdings == {r: full[r] for r in (0, 1, 2)}  # the batch stays shrunk
     with pytest.raises(ValueError, match="mode"):
         CoordinatorOptions(expected_replicas=2, microbatches=4, mode="other")
+
+
+def test_microbatches_learned_from_the_replicas_when_not_given():
+    """M = 0 in the options: the run takes M from the fingerprints, and a replica that declares
+    none (or another M) is refused with the field named."""
+    opts = CoordinatorOptions(expected_replicas=2, microbatches=0)
+    s = initial_state(opts, 0.0)
+    s, out, reason = decide(
+        0.0, s, Register(replica_id=0, incarnation="a", fingerprint={}, next_step=0)
+    )
+    assert "'microbatches' must be an int >= 1" in reason and 0 not in s.members
+    fp = {"microbatches": 6}
+    s = initial_state(opts, 0.0)
+    s, _, _ = decide(0.0, s, Register(replica_id=0, incarnation="a", fingerprint=fp, next_step=0))
+    s, _, _ = decide(0.0, s, Register(replica_id=1, incarnation="b", fingerprint=fp, next_step=0))
+    assert s.status == "running"
+    assert sorted(j for ids in s.holdings.values() for j in ids) == list(range(6))
+    s2, out, reason = decide(
+        0.1,
+        s,
+        Register(replica_id=2, incarnation="c", fingerprint={"microbatches": 8}, next_step=0),
+    )
+    assert "'microbatches' differs" in reason

@@ -37,7 +37,13 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=29400)
     serve.add_argument("--store-port", type=int, default=0, help="TCPStore port (0: any)")
     serve.add_argument("--replicas", type=int, required=True, help="replicas expected at start")
-    serve.add_argument("--microbatches", type=int, required=True, help="M, per step")
+    serve.add_argument(
+        "--microbatches",
+        type=int,
+        default=0,
+        help="M, microbatches per step (default 0: the value the replicas declare when they "
+        "register; every replica must declare the same)",
+    )
     serve.add_argument("--min-replicas", type=int, default=1)
     serve.add_argument("--lease", type=float, default=1.0, help="lease in seconds")
     serve.add_argument("--suspect-grace", type=float, default=0.3)

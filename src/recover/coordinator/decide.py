@@ -167,6 +167,10 @@ def _on_register(s: CoordinatorState, now: float, m: Register, out: list) -> str
 
 def _mismatch(s: CoordinatorState, m: Register) -> str:
     """Why `m` cannot join this run ("" if it can): its fingerprint or next_step differ."""
+    if s.options.microbatches == 0:  # M comes from the replicas: each must declare it
+        declared = m.fingerprint.get("microbatches")
+        if isinstance(declared, bool) or not isinstance(declared, int) or declared < 1:
+            return f"fingerprint field 'microbatches' must be an int >= 1, got {declared!r}"
     peers = [s.members[p] for p in pending_ids(s)]
     ref = s.fingerprint if s.status == RUNNING else (peers[0].fingerprint if peers else None)
     for key in sorted(set(ref) | set(m.fingerprint)) if ref is not None else ():
@@ -307,6 +311,8 @@ _HANDLERS = {
 def _form(s: CoordinatorState, out: list, why: str) -> None:
     ids = pending_ids(s)
     s.fingerprint = dict(s.members[ids[0]].fingerprint)
+    if s.options.microbatches == 0:  # learned from the replicas (checked at registration)
+        s.options = replace(s.options, microbatches=s.fingerprint["microbatches"])
     s.step = s.members[ids[0]].next_step
     for r in ids:
         s.members[r] = replace(s.members[r], state=LIVE)

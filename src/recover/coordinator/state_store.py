@@ -65,7 +65,9 @@ def _positive(name: str, value: float) -> None:
 @dataclass(frozen=True, kw_only=True)
 class CoordinatorOptions:
     expected_replicas: int  # R: the run forms when R replicas have registered
-    microbatches: int  # M: microbatch ids 0..M-1 are summed in every step
+    # M: microbatch ids 0..M-1 are summed in every step. 0: learned when the run forms, from the
+    # fingerprint's "microbatches" (the replicas declare it; `recover run` does not know it).
+    microbatches: int
     min_replicas: int = 1  # fewer live replicas than this -> quorum_lost (resume from checkpoint)
     lease_s: float = 1.0  # no heartbeat for this long -> dead (how="lease")
     suspect_grace_s: float = 0.3  # an accused replica must heartbeat within this or it is dead
@@ -86,8 +88,9 @@ class CoordinatorOptions:
     def __post_init__(self) -> None:
         for name in ("expected_replicas", "microbatches", "min_replicas"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            low = 0 if name == "microbatches" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
         if self.min_replicas > self.expected_replicas:
             raise ValueError(
                 f"min_replicas ({self.min_replicas}) must be <= expected_replicas "
