@@ -520,7 +520,7 @@ def test_random_histories_keep_every_invariant(ops):
     "kw, field",
     [
         (dict(expected_replicas=0), "expected_replicas"),
-        (dict(microbatches=0), "microbatches"),
+        (dict(microbatches=-1), "microbatches"),
         (dict(min_replicas=5), "min_replicas"),
         (dict(lease_s=0.0), "lease_s"),
         (dict(suspect_grace_s=float("nan")), "suspect_grace_s"),
