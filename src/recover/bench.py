@@ -108,7 +108,7 @@ def _plain_replica(rank: int, world: int, port: int, cfg_dict: dict, data: str, 
     last = time.perf_counter()
     for step in range(cfg.steps):
         trainer.compute_microbatches(step, mine)
-        flat = trainer.gradient_snapshot()
+        flat = trainer.snapshot()
         dist.all_reduce(flat)
         trainer.apply_commit(step, flat)
         now = time.perf_counter()

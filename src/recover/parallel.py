@@ -62,20 +62,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from recover.config import TrainConfig, describe_layout
 from recover.data.addressing import TokenDataset, microbatch_seed
+from recover.grads import laid_out_like, local_part
 from recover.model import GPT, embed, lm_loss
-from recover.trainer import ReplicaTrainer, local_part
+from recover.trainer import ReplicaTrainer
 
 _FULL = StateDictOptions(full_state_dict=True)
-
-
-def _laid_out_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` (this rank's part) as a tensor laid out like parameter `p`: a DTensor with p's
-    mesh, placements and global shape when p is one, else `local` itself."""
-    if not isinstance(p, DTensor):
-        return local
-    return DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
 
 
 class MultiRankTrainer(ReplicaTrainer):
@@ -102,9 +93,6 @@ class MultiRankTrainer(ReplicaTrainer):
         """Whether this rank's loss slot is part of the replica's loss: ranks split the ids over
         the shard dimension and compute the same loss along tp."""
         return self.intra.coordinate("tp") == 0
-
-    def _set_grad(self, p: torch.Tensor, local: torch.Tensor) -> None:
-        p.grad = _laid_out_like(p, local)
 
     def _committed_loss_sum(self, flat_sum: torch.Tensor) -> float:
         mine = flat_sum[-1:].to(self.device, torch.float64, copy=True)
@@ -182,7 +170,7 @@ class MultiRankTrainer(ReplicaTrainer):
             p = ordered[int(i)]
             for k, v in s.items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:  # ("step" is a scalar)
-                    s[k] = _laid_out_like(p, v.view_as(local_part(p)))
+                    s[k] = laid_out_like(p, v.view_as(local_part(p)))
         self.optimizer.load_state_dict(opt)
 
     def _check_layout(self, state: dict) -> None:
@@ -441,7 +429,7 @@ class PipelineTrainer(MultiRankTrainer):
                 schedule.step(
                     target=torch.cat([self._tokens(step, j)[1] for j, _ in plan]), losses=losses
                 )
-                self.loss_sum += sum(
+                self.grads.loss_sum += sum(
                     float(x.detach()) for x, (_, real) in zip(losses, plan, strict=True) if real
                 )
             else:
@@ -452,7 +440,7 @@ class PipelineTrainer(MultiRankTrainer):
         for p, before in zip(self.params, kept, strict=True):
             if before is not None:
                 added = local_part(p.grad) if p.grad is not None else 0
-                self._set_grad(p, local_part(before) + added)
+                p.grad = laid_out_like(p, local_part(before) + added)
 
     def _sum_tied(self) -> None:
         """Sum this call's contributions to the tied weight between the two ends, on both (on
@@ -463,7 +451,7 @@ class PipelineTrainer(MultiRankTrainer):
         grad = self._tied.grad
         added = local_part(grad) if grad is not None else torch.zeros_like(local_part(self._tied))
         dist.all_reduce(added, group=self._tie_group)
-        self._set_grad(self._tied, added)
+        self._tied.grad = laid_out_like(self._tied, added)
 
     # ---- evaluation and state: through the whole model, gathered --------------------------------
     def _stage_leader(self) -> bool:

@@ -235,9 +235,9 @@ def _replica_main(
             manager.start_quorum()  # may heal this replica: read the step after it
             step = manager.current_step()
             attempts += 1
-            trainer.zero_local()
+            trainer.clear()
             trainer.compute_microbatches(step, own_ids)
-            flat = torch.cat([trainer.gradient_snapshot(), torch.tensor([float(len(own_ids))])])
+            flat = torch.cat([trainer.snapshot(), torch.tensor([float(len(own_ids))])])
             injector("reduce", step, None)
             manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
             injector("commit", step, None)

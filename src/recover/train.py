@@ -97,7 +97,7 @@ def train_single(
     try:
         for step in range(start, cfg.steps):
             trainer.compute_microbatches(step, all_ids)
-            snapshot = trainer.gradient_snapshot()
+            snapshot = trainer.snapshot()
             stats = trainer.apply_commit(step, snapshot)
             recorder.on_commit(stats, microbatches=cfg.microbatches)
         summary = recorder.finish(

@@ -1,7 +1,7 @@
 """The work of one replica: compute microbatches into a gradient sum, and apply a committed step.
 
 Job: hold one model copy and its optimizer; `compute_microbatches(step, ids)` adds the gradients
-of those microbatch ids to the local sum; `gradient_snapshot()` hands out that sum as one flat
+of those microbatch ids to the local sum; `snapshot()` hands out that sum as one flat
 buffer (the snapshot); `apply_commit(step, flat_sum)` turns the sum of all M microbatches into an
 optimizer update. How the sum over replicas is formed (alone, or through the fault-tolerant
 all-reduce) is not this module's business: it never talks to other processes.
@@ -31,6 +31,7 @@ from recover.data.addressing import (
     microbatch_tokens,
     validation_batches,
 )
+from recover.grads import GradientSum
 from recover.model import GPT, build_config
 
 # A hook called at declared points of the step: (phase, step, index of the microbatch in this
@@ -59,11 +60,6 @@ def pick_device(name: str) -> str:
     index %= torch.cuda.device_count()
     torch.cuda.set_device(index)
     return f"cuda:{index}"
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """The part of a tensor this rank holds: the local shard of a DTensor, else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @dataclass(frozen=True)
@@ -99,7 +95,9 @@ class ReplicaTrainer:
         self.model_values = model.num_params()  # of the whole model, whatever this rank holds
         self.model = self._parallelize(model)
         self.params = list(self.model.parameters())
-        self.numel = sum(local_part(p).numel() for p in self.params)  # this rank's values
+        # The local sum the step machine snapshots (recover.grads): this rank's p.grad parts.
+        self.grads = GradientSum(self.params, device=self.device)
+        self.numel = self.grads.numel  # this rank's values
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -111,7 +109,6 @@ class ReplicaTrainer:
             betas=(cfg.beta1, cfg.beta2),
             foreach=False,  # one summation order everywhere: replicas must agree bit for bit
         )
-        self.loss_sum = 0.0
         self._eval_set: list | None = None
 
     def _parallelize(self, model: GPT) -> torch.nn.Module:
@@ -144,7 +141,7 @@ class ReplicaTrainer:
             self.phase_hook("backward", step, index)
         (loss * weight if weight != 1.0 else loss).backward()  # accumulates into p.grad
         if index is not None:
-            self.loss_sum += float(loss.detach())
+            self.grads.loss_sum += float(loss.detach())
             self.phase_hook("done", step, index)
 
     def autocast(self):
@@ -167,41 +164,16 @@ class ReplicaTrainer:
         )
         return x.to(self.device), y.to(self.device)
 
-    def zero_local(self) -> None:
-        for p in self.params:
-            p.grad = None
-        self.loss_sum = 0.0
-
-    # ---- snapshot and restore -----------------------------------------------------------------
-    def gradient_snapshot(self) -> torch.Tensor:
+    # ---- the step machine's Work (recover.step_machine) ---------------------------------------
+    def snapshot(self) -> torch.Tensor:
         """A fresh flat fp32 copy of the local gradient sum and loss sum (numel + 1 values)."""
-        flat = torch.zeros(self.numel + 1, dtype=torch.float32, device=self.device)
-        offset = 0
-        for p in self.params:
-            n = local_part(p).numel()
-            if p.grad is not None:
-                flat[offset : offset + n].copy_(local_part(p.grad).reshape(-1))
-            offset += n
-        flat[-1] = self.loss_sum
-        return flat
+        return self.grads.snapshot()
 
-    def restore_snapshot(self, flat: torch.Tensor) -> None:
-        """Set the local gradient sum and loss sum from a snapshot made by gradient_snapshot()."""
-        self._load_flat_grads(flat)
-        self.loss_sum = float(flat[-1])
+    def clear(self) -> None:
+        self.grads.clear()
 
-    def _load_flat_grads(self, flat: torch.Tensor) -> None:
-        if flat.numel() != self.numel + 1:
-            raise ValueError(f"flat buffer has {flat.numel()} values, expected {self.numel + 1}")
-        flat = flat.to(self.device)  # the cross-replica sum arrives in host memory
-        offset = 0
-        for p in self.params:
-            n = local_part(p).numel()
-            self._set_grad(p, flat[offset : offset + n].view_as(local_part(p)).clone())
-            offset += n
-
-    def _set_grad(self, p: torch.Tensor, local: torch.Tensor) -> None:
-        p.grad = local
+    def parameter_hash(self) -> str:
+        return self.grads.parameter_hash()
 
     # ---- commit -------------------------------------------------------------------------------
     def apply_commit(
@@ -213,9 +185,7 @@ class ReplicaTrainer:
         baseline, whose global batch shrinks after a failure.
         """
         M = self.cfg.microbatches if count is None else count
-        self._load_flat_grads(flat_sum)
-        for p in self.params:
-            p.grad.div_(M)
+        self.grads.load(flat_sum, divide_by=M)
         loss = self._committed_loss_sum(flat_sum) / M
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = self._clip_gradients(clip)
@@ -224,7 +194,7 @@ class ReplicaTrainer:
             group["lr"] = lr
         self.phase_hook("optimizer", step, None)
         self.optimizer.step()
-        self.zero_local()
+        self.grads.clear()
         return CommitStats(step=step, loss=loss, lr=lr, grad_norm=grad_norm)
 
     def _committed_loss_sum(self, flat_sum: torch.Tensor) -> float:
@@ -276,7 +246,7 @@ class ReplicaTrainer:
 
     def flat_parameters(self) -> torch.Tensor:
         """This rank's parameter values, flat (the local shards in a sharded replica)."""
-        return torch.cat([local_part(p.detach()).reshape(-1).float().cpu() for p in self.params])
+        return self.grads.flat_parameters()
 
     def save_model(self, path: str | None) -> None:
         """Write the whole model as safetensors to `path` (a collective in a sharded replica,

@@ -7,7 +7,7 @@ collective copies it to everyone; the joiners load it. The step counter and the 
 schedule need no transfer: the step comes with the view and lr(step) is a pure function.
 
 Invariants: a joiner computes nothing before it has loaded the committed state; the payload is the
-source's `transfer_state_dict()`, bit for bit (in a replica of several ranks: the part this rank
+source's `transfer_state_dict()` (the step machine's `Work`), bit for bit (in a replica of several ranks: the part this rank
 holds, sent over the group of its position to the joiner's rank at the same position). A failure
 during the transfer is a collective failure like any other (the caller reports it and the step is
 redone in the next epoch, where the transfer is repeated).
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from recover.collective import EpochGroup, ShouldAbort
-from recover.trainer import ReplicaTrainer
 
 
 @dataclass(frozen=True)
@@ -51,8 +50,9 @@ def _flatten(obj, tensors: list[torch.Tensor]):
 def _unflatten(obj, flat: torch.Tensor, offsets: list[int]):
     if isinstance(obj, dict) and "__tensor__" in obj:
         i = obj["__tensor__"]
-        shape = obj["shape"]
-        return flat[offsets[i] : offsets[i + 1]].view(shape).clone()
+        dtype = getattr(torch, obj["dtype"].removeprefix("torch."))
+        # clone first: a byte slice need not be aligned for a wider dtype's view
+        return flat[offsets[i] : offsets[i + 1]].clone().view(dtype).view(obj["shape"])
     if isinstance(obj, dict) and "__dict__" in obj:
         return {
             _unflatten(k, flat, offsets): _unflatten(v, flat, offsets) for k, v in obj["__dict__"]
@@ -63,38 +63,37 @@ def _unflatten(obj, flat: torch.Tensor, offsets: list[int]):
     return obj
 
 
-def pack_state(trainer: ReplicaTrainer) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trainer's committed state as (header, flat): a small uint8 JSON header that describes
-    the state dict, and one flat float32 tensor holding every tensor of it in order.
+def pack_state(work) -> tuple[torch.Tensor, torch.Tensor]:
+    """The committed state of `work` (its `transfer_state_dict()`) as (header, flat): a small
+    uint8 JSON header that describes the state dict, and one flat uint8 tensor holding the bytes
+    of every tensor of it in order (any dtype: fp32 moments, bf16 weights, integer counters).
 
     One torch.cat instead of pickling: the copy runs in torch with the GIL released, so the
     replica's heartbeat thread keeps beating while a large model is packed (a pickle of a GB-sized
     state into bytes holds the GIL for seconds and let the lease expire).
     """
     tensors: list[torch.Tensor] = []
-    structure = _flatten(trainer.transfer_state_dict(), tensors)
-    for t in tensors:
-        if t.dtype != torch.float32:
-            raise TypeError(f"state transfer handles float32 tensors, got {t.dtype}")
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
-    sizes = [t.numel() for t in tensors]
+    structure = _flatten(work.transfer_state_dict(), tensors)
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    sizes = [part.numel() for part in parts]
     header = json.dumps({"structure": structure, "sizes": sizes}).encode()
     return torch.tensor(list(header), dtype=torch.uint8), flat
 
 
-def unpack_state(trainer: ReplicaTrainer, header: torch.Tensor, flat: torch.Tensor) -> None:
+def unpack_state(work, header: torch.Tensor, flat: torch.Tensor) -> None:
     meta = json.loads(bytes(header.tolist()).decode())
     offsets = [0]
     for n in meta["sizes"]:
         offsets.append(offsets[-1] + n)
     if offsets[-1] != flat.numel():
-        raise ValueError(f"state transfer: {flat.numel()} values received, {offsets[-1]} described")
-    trainer.load_transfer_state(_unflatten(meta["structure"], flat, offsets))
+        raise ValueError(f"state transfer: {flat.numel()} bytes received, {offsets[-1]} described")
+    work.load_transfer_state(_unflatten(meta["structure"], flat, offsets))
 
 
 def transfer_state(
     group: EpochGroup,
-    trainer: ReplicaTrainer,
+    work,
     *,
     members: list[int],
     joined: list[int],
@@ -112,7 +111,7 @@ def transfer_state(
     src_rank = members.index(source)
     t0 = time.perf_counter()
     device = group.device  # host memory for gloo, this rank's GPU for NCCL
-    header, flat = pack_state(trainer) if me == source else (None, None)
+    header, flat = pack_state(work) if me == source else (None, None)
     sizes = torch.tensor(
         [header.numel(), flat.numel()] if header is not None else [0, 0],
         dtype=torch.int64,
@@ -121,12 +120,12 @@ def transfer_state(
     group.broadcast(sizes, src=src_rank, should_abort=should_abort)
     if header is None:
         header = torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
-        flat = torch.empty(int(sizes[1]), dtype=torch.float32, device=device)
+        flat = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
     else:
         header, flat = header.to(device), flat.to(device)
     group.broadcast(header, src=src_rank, should_abort=should_abort)
     group.broadcast(flat, src=src_rank, should_abort=should_abort)
     if me in joined:
-        unpack_state(trainer, header, flat)
-    nbytes = header.numel() + flat.numel() * flat.element_size()
+        unpack_state(work, header, flat)
+    nbytes = header.numel() + flat.numel()
     return TransferStats(bytes=nbytes, seconds=time.perf_counter() - t0, source=source)

@@ -1,39 +1,26 @@
-"""One replica of a multi-replica run: the step of DESIGN.md, through the coordinator.
+"""One replica of a `recover train` run: the built-in GPT trainer as a client of the step machine.
 
-Job: register with the coordinator, then for every step: compute the microbatch ids the published
-view holds for this replica and that are not yet in the local sum, take the snapshot, all-reduce a
-fresh copy of it over the epoch's group (fault-tolerant collective), report the outcome, and apply
-the optimizer step only when the coordinator commits. On a Redo the local sum (never touched by
-the reduce) is kept, the newly held ids are computed on top, and the reduce is redone in the new
-epoch. This is the in-step recovery state machine; its record of which ids are in the snapshot is
-`StepAttempt.computed`. When the view marks joiners (admitted at this step boundary), every member
-first takes part in the live state transfer to them (`recover.transfer`).
+Job: open the dataset and the run folder's writer, build the replica's trainer (and, for a replica
+of several ranks, its group inside), register with the coordinator, then run every step through
+`recover.step_machine.StepMachine` (compute the ids it hands out, apply the update it commits) and
+record each commit (`recover.run.RunRecorder`). On the way out: the final model and summary, a
+checkpoint of the last committed state when the quorum is lost, and an exit status that says why.
 
-Invariants kept here:
-- constant batch: the committed update is apply_commit(sum over the M ids) whatever failed; a
-  survivor never recomputes its own finished microbatches (it only computes `held - computed`);
-- no corruption: the reduce works on a buffer made for that attempt only; after an abort the
-  buffer is dropped and the local sum is the snapshot;
-- agreement: every `check_every` steps the parameter hash travels with the done report and the
-  coordinator stops the run on a mismatch;
-- bounded waits: every call to the coordinator and every collective has a deadline.
-
-What it must not do: decide membership or plans (the coordinator does), or reach into the model.
+What it must not do: the step's recovery logic (the step machine's), decide membership or plans
+(the coordinator's), or reach into the model (the trainer's).
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 import torch
 
-from recover.collective import CollectiveAborted, CollectiveConfig, GroupCache
+from recover.collective import CollectiveConfig, GroupCache
 from recover.config import (
     RunPaths,
     TrainConfig,
@@ -43,37 +30,33 @@ from recover.config import (
     replica_layout,
 )
 from recover.coordinator.client import (
-    Committed,
     CoordinatorClient,
     Evicted,
-    Redo,
     RequestRefused,
-    Stopped,
 )
 from recover.coordinator.client import QuorumLost as ClientQuorumLost
 from recover.data.addressing import TokenDataset
 from recover.faults import FaultInjector, FaultSpec
-from recover.intra import IntraReplica, ReplicaLink, SoloLink, replica_hash
+from recover.intra import IntraReplica, ReplicaLink, SoloLink
 from recover.metrics import MetricsWriter, read_metrics
 from recover.run import RunRecorder, unigram_loss
 from recover.stall import StallGuard, check_stall
+from recover.step_machine import (
+    CommittedStep,
+    DivergedError,
+    QuorumLostError,
+    StepHooks,
+    StepMachine,
+    StepOptions,
+)
 from recover.train import build_trainer_for_run
 from recover.trainer import pick_device
-from recover.transfer import transfer_state
 
 EXIT_OK = 0
 EXIT_QUORUM_LOST = 3
 EXIT_EVICTED = 4
 EXIT_DIVERGED = 5
 EXIT_REFUSED = 6
-
-
-class QuorumLostError(RuntimeError):
-    """Fewer than min_replicas survive: the run stopped; resume it from its last checkpoint."""
-
-
-class DivergedError(RuntimeError):
-    """Replicas hold different parameters: the run stopped; investigate, then resume."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,13 +111,6 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
-def parameter_hash(trainer) -> str:
-    """A cheap, exact fingerprint of this rank's parameters (sha256 of their bytes, 16 hex)."""
-    flat = trainer.flat_parameters()
-    # hashlib reads the array through the buffer protocol (no copy) and releases the GIL.
-    return hashlib.sha256(flat.numpy()).hexdigest()[:16]
-
-
 def fingerprint(
     cfg: TrainConfig,
     dataset: TokenDataset,
@@ -154,22 +130,6 @@ def fingerprint(
         "layout": " ".join(f"{k} {v}" for k, v in (dims or {}).items()) or "single rank",
         "cross_reduce": cross_reduce,  # one group of every epoch: one backend
     }
-
-
-@dataclass
-class StepAttempt:
-    """The record of one step in progress: which ids are in the local sum, and its timings."""
-
-    step: int
-    computed: set[int] = field(default_factory=set)
-    redos: int = 0
-    t_first_fault: float | None = None
-    failure: str | None = None  # why this rank's part of the current attempt failed
-    compute_s: float = 0.0  # seconds spent computing this replica's microbatches of the step
-
-    def throughput(self) -> float | None:
-        """Microbatches per second over the step so far; None before any was computed."""
-        return len(self.computed) / self.compute_s if self.computed and self.compute_s > 0 else None
 
 
 def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None = sys.stdout) -> int:
@@ -266,20 +226,29 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         # With several ranks per replica, the ranks at position k of every replica form the
         # cross-replica group of position k (HSDP's replicate dimension), one per epoch.
         scope = f"position{rank}/" if intra is not None else ""
-        loop = ReplicaLoop(
-            trainer=trainer,
+        machine = StepMachine(
+            work=trainer,
             link=link,
             groups=GroupCache(store, config=wcfg.collective, scope=scope, device=cross_device),
-            injector=injector,
-            recorder=recorder,
-            wcfg=wcfg,
+            options=StepOptions(
+                replica_id=me,
+                check_every=wcfg.check_every,
+                outcome_timeout_s=wcfg.outcome_timeout_s,
+                discard_on_redo=wcfg.mode == "shrink",
+            ),
+            hooks=StepHooks(phase=injector, event=writer.event, guard=guard),
             has_state=not joining,
-            guard=guard,
         )
+
+        def compute(todo) -> None:
+            trainer.compute_microbatches(todo.step, todo.ids, first_index=todo.first_index)
+
         step = view.step
         while step < cfg.steps:
-            step = loop.run_step(step) + 1
-        if not loop.has_state:  # admitted at the very end: it never held the run's state
+            commit = machine.run(step, compute)
+            apply_commit(commit, replica=me, trainer=trainer, recorder=recorder, guard=guard)
+            step += 1
+        if not machine.has_state:  # admitted at the very end: it never held the run's state
             link.leave(step=step)
             return EXIT_OK
         # The pen stays where the last commit put it (replicas that already left are not in
@@ -293,7 +262,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             else None,
             extra=run_recovery_summary(paths.metrics) if pen else {},
         )
-        phash = loop.replica_hash()
+        phash = machine.replica_hash()
         if rank == 0:
             writer.event("replica_finished", replica=me, step=step, param_hash=phash)
         link.leave(step=step)
@@ -314,7 +283,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         # (The checkpoint-restart baseline restarts from its last periodic checkpoint instead.)
         if recorder.holds_pen and wcfg.mode != "checkpoint-restart":
             recorder.checkpoint(recorder.last_committed + 1, block=True)
-        print(f"replica {me}: {e}", file=sys.stderr, flush=True)
+        print(f"replica {me}: {e} (run it again with --resume)", file=sys.stderr, flush=True)
         return EXIT_QUORUM_LOST
     except RequestRefused as e:
         if e.code == "finished":
@@ -357,232 +326,31 @@ def run_recovery_summary(metrics_path: Path) -> dict:
     }
 
 
-@dataclass
-class ReplicaLoop:
-    """The step state machine of one replica (see the module docstring)."""
-
-    trainer: object
-    link: SoloLink | ReplicaLink  # the coordinator, as this rank of the replica sees it
-    groups: GroupCache
-    injector: FaultInjector
-    recorder: RunRecorder
-    wcfg: WorkerConfig
-    has_state: bool  # False for a joiner until the state transfer has reached it
-    guard: StallGuard  # watches the training thread in compute, reduce, optimizer
-    _transferred_epoch: int = -1
-
-    @property
-    def me(self) -> int:
-        return self.wcfg.replica_id
-
-    def replica_hash(self) -> str:
-        """The parameter fingerprint of the whole replica (a collective with several ranks)."""
-        return replica_hash(self.link.gather(parameter_hash(self.trainer)))
-
-    def run_step(self, step: int) -> int:
-        """Run step `step` until it commits; return it. The recovery loop lives here."""
-        attempt = StepAttempt(step=step)
-        view = self.link.step_view()
-        while True:
-            if view.status in ("quorum_lost", "diverged", "finished"):
-                _stop(view.status, view.reason)
-            epoch = view.attempt_epoch
-            reduced = None
-            attempt.failure = None
-            transferred = self._transfer_if_needed(view, step, attempt)
-            if view.joined:  # every rank of the replica goes on only if all of them got it
-                transferred = self.link.agree(transferred)
-            if transferred:
-                self._compute(step, view, attempt)
-                snapshot = self.trainer.gradient_snapshot()  # the local sum; never reduced in place
-                reduced = self._reduce(snapshot, view, step, attempt)
-            check = (
-                reduced is not None and self.wcfg.check_every and step % self.wcfg.check_every == 0
-            )
-            phash = parameter_hash(self.trainer) if check else None
-            failure = None if reduced is not None else attempt.failure or "a replica-mate failed"
-            if not self.link.report(
-                step=step, epoch=epoch, failure=failure, param_hash=phash,
-                throughput=attempt.throughput(),
-            ):  # fmt: skip
-                reduced = None  # some rank of this replica failed: nobody's result counts
-            if reduced is not None:
-                self.injector("commit", step, None)
-            outcome = self.link.wait_outcome(
-                step=step, epoch=epoch, deadline_s=self.wcfg.outcome_timeout_s
-            )
-            if isinstance(outcome, Committed):
-                if reduced is None:
-                    raise RuntimeError(
-                        f"step {step} committed although this replica's reduce failed"
-                    )
-                self._commit(step, view, epoch, reduced, attempt)
-                return step
-            if isinstance(outcome, Redo):
-                # The local sum (p.grad) was never touched by the reduce: it is the snapshot.
-                if self.wcfg.mode == "shrink":  # baseline: the in-flight step is discarded
-                    self.trainer.zero_local()
-                    attempt.computed.clear()
-                    attempt.compute_s = 0.0
-                if attempt.t_first_fault is None:
-                    attempt.t_first_fault = time.perf_counter()
-                attempt.redos += 1
-                view = outcome.view
-                continue
-            if isinstance(outcome, Stopped):
-                _stop(outcome.status, outcome.reason)
-            raise RuntimeError(f"unexpected outcome {outcome!r}")
-
-    def _compute(self, step: int, view, attempt: StepAttempt) -> None:
-        """Compute the ids this replica holds in the attempt and has not summed yet."""
-        todo = [j for j in view.holdings.get(self.me, ()) if j not in attempt.computed]
-        t0 = time.perf_counter()
-        with self.guard.busy("computing microbatches"):
-            self.trainer.compute_microbatches(step, todo, first_index=len(attempt.computed))
-        attempt.computed.update(todo)
-        if todo:  # reported with `done`: feeds the coordinator's throughput-aware plans
-            attempt.compute_s += time.perf_counter() - t0
-
-    def _commit(self, step: int, view, epoch: int, reduced, attempt: StepAttempt) -> None:
-        recorder, me = self.recorder, self.me
-        recorder.holds_pen = me == min(self.link.step_view().live)
-        count = sum(len(ids) for ids in view.holdings.values())  # M, but in the shrink baseline
-        with self.guard.busy("in the optimizer step"):
-            stats = self.trainer.apply_commit(step, reduced, count=count)
-        shares = {str(r): len(ids) for r, ids in sorted(view.holdings.items())}
-        extra = {
-            "epoch": epoch,
-            "replicas": len(view.holdings),
-            "attempts": attempt.redos + 1,
-            "shares": shares,
-        }
-        recorder.on_commit(stats, microbatches=count, **extra)
-        if attempt.t_first_fault is not None:
-            seconds = time.perf_counter() - attempt.t_first_fault
-            recorder.event(
-                "recovered", replica=me, step=step, seconds=round(seconds, 4),
-                attempts=attempt.redos + 1,
-            )  # fmt: skip
-            recorder.say(
-                f"recovered: step {step + 1} committed with all {self.trainer.cfg.microbatches} "
-                f"microbatches, {seconds:.3f} s after this replica saw the failure"
-            )
-
-    def _with_fault(self, phase: str, step: int, should_abort):
-        """`should_abort`, plus the `phase` fault fired at its first call: while the collective
-        of that phase is in flight (the callback is polled during it)."""
-        fired = False
-
-        def wrapped() -> str | None:
-            nonlocal fired
-            if not fired:
-                fired = True
-                self.injector(phase, step, None)
-            return should_abort()
-
-        return wrapped
-
-    def _should_abort(self, epoch: int):
-        link, guard = self.link, self.guard
-
-        def should_abort() -> str | None:
-            guard.tick()  # polled all along an in-flight collective: progress
-            if link.evicted:
-                return "this replica was evicted"
-            newer = link.live_view()
-            if newer.epoch > epoch or newer.status != "running":
-                return f"epoch {newer.epoch} announced ({newer.reason})"
-            return None
-
-        return should_abort
-
-    def _group(self, view, should_abort):
-        # The attempt's members are the replicas holding ids of it (the view's live set can
-        # already lack one that died during the attempt).
-        members = sorted(view.holdings)
-        group = self.groups.get(
-            epoch=view.attempt_epoch,
-            rank=members.index(self.me),
-            world_size=len(members),
-            should_abort=should_abort,
-        )
-        return group, members
-
-    def _failed(
-        self, step: int, epoch: int, error: CollectiveAborted, t0: float, what: str, attempt
-    ) -> None:
-        self.recorder.event(
-            "failure_detected", replica=self.me, step=step, epoch=epoch, how=error.kind,
-            during=what, detail=str(error.detail)[:200],
-            after_s=round(time.perf_counter() - t0, 4),
+def apply_commit(
+    commit: CommittedStep, *, replica: int, trainer, recorder: RunRecorder, guard
+) -> None:
+    """The update of a committed step, then its records (the writer was named with the commit)."""
+    recorder.holds_pen = commit.writer
+    with guard.busy("in the optimizer step"):
+        stats = trainer.apply_commit(commit.step, commit.reduced, count=commit.count)
+    recorder.on_commit(
+        stats,
+        microbatches=commit.count,  # M, but in the shrink baseline
+        epoch=commit.epoch,
+        replicas=len(commit.shares),
+        attempts=commit.attempts,
+        shares={str(r): n for r, n in commit.shares.items()},
+    )
+    if commit.recovered_s is not None:
+        seconds = commit.recovered_s
+        recorder.event(
+            "recovered", replica=replica, step=commit.step, seconds=round(seconds, 4),
+            attempts=commit.attempts,
         )  # fmt: skip
-        # gloo's text ends in advice for its own users; the first sentence is the fact.
-        detail = str(error.detail).split(". This is typically")[0]
-        attempt.failure = f"{what}: {error.kind}: {detail}"[:200]  # reported by run_step
-
-    def _transfer_if_needed(self, view, step: int, attempt: StepAttempt) -> bool:
-        """Take part in the state transfer to this epoch's joiners; False if it failed."""
-        epoch = view.attempt_epoch
-        joined = [r for r in view.joined if r in view.holdings]
-        if not self.has_state and self.me not in joined:
-            raise RuntimeError(f"replica {self.me} joined but the view no longer offers it state")
-        if not joined or self._transferred_epoch == epoch:
-            return True
-        t0 = time.perf_counter()
-        should_abort = self._should_abort(epoch)
-        try:
-            group, members = self._group(view, should_abort)
-            stats = transfer_state(
-                group, self.trainer, members=members, joined=joined, me=self.me,
-                should_abort=self._with_fault("transfer", step, should_abort),
-            )  # fmt: skip
-        except CollectiveAborted as e:
-            if attempt.t_first_fault is None:
-                attempt.t_first_fault = t0
-            self._failed(step, epoch, e, t0, "state transfer", attempt)
-            return False
-        self._transferred_epoch = epoch
-        self.has_state = True
-        if self.me in joined:
-            self.recorder.event(
-                "state_transfer", replica=self.me, rank=self.link.rank, step=step, epoch=epoch,
-                source=stats.source,
-                bytes=stats.bytes, seconds=round(stats.seconds, 4),
-            )  # fmt: skip
-        return True
-
-    def _reduce(self, snapshot, view, step: int, attempt: StepAttempt):
-        """All-reduce a fresh copy of the snapshot in the attempt's epoch; None if it aborted."""
-        epoch = view.attempt_epoch
-        should_abort = self._should_abort(epoch)
-        should_abort_reduce = self._with_fault("reduce", step, should_abort)
-        # For this attempt only; dropped on abort. Where the cross-replica group reduces: in
-        # host memory for gloo (whatever device the replica computes on), on the GPU for NCCL.
-        buffer = snapshot.to(self.groups.device, copy=True)
-        t0 = time.perf_counter()
-        try:
-            with self.guard.busy("in the cross-replica reduce"):  # its polls are the ticks
-                group, members = self._group(view, should_abort)
-                if len(members) > 1:
-                    group.allreduce_sum(buffer, should_abort=should_abort_reduce)
-                else:
-                    should_abort_reduce()
-            return buffer
-        except CollectiveAborted as e:
-            if attempt.t_first_fault is None:
-                attempt.t_first_fault = t0
-            self._failed(step, epoch, e, t0, "reduce", attempt)
-            return None
-
-
-def _stop(status: str, reason: str) -> None:
-    if status == "quorum_lost":
-        raise QuorumLostError(
-            f"quorum lost: {reason}. Resume with --resume from the last checkpoint"
+        recorder.say(
+            f"recovered: step {commit.step + 1} committed with all {commit.count} "
+            f"microbatches, {seconds:.3f} s after this replica saw the failure"
         )
-    if status == "diverged":
-        raise DivergedError(f"REPLICAS DIVERGED, training stopped: {reason}")
-    raise RuntimeError(f"the run stopped ({status}): {reason}")
 
 
 __all__ = ["run_worker", "WorkerConfig"]

@@ -1,0 +1,99 @@
+"""A rank's local gradient sum, as the step machine sees it: the `.grad` of a parameter list.
+
+Job: turn the gradients that backward passes accumulated in `p.grad` (plus the sum of the counted
+microbatch losses) into one flat fp32 snapshot, and the committed flat sum back into `p.grad`.
+Works for any module: plain tensors, and DTensors (FSDP2 shards, tensor-parallel splits), of which
+this rank's local part is taken and restored with the parameter's own layout.
+
+Layout of a flat buffer: the local parts of the parameters in list order, then one slot holding
+the loss sum (so the committed loss travels with the gradient through one reduce).
+
+Cost: one flat copy per snapshot; one copy back into `.grad` per commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import torch
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank holds: the local shard of a DTensor, else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def laid_out_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's part) as a tensor laid out like parameter `p`: a DTensor with p's
+    mesh, placements and global shape when p is one, else `local` itself."""
+    if not hasattr(p, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+
+
+class GradientSum:
+    """This rank's sum over the microbatches it computed in a step: `p.grad` and `loss_sum`."""
+
+    def __init__(self, params: Iterable[torch.Tensor], *, device: torch.device | str) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no parameter that requires a gradient")
+        self.device = torch.device(device)
+        self.numel = sum(local_part(p).numel() for p in self.params)  # this rank's values
+        self.loss_sum = 0.0
+
+    def snapshot(self) -> torch.Tensor:
+        """A fresh flat fp32 copy of the local gradient sum and loss sum (numel + 1 values)."""
+        flat = torch.zeros(self.numel + 1, dtype=torch.float32, device=self.device)
+        offset = 0
+        for p in self.params:
+            n = local_part(p).numel()
+            if p.grad is not None:
+                flat[offset : offset + n].copy_(local_part(p.grad).reshape(-1))
+            offset += n
+        flat[-1] = self.loss_sum
+        return flat
+
+    def load(self, flat: torch.Tensor, *, divide_by: float = 1.0) -> None:
+        """Set every `p.grad` from a flat buffer of the snapshot's layout, divided by `divide_by`
+        (M at a commit: the mean over the step's microbatches)."""
+        if flat.numel() != self.numel + 1:
+            raise ValueError(f"flat buffer has {flat.numel()} values, expected {self.numel + 1}")
+        flat = flat.to(self.device)  # the cross-replica sum arrives in host memory
+        offset = 0
+        for p in self.params:
+            part = local_part(p)
+            n = part.numel()
+            g = flat[offset : offset + n].view_as(part).to(part.dtype, copy=True)
+            if divide_by != 1.0:
+                g.div_(divide_by)
+            p.grad = laid_out_like(p, g)
+            offset += n
+
+    def clear(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.loss_sum = 0.0
+
+    def leftover(self) -> list[int]:
+        """Indices of parameters whose `.grad` holds non-zero values (before a step begins, the
+        sum must be empty: anything there would be added to the step's gradient)."""
+        return [
+            i
+            for i, p in enumerate(self.params)
+            if p.grad is not None and bool(local_part(p.grad).ne(0).any())
+        ]
+
+    def flat_parameters(self) -> torch.Tensor:
+        """This rank's parameter values, flat (the local shards in a sharded replica)."""
+        return torch.cat([local_part(p.detach()).reshape(-1).float().cpu() for p in self.params])
+
+    def parameter_hash(self) -> str:
+        """A cheap, exact fingerprint of this rank's parameters (sha256 of their bytes, 16 hex)."""
+        # hashlib reads the array through the buffer protocol (no copy) and releases the GIL.
+        return hashlib.sha256(self.flat_parameters().numpy()).hexdigest()[:16]
