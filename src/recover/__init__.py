@@ -2,6 +2,35 @@
 
 Training runs as R data-parallel replicas. When a replica dies or hangs, the survivors finish the
 same step, on the very same microbatches, without a restart. See docs/design.md.
+
+The public API for your own training loop (docs/api.md):
+
+- `Replica`: joins the job a launcher (`recover run`) started, hands out each step's microbatch
+  ids, and returns the committed mean gradient in `.grad`;
+- `TokenWindows`: microbatch `(step, j)` as a pure function of `(seed, step, j)` over a token file;
+- `UsageError`, `QuorumLost`: what the API raises.
+
+They are imported on first use, so that `import recover.coordinator...` (which needs no torch)
+stays fast.
 """
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "Replica": "recover.api",
+    "UsageError": "recover.api",
+    "QuorumLost": "recover.api",
+    "TokenWindows": "recover.data.windows",
+    "write_token_file": "recover.data.windows",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'recover' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

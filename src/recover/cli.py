@@ -284,6 +284,95 @@ def build_parser() -> argparse.ArgumentParser:
         help="start-up: seconds to wait for the run to form (default: 60)",
     )
 
+    script = sub.add_parser(
+        "run",
+        help="run any training script that uses recover.Replica as R fault-tolerant replicas",
+        description="Start a coordinator and R replicas of COMMAND (each process gets the job's "
+        "RECOVER_* variables, see docs/api.md), supervise them (respawn, faults, no orphans), "
+        "and exit 0 when the run succeeded. Example: recover run --replicas 3 -- python "
+        "train.py --steps 100",
+    )
+    script.add_argument(
+        "--replicas", type=int, default=2, help="replicas started on this machine (default: 2)"
+    )
+    script.add_argument(
+        "--ranks-per-replica",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes per replica, with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set as "
+        "torchrun sets them; the script builds its layout with Replica(shard=..., tp=...) "
+        "(default: 1)",
+    )
+    script.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="folder for the job's events (metrics.jsonl: failures, decisions, recoveries) "
+        "(default: runs/run-DATE-TIME)",
+    )
+    script.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        help="the run stops (QuorumLost in the script) when fewer replicas survive (default: 1)",
+    )
+    script.add_argument(
+        "--lease",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="a replica silent this long is declared dead (default: 1.0)",
+    )
+    script.add_argument(
+        "--respawn",
+        type=float,
+        default=None,
+        metavar="DELAY",
+        help="restart a dead replica after DELAY seconds; it joins at a step boundary and gets "
+        "the state from a live replica (default: never)",
+    )
+    script.add_argument(
+        "--max-restarts", type=int, default=3, metavar="N", help="respawns per replica (default: 3)"
+    )
+    script.add_argument(
+        "--balance",
+        choices=("throughput", "equal"),
+        default="throughput",
+        help="microbatch shares by measured throughput, or equal (default: throughput)",
+    )
+    script.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="inject a fault into the script's replicas (repeatable); the grammar of "
+        "`recover train --fault`",
+    )
+    script.add_argument(
+        "--watchdog",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="with --ranks-per-replica > 1: a rank whose mate is silent this long stops its "
+        "replica (default: 5)",
+    )
+    script.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a process busy without progress this long ends itself (0: off; default: 300)",
+    )
+    script.add_argument("--quiet", action="store_true", help="do not echo the replicas' output")
+    script.add_argument(
+        "script_command",
+        nargs=argparse.REMAINDER,
+        metavar="-- COMMAND ...",
+        help="the command of every process (after --), e.g. python train.py",
+    )
+
     cmp = sub.add_parser("compare", help="compare two run folders' trajectories")
     cmp.add_argument("run_a", type=Path, metavar="RUN_A")
     cmp.add_argument("run_b", type=Path, metavar="RUN_B")
@@ -375,6 +464,42 @@ def run_train(args: argparse.Namespace) -> int:
         return _error(str(e))
 
 
+def run_script(args: argparse.Namespace) -> int:
+    """`recover run`: the local launcher over a user's command."""
+    import os
+
+    from recover.launch import LaunchConfig, ScriptLauncher
+
+    command = list(args.script_command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        return _error("recover run needs a command after --, e.g. recover run -- python train.py")
+    try:
+        lcfg = LaunchConfig(
+            replicas=args.replicas,
+            min_replicas=args.min_replicas,
+            lease_s=args.lease,
+            faults=parse_faults(args.fault),
+            respawn_s=args.respawn,
+            max_restarts=args.max_restarts,
+            balance=args.balance,
+            shard=args.ranks_per_replica,  # the launcher only counts the ranks
+            watchdog_s=args.watchdog,
+            stall_s=args.stall_timeout,
+        )
+    except ValueError as e:
+        return _error(str(e))
+    launcher = ScriptLauncher(
+        command,
+        lcfg,
+        out=args.out or default_out(),
+        console=None if args.quiet else sys.stdout,
+        token=os.environ.get("RECOVER_TOKEN") or None,
+    )
+    return launcher.run()
+
+
 def run_worker_cli(args: argparse.Namespace) -> int:
     import os
 
@@ -459,6 +584,7 @@ def die_with_launcher() -> None:
 HANDLERS = {
     "train": ("recover.cli", "run_train"),
     "compare": ("recover.cli", "run_compare"),
+    "run": ("recover.cli", "run_script"),
     "worker": ("recover.cli", "run_worker_cli"),
     "coordinator": ("recover.coordinator.cli", "run_coordinator_cli"),
     "simulate": ("recover.simulate.cli", "run_simulate"),

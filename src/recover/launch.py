@@ -39,17 +39,19 @@ from recover.config import (
     layout_ranks,
     replica_layout,
 )
+from recover.env import TOKEN_ENV, ReplicaEnv
 from recover.faults import FaultSpec, faults_for
 from recover.metrics import MetricsWriter, read_metrics
 from recover.runfolder import open_run_folder
 from recover.stall import EXIT_STALLED, check_stall
 
-TOKEN_ENV = "RECOVER_TOKEN"
 # exit fault, kill fault, evicted after a hang, a replica-mate lost (replicas of several ranks)
 # An injected fault's own exits: `exit` (17), `kill`, evicted after a `hang` (4), a replica-mate
 # stopping on the lost rank (7), the stall guard ending a `freeze` (8).
 EXPECTED_FAULT_EXITS = (17, -signal.SIGKILL, 4, 7, EXIT_STALLED)
 RUN_FAILURE_EXITS = {3: "quorum lost", 5: "replicas diverged"}
+# How the launcher starts its own commands (coordinator, built-in worker): this Python, this package.
+_RECOVER = (sys.executable, "-m", "recover.cli")
 RESTART = -1000  # _supervise's answer in checkpoint-restart mode: restart the whole job
 MODES = ("recover", "checkpoint-restart", "shrink")
 
@@ -230,7 +232,7 @@ class LocalLauncher:
             print(f"[launcher] {line}", file=self.console, flush=True)
 
     def _spawn(
-        self, name: str, argv: list[str], prefix: str, extra_env: dict | None = None
+        self, name: str, command: list[str], prefix: str, extra_env: dict | None = None
     ) -> subprocess.Popen:
         env = dict(os.environ, **(extra_env or {}))
         env[TOKEN_ENV] = self.token  # never on the command line, where `ps` would show it
@@ -238,7 +240,7 @@ class LocalLauncher:
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "recover.cli", *argv],
+            command,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -264,9 +266,9 @@ class LocalLauncher:
         self._spawn(
             "coordinator",
             [
-                "coordinator", "serve", "--host", "127.0.0.1", "--port", str(port),
+                *_RECOVER, "coordinator", "serve", "--host", "127.0.0.1", "--port", str(port),
                 "--store-port", "0", "--replicas", str(lc.replicas),
-                "--microbatches", str(self.cfg.microbatches),
+                "--microbatches", str(self.microbatches),
                 # checkpoint-restart: any death stops the job (the launcher then restarts it)
                 "--min-replicas",
                 str(lc.replicas if lc.mode == "checkpoint-restart" else lc.min_replicas),
@@ -279,40 +281,59 @@ class LocalLauncher:
         )  # fmt: skip
         return "127.0.0.1", port
 
-    def _start_replica(self, r: int, host: str, port: int, *, fresh: bool = False) -> None:
-        """Start replica r. `fresh` (a respawn) joins the running job without --resume: its
-        state comes from a live replica by transfer. Every incarnation gets the faults of its
-        replica that have not fired yet (a schedule of several failures outlives a restart)."""
+    @property
+    def microbatches(self) -> int:
+        """M for the coordinator (0: it learns M from the replicas' fingerprints)."""
+        return self.cfg.microbatches
+
+    def _replica_command(self, r: int, host: str, port: int, *, fresh: bool) -> list[str]:
+        """The command of every process of replica r: a `recover worker` of the built-in
+        trainer here (a script's command under `recover run`: ScriptLauncher)."""
         argv = [
-            "worker", "--coordinator", f"{host}:{port}", "--replica-id", str(r),
+            *_RECOVER, "worker", "--coordinator", f"{host}:{port}", "--replica-id", str(r),
             "--data", str(self.data), "--out", str(self.paths.out),
             "--heartbeat", str(self.lcfg.heartbeat_s), "--check-every", str(self.lcfg.check_every),
             "--mode", self.lcfg.mode, "--device", self.lcfg.device,
             "--cross-reduce", self.lcfg.cross_reduce, "--stall-timeout", str(self.lcfg.stall_s),
             *train_flags(self.cfg),
         ]  # fmt: skip
-        if fresh:  # reaped already; the slots get the new processes
-            for k in range(self.lcfg.ranks):
-                self.children.pop(_proc_name(r, k))
-        elif self.resume:
+        if self.resume and not fresh:
             argv.append("--resume")
         for spec in self._pending_faults(r):
             argv += ["--fault", fault_flag(spec)]
-        dims, ranks = self.lcfg.dims, self.lcfg.ranks
+        if self.lcfg.ranks > 1:
+            argv += [*layout_flags(self.lcfg.dims), "--watchdog", str(self.lcfg.watchdog_s)]
+        return argv
+
+    def _replica_env(self, r: int, host: str, port: int) -> dict[str, str]:
+        """Variables every process of replica r gets besides the rank ones (none here)."""
+        return {}
+
+    def _start_replica(self, r: int, host: str, port: int, *, fresh: bool = False) -> None:
+        """Start replica r. `fresh` (a respawn) joins the running job without --resume: its
+        state comes from a live replica by transfer. Every incarnation gets the faults of its
+        replica that have not fired yet (a schedule of several failures outlives a restart)."""
+        if fresh:  # reaped already; the slots get the new processes
+            for k in range(self.lcfg.ranks):
+                self.children.pop(_proc_name(r, k))
+        command = self._replica_command(r, host, port, fresh=fresh)
+        base = self._replica_env(r, host, port)
+        ranks = self.lcfg.ranks
         if ranks == 1:  # (on GPUs: replica r takes GPU r, modulo the GPUs there are)
-            self._spawn(f"replica {r}", argv, f"[replica {r}] ", {"RECOVER_DEVICE_INDEX": str(r)})
+            env = {**base, "RECOVER_DEVICE_INDEX": str(r)}
+            self._spawn(f"replica {r}", command, f"[replica {r}] ", env)
             return
         # A replica of several ranks: one process per rank, with the variables torchrun would
         # give them; rank 0 hosts the replica's own store on a fresh port.
-        argv += [*layout_flags(dims), "--watchdog", str(self.lcfg.watchdog_s)]
         master_port = (self._ports or free_ports(1)).pop()  # rank 0 hosts the store there
         for k in range(ranks):
             env = {
+                **base,
                 "RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(ranks),
                 "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(master_port), "RECOVER_DEVICE_INDEX": str(r * ranks + k),
             }  # fmt: skip
-            self._spawn(_proc_name(r, k), argv, f"[replica {r}.{k}] ", env)
+            self._spawn(_proc_name(r, k), command, f"[replica {r}.{k}] ", env)
 
     def _pending_faults(self, r: int) -> list[FaultSpec]:
         """Faults of replica r that have not fired yet (per the run's failure_injected events)."""
@@ -329,7 +350,7 @@ class LocalLauncher:
             if f.kind == "slow" or (f.kind, f.replica, f.step, f.phase) not in fired
         ]
 
-    def run(self) -> int:
+    def _open_run_folder(self) -> None:
         lc = self.lcfg
         open_run_folder(
             self.paths,
@@ -339,6 +360,10 @@ class LocalLauncher:
             launch={"mode": lc.mode, "replicas": lc.replicas, "min_replicas": lc.min_replicas,
                     "faults": [fault_flag(f) for f in lc.faults]},
         )  # fmt: skip
+
+    def run(self) -> int:
+        lc = self.lcfg
+        self._open_run_folder()
         self.writer = MetricsWriter(self.paths.metrics)
         self.writer.event("launcher.started", mode=lc.mode, replicas=lc.replicas)
 
@@ -497,3 +522,47 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+class ScriptLauncher(LocalLauncher):
+    """`recover run`: the same supervision over any training script that uses `recover.Replica`.
+
+    Each process of replica r runs `command` with the job's variables (recover.env): the
+    coordinator's address, its replica id, the token, its faults that have not fired yet, and
+    the events file (the run folder's metrics.jsonl, where the coordinator writes too)."""
+
+    def __init__(
+        self,
+        command: list[str],
+        lcfg: LaunchConfig,
+        *,
+        out: Path,
+        console: TextIO | None = sys.stdout,
+        token: str | None = None,
+    ) -> None:
+        super().__init__(
+            None, lcfg, data=Path(), out=out, resume=False, data_info={}, console=console,
+            token=token,
+        )  # fmt: skip
+        self.command = list(command)
+
+    @property
+    def microbatches(self) -> int:
+        return 0  # the script declares M (Replica(microbatches=M)); the coordinator learns it
+
+    def _open_run_folder(self) -> None:
+        self.paths.out.mkdir(parents=True, exist_ok=True)
+
+    def _replica_command(self, r: int, host: str, port: int, *, fresh: bool) -> list[str]:
+        return self.command
+
+    def _replica_env(self, r: int, host: str, port: int) -> dict[str, str]:
+        spec = ReplicaEnv(
+            coordinator=(host, port),
+            replica_id=r,
+            faults=tuple(self._pending_faults(r)),
+            events=self.paths.metrics,
+            stall_s=self.lcfg.stall_s,
+            watchdog_s=self.lcfg.watchdog_s,
+        )
+        return spec.to_environ()  # (the token is added for every child by _spawn)

@@ -1,0 +1,96 @@
+"""Your own model, optimizer, schedule and data, made fault-tolerant by ReCoVer.
+
+A small causal transformer written with plain PyTorch modules (nothing of ReCoVer's model), trained
+with SGD + Nesterov momentum and a warmup-then-cosine LambdaLR on a nanoGPT-style token file.
+
+    python examples/train_custom.py --make-data data/custom.bin      # once: a token file
+    recover run --replicas 3 --fault kill:replica=1,step=3,phase=backward \\
+        -- python examples/train_custom.py --data data/custom.bin --out runs/custom
+"""
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import recover
+
+p = argparse.ArgumentParser()
+p.add_argument("--data", type=Path, default=Path("data/custom.bin"))
+p.add_argument(
+    "--make-data", type=Path, help="write a token file (bytes of Python source) and exit"
+)
+p.add_argument("--out", type=Path, default=Path("runs/custom"))
+p.add_argument("--steps", type=int, default=20)
+p.add_argument("--microbatches", type=int, default=6)
+p.add_argument("--batch", type=int, default=4)
+p.add_argument("--seq-len", type=int, default=64)
+p.add_argument("--lr", type=float, default=0.05)
+p.add_argument("--seed", type=int, default=0)
+args = p.parse_args()
+
+if args.make_data:  # bytes of a few standard-library modules, one token per byte
+    text = b"".join(Path(m.__file__).read_bytes() for m in (argparse, json, np))
+    args.make_data.parent.mkdir(parents=True, exist_ok=True)
+    recover.write_token_file(args.make_data, np.frombuffer(text, dtype=np.uint8).astype(np.uint16))
+    raise SystemExit(0)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=256, dim=64, heads=4, layers=2, seq_len=64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(seq_len, dim))
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.1, batch_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x):  # (B, T) -> (B, T, vocab)
+        T = x.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(T)
+        return self.head(self.blocks(self.embed(x) + self.pos[:T], mask=mask, is_causal=True))
+
+
+torch.set_num_threads(1)
+torch.manual_seed(args.seed)  # the same initial parameters on every replica
+data = recover.TokenWindows(
+    args.data, seq_len=args.seq_len, microbatch_size=args.batch,
+    microbatches=args.microbatches, seed=args.seed,
+)  # fmt: skip
+model = TinyLM(seq_len=args.seq_len)
+optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True)
+warmup = 3
+scheduler = torch.optim.lr_scheduler.LambdaLR(
+    optimizer,
+    lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * s / args.steps)),
+)
+
+replica = recover.Replica(
+    microbatches=args.microbatches,
+    config={"lr": args.lr, "seed": args.seed, "batch": args.batch, "data": data.content_hash},
+    check_every=5,
+    check_data=data.batch,  # opt-in: replicas compare a replayed microbatch every 5 steps
+)
+replica.attach(model, optimizer, extra_state={"scheduler": scheduler})
+args.out.mkdir(parents=True, exist_ok=True)
+for step in replica.steps(args.steps):
+    for j in replica.microbatches():
+        x, y = data.batch(step, j)
+        torch.manual_seed(
+            args.seed * 1_000_003 + step * args.microbatches + j
+        )  # dropout of (step, j)
+        logits = model(x)
+        replica.backward(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    if replica.is_writer:  # one replica writes each committed step's record
+        with open(args.out / "losses.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "loss": replica.loss}) + "\n")
+        if step == args.steps - 1:
+            torch.save(model.state_dict(), args.out / "final.pt")
