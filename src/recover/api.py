@@ -172,7 +172,12 @@ class _ScriptWork:
         own = get_model_state_dict(self.model)
         set_model_state_dict(self.model, _like(own, state["model"]))
         if state["optimizer"] is not None:
-            own = get_optimizer_state_dict(self.model, self.optimizer)  # creates empty state
+            # (creates this optimizer's empty state by one zero step, which the load overwrites)
+            self.replica._internal_step = True
+            try:
+                own = get_optimizer_state_dict(self.model, self.optimizer)
+            finally:
+                self.replica._internal_step = False
             set_optimizer_state_dict(self.model, self.optimizer, _like(own, state["optimizer"]))
         for name, obj in self.extra.items():
             obj.load_state_dict(state["extra"][name])
@@ -237,6 +242,7 @@ class Replica:
         self._committed = -1
         self._pending: tuple | None = None  # (step, j, index, weight) awaiting backward()
         self._in_step = False
+        self._internal_step = False
         self._closed = False
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -273,6 +279,8 @@ class Replica:
         optimizer.register_step_pre_hook(self._before_optimizer_step)
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._internal_step:  # the library's own (loading a joiner's optimizer state)
+            return
         if self._in_step:
             raise UsageError(
                 "optimizer.step() was called inside replica.microbatches(): step the optimizer "

@@ -298,7 +298,7 @@ class StepMachine:
             shares={r: len(ids) for r, ids in sorted(view.holdings.items())},
             attempts=attempt.redos + 1,
             recovered_s=recovered,
-            writer=self.me == min(self.link.step_view().live),
+            writer=self.me == _writer(view, self.link.step_view()),
         )
 
     def _with_fault(self, phase: str, step: int, should_abort):
@@ -404,6 +404,16 @@ class StepMachine:
         except CollectiveAborted as e:
             self._failed(step, epoch, e, t0, "reduce", attempt)
             return None
+
+
+def _writer(attempt: View, latest: View) -> int:
+    """The replica that writes a committed step's records: the lowest member of the committing
+    attempt that the newest view still holds live. Members only: a joiner admitted at this very
+    commit is live in the newest view but never saw the step (it would leave the step unwritten).
+    """
+    members = sorted(attempt.holdings)
+    live = [r for r in members if r in latest.live]
+    return (live or members)[0]
 
 
 def _stop(status: str, reason: str) -> None:
