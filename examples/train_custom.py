@@ -91,6 +91,11 @@ for step in replica.steps(args.steps):
     optimizer.zero_grad()
     if replica.is_writer:  # one replica writes each committed step's record
         with open(args.out / "losses.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "loss": replica.loss}) + "\n")
+            record = {
+                "step": step,
+                "loss": replica.loss,
+                "microbatches": replica.committed_microbatches,
+            }
+            f.write(json.dumps(record) + "\n")
         if step == args.steps - 1:
             torch.save(model.state_dict(), args.out / "final.pt")

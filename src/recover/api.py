@@ -211,6 +211,10 @@ class Replica:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
         self.spec = ReplicaEnv.from_environ(os.environ if env is None else env)
+        if env is None:  # started by the local launcher: die with it, never orphaned
+            from recover.cli import die_with_launcher
+
+            die_with_launcher()
         self.microbatches_per_step = microbatches
         self.dims = replica_layout(shard, tp)
         self.config = dict(config or {})
@@ -237,6 +241,7 @@ class Replica:
         self.step: int | None = None  # the step in progress (or the last one handed out)
         self.loss: float | None = None  # the committed mean loss of the last committed step
         self.is_writer = False  # this rank writes the records of the last committed step
+        self.committed_microbatches = 0  # microbatches summed in the last committed step (M)
         self._machine: StepMachine | None = None
         self._work: _ScriptWork | None = None
         self._committed = -1
@@ -427,6 +432,7 @@ class Replica:
         work.grads.load(commit.reduced, divide_by=commit.count)
         self.loss = self._replica_loss(commit.reduced) / commit.count
         self.is_writer = commit.writer and self.rank == 0
+        self.committed_microbatches = commit.count
         self._committed = step
         if commit.recovered_s is not None:
             self.event(

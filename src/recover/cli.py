@@ -365,6 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="a process busy without progress this long ends itself (0: off; default: 300)",
     )
+    script.add_argument(
+        "--start-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="every replica must have registered by then; after it the run forms with those "
+        "there if they are at least --min-replicas (default: 60)",
+    )
     script.add_argument("--quiet", action="store_true", help="do not echo the replicas' output")
     script.add_argument(
         "script_command",
@@ -487,6 +495,7 @@ def run_script(args: argparse.Namespace) -> int:
             shard=args.ranks_per_replica,  # the launcher only counts the ranks
             watchdog_s=args.watchdog,
             stall_s=args.stall_timeout,
+            start_timeout_s=args.start_timeout,
         )
     except ValueError as e:
         return _error(str(e))

@@ -1,0 +1,146 @@
+"""The drop-in API with real processes: a script ReCoVer did not write, launched by `recover run`,
+survives SIGKILLs on the failure-free trajectory; a respawned replica receives the script's own
+optimizer and scheduler state; misuse of the API fails with a named error, never a hang."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import child_env, events, leftover_processes
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+M = 6
+STEPS = 200  # long enough for a respawned process (a torch import) to join before the end
+
+
+def recover_run(out: Path, script: str, *flags: str, script_args=(), timeout: float = 150):
+    """`recover run FLAGS -- python examples/SCRIPT --out OUT/result ...`, reaped on timeout."""
+    cmd = [sys.executable, "-m", "recover.cli", "run", "--out", str(out / "job"), *flags, "--"]
+    cmd += [sys.executable, str(EXAMPLES / script), "--out", str(out / "result"), *script_args]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
+    )
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert leftover_processes(str(out)) == [], "processes of the run were left behind"
+    return subprocess.CompletedProcess(cmd, proc.returncode, text, "")
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "result" / "losses.jsonl").read_text().splitlines()]
+
+
+def assert_same_trajectory(reference: Path, out: Path, *, steps: int) -> None:
+    """Every step recorded exactly once with all M microbatches; the committed losses within rtol
+    1e-4 of the reference's, the final parameters within relative L2 1e-4."""
+    ref, got = records(reference), records(out)
+    assert [r["step"] for r in got] == list(range(steps)), "a step is missing or recorded twice"
+    assert all(r["microbatches"] == M for r in got), "a step did not sum M microbatches"
+    for a, b in zip(ref, got, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
+    pa = torch.load(reference / "result" / "final.pt")
+    pb = torch.load(out / "result" / "final.pt")
+    num = sum(float(((pa[k] - pb[k]).double() ** 2).sum()) for k in pa) ** 0.5
+    den = sum(float((pa[k].double() ** 2).sum()) for k in pa) ** 0.5
+    assert num / den <= 1e-4, num / den
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "custom.bin"
+    r = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_custom.py"), "--make-data", str(path)],
+        capture_output=True, text=True, timeout=60, env=child_env(),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return path
+
+
+def custom_args(data: Path, steps: int = STEPS) -> list[str]:
+    return ["--data", str(data), "--steps", str(steps), "--microbatches", str(M)]
+
+
+@pytest.fixture(scope="module")
+def custom_reference(token_file, tmp_path_factory) -> Path:
+    """The failure-free run of the custom script: 3 replicas."""
+    out = tmp_path_factory.mktemp("custom-ref")
+    r = recover_run(out, "train_custom.py", "--replicas", "3", script_args=custom_args(token_file))
+    assert r.returncode == 0, r.stdout[-3000:]
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_script_of_its_own_survives_a_kill_mid_step(token_file, custom_reference, tmp_path):
+    """SIGKILL of replica 1 in the backward of its first microbatch of step 3: the survivors
+    recompute its ids and the run stays on the failure-free trajectory."""
+    r = recover_run(
+        tmp_path, "train_custom.py", "--replicas", "3",
+        "--fault", "kill:replica=1,step=3,phase=backward,microbatch=0",
+        script_args=custom_args(token_file),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert_same_trajectory(custom_reference, tmp_path, steps=STEPS)
+    dead = events(tmp_path / "job", "coordinator.member_dead")
+    assert [e["replica"] for e in dead] == [1]
+    redo = events(tmp_path / "job", "coordinator.redo")
+    assert redo and redo[0]["step"] == 3 and redo[0]["lost"], redo
+    assert [e["step"] for e in events(tmp_path / "job", "recovered")] == [3, 3]  # both survivors
+
+
+@pytest.mark.timeout(240)
+def test_a_respawned_replica_gets_the_scripts_optimizer_and_scheduler(
+    token_file, custom_reference, tmp_path
+):
+    """Replica 0 (the writer) killed at step 2, respawned at once: it joins at a step boundary,
+    receives the model, SGD momentum and LambdaLR state from a live replica, and the run stays on
+    the trajectory (a joiner with a fresh optimizer or schedule would leave it)."""
+    r = recover_run(
+        tmp_path, "train_custom.py", "--replicas", "3", "--respawn", "0",
+        "--fault", "kill:replica=0,step=2,phase=forward",
+        script_args=custom_args(token_file),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    transfers = events(tmp_path / "job", "state_transfer")
+    assert [e["replica"] for e in transfers] == [0], "the respawned replica never joined"
+    assert_same_trajectory(custom_reference, tmp_path, steps=STEPS)
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_with_other_settings_is_refused_with_the_field_named(token_file, tmp_path):
+    """The script's `config` is part of the fingerprint: a replica with another learning rate is
+    refused at registration, naming the field, instead of silently diverging."""
+    script = tmp_path / "lr_by_replica.py"
+    # Replica 1 runs with a 10x learning rate: the same script, one flag different.
+    script.write_text(
+        "import os, runpy, sys\n"
+        "if os.environ['RECOVER_REPLICA_ID'] == '1':\n"
+        "    sys.argv += ['--lr', '0.5']\n"
+        f"sys.argv[0] = {str(EXAMPLES / 'train_custom.py')!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    cmd = [sys.executable, "-m", "recover.cli", "run", "--out", str(tmp_path / "job")]
+    cmd += [
+        "--replicas",
+        "2",
+        "--start-timeout",
+        "3",
+        "--",
+        sys.executable,
+        str(script),
+        *custom_args(token_file, 4),
+    ]
+    cmd += ["--out", str(tmp_path / "result")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=child_env())
+    assert r.returncode != 0
+    assert "fingerprint field 'config.lr' differs" in r.stdout, r.stdout[-3000:]
+    assert leftover_processes(str(tmp_path)) == []
