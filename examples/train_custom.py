@@ -19,25 +19,19 @@ from torch import nn
 
 import recover
 
-p = argparse.ArgumentParser()
-p.add_argument("--data", type=Path, default=Path("data/custom.bin"))
-p.add_argument(
-    "--make-data", type=Path, help="write a token file (bytes of Python source) and exit"
-)
-p.add_argument("--out", type=Path, default=Path("runs/custom"))
-p.add_argument("--steps", type=int, default=20)
-p.add_argument("--microbatches", type=int, default=6)
-p.add_argument("--batch", type=int, default=4)
-p.add_argument("--seq-len", type=int, default=64)
-p.add_argument("--lr", type=float, default=0.05)
-p.add_argument("--seed", type=int, default=0)
-args = p.parse_args()
 
-if args.make_data:  # bytes of a few standard-library modules, one token per byte
-    text = b"".join(Path(m.__file__).read_bytes() for m in (argparse, json, np))
-    args.make_data.parent.mkdir(parents=True, exist_ok=True)
-    recover.write_token_file(args.make_data, np.frombuffer(text, dtype=np.uint8).astype(np.uint16))
-    raise SystemExit(0)
+def parse_args(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--data", type=Path, default=Path("data/custom.bin"))
+    p.add_argument("--make-data", type=Path, help="write a token file and exit")
+    p.add_argument("--out", type=Path, default=Path("runs/custom"))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--microbatches", type=int, default=6)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
 
 
 class TinyLM(nn.Module):
@@ -46,7 +40,7 @@ class TinyLM(nn.Module):
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.zeros(seq_len, dim))
         layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.1, batch_first=True)
-        self.blocks = nn.TransformerEncoder(layer, layers)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, x):  # (B, T) -> (B, T, vocab)
@@ -55,47 +49,68 @@ class TinyLM(nn.Module):
         return self.head(self.blocks(self.embed(x) + self.pos[:T], mask=mask, is_causal=True))
 
 
-torch.set_num_threads(1)
-torch.manual_seed(args.seed)  # the same initial parameters on every replica
-data = recover.TokenWindows(
-    args.data, seq_len=args.seq_len, microbatch_size=args.batch,
-    microbatches=args.microbatches, seed=args.seed,
-)  # fmt: skip
-model = TinyLM(seq_len=args.seq_len)
-optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True)
-warmup = 3
-scheduler = torch.optim.lr_scheduler.LambdaLR(
-    optimizer,
-    lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * s / args.steps)),
-)
+def build(args):
+    """The script's own pieces, seeded alike in every process: data, model, optimizer, schedule."""
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)  # the same initial parameters on every replica
+    data = recover.TokenWindows(
+        args.data, seq_len=args.seq_len, microbatch_size=args.batch,
+        microbatches=args.microbatches, seed=args.seed,
+    )  # fmt: skip
+    model = TinyLM(seq_len=args.seq_len)
+    return data, model
 
-replica = recover.Replica(
-    microbatches=args.microbatches,
-    config={"lr": args.lr, "seed": args.seed, "batch": args.batch, "data": data.content_hash},
-    check_every=5,
-    check_data=data.batch,  # opt-in: replicas compare a replayed microbatch every 5 steps
-)
-replica.attach(model, optimizer, extra_state={"scheduler": scheduler})
-args.out.mkdir(parents=True, exist_ok=True)
-for step in replica.steps(args.steps):
-    for j in replica.microbatches():
-        x, y = data.batch(step, j)
-        torch.manual_seed(
-            args.seed * 1_000_003 + step * args.microbatches + j
-        )  # dropout of (step, j)
-        logits = model(x)
-        replica.backward(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad()
-    if replica.is_writer:  # one replica writes each committed step's record
-        with open(args.out / "losses.jsonl", "a") as f:
-            record = {
-                "step": step,
-                "loss": replica.loss,
-                "microbatches": replica.committed_microbatches,
-            }
-            f.write(json.dumps(record) + "\n")
-        if step == args.steps - 1:
-            torch.save(model.state_dict(), args.out / "final.pt")
+
+def optimizer_for(model, args):
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True)
+    warm = 3
+
+    def schedule(s):  # linear warmup, then cosine to zero
+        return (s + 1) / warm if s < warm else 0.5 + 0.5 * math.cos(math.pi * s / args.steps)
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def train(replica, model, optimizer, scheduler, data, args):
+    """The loop: plain PyTorch, with each step's microbatches taken from the replica."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    for step in replica.steps(args.steps):
+        for j in replica.microbatches():  # this replica's ids, then any reassigned to it
+            x, y = data.batch(step, j)  # a pure function of (step, j)
+            torch.manual_seed(args.seed * 1_000_003 + step * args.microbatches + j)  # dropout
+            logits = model(x)
+            replica.backward(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+        # .grad holds the committed mean gradient over the step's M microbatches
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        if replica.is_writer:  # one replica writes each committed step's record
+            record = {"step": step, "loss": replica.loss, "microbatches": replica.committed_microbatches}  # fmt: skip
+            with open(args.out / "losses.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def main():
+    args = parse_args()
+    if args.make_data:  # the bytes of a few standard-library modules, one token per byte
+        text = b"".join(Path(m.__file__).read_bytes() for m in (argparse, json, np))
+        args.make_data.parent.mkdir(parents=True, exist_ok=True)
+        recover.write_token_file(args.make_data, np.frombuffer(text, np.uint8).astype(np.uint16))
+        return
+    data, model = build(args)
+    optimizer, scheduler = optimizer_for(model, args)
+    replica = recover.Replica(
+        microbatches=args.microbatches,
+        config={"lr": args.lr, "seed": args.seed, "batch": args.batch, "data": data.content_hash},
+        check_every=5,
+        check_data=data.batch,  # opt-in: every 5 steps the replicas compare a replayed microbatch
+    )
+    replica.attach(model, optimizer, extra_state={"scheduler": scheduler})
+    train(replica, model, optimizer, scheduler, data, args)
+    if replica.is_writer:
+        torch.save(model.state_dict(), args.out / "final.pt")
+
+
+if __name__ == "__main__":
+    main()

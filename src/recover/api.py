@@ -236,6 +236,10 @@ class Replica:
                 watchdog_s=self.spec.watchdog_s,
                 emit=self.event,
             )
+            # A mate's death surfaces as an error of a collective inside the replica, often in the
+            # script's own code (an FSDP2 all-gather in its forward): end with the watchdog's
+            # status and one line, not a traceback, wherever it is raised.
+            _stop_on_lost_mate(self.intra)
         self.rank = self.intra.rank if self.intra is not None else 0
         self.mesh = self.intra.mesh if self.intra is not None else None
         self.step: int | None = None  # the step in progress (or the last one handed out)
@@ -511,8 +515,19 @@ class Replica:
             self.intra.close()
         if self._work is not None:
             self._guard.close()
-        if self._writer is not None:
-            self._writer.close()
+        # The events file stays open to the end of the process: what ends it after this (a lost
+        # replica-mate, seen by the watchdog or an error) is still recorded.
+
+
+def _stop_on_lost_mate(intra) -> None:
+    previous = sys.excepthook
+
+    def hook(kind, error, tb) -> None:
+        if isinstance(error, Exception):
+            intra.on_error(error)  # exits (status 7) when a mate is lost; returns otherwise
+        previous(kind, error, tb)
+
+    sys.excepthook = hook
 
 
 def _sum_inside_fsdp(model: torch.nn.Module) -> None:

@@ -1,0 +1,112 @@
+"""Misuse of the drop-in API fails at once with a UsageError that says what to change (never a
+hang, never a silently wrong sum). In-process: one replica against an in-process coordinator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recover import Replica, UsageError
+from recover.coordinator import CoordinatorOptions, CoordinatorServer
+
+
+@pytest.fixture
+def job():
+    """A one-replica job; yields the variables a launcher would give its replica."""
+    opts = CoordinatorOptions(expected_replicas=1, microbatches=0, lease_s=2.0)
+    with CoordinatorServer(opts, store_port=0) as server:
+        host, port = server.address
+        yield {"RECOVER_COORDINATOR": f"{host}:{port}", "RECOVER_REPLICA_ID": "0"}
+
+
+def attached(env, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    replica = Replica(microbatches=2, env=env, **kw)
+    replica.attach(model, optimizer)
+    return replica, model, optimizer
+
+
+def loss_of(model, step, j):
+    x = torch.full((2, 3), float(step + j))
+    return model(x).pow(2).mean()
+
+
+@pytest.mark.timeout(30)
+def test_a_correct_loop_commits_the_mean_gradient(job):
+    """The control: with one replica the committed gradient is the mean over ids 0..M-1."""
+    replica, model, optimizer = attached(job)
+    for step in replica.steps(2):
+        for j in replica.microbatches():
+            replica.backward(loss_of(model, step, j))
+        probe = torch.nn.Linear(3, 1)
+        probe.load_state_dict(model.state_dict())
+        for j in range(2):
+            (loss_of(probe, step, j) / 2).backward()
+        assert torch.allclose(model.weight.grad, probe.weight.grad, rtol=1e-6)
+        assert replica.committed_microbatches == 2 and replica.is_writer
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.timeout(30)
+def test_gradients_left_from_before_the_step_are_refused(job):
+    replica, model, optimizer = attached(job)
+    loss_of(model, 0, 0).backward()  # outside any step: would be added to step 0's sum
+    with pytest.raises(UsageError, match="optimizer.zero_grad"):
+        for _ in replica.steps(1):
+            for _ in replica.microbatches():
+                pass
+    replica.close()
+
+
+@pytest.mark.timeout(30)
+def test_an_optimizer_step_inside_the_microbatches_is_refused(job):
+    replica, model, optimizer = attached(job)
+    with pytest.raises(UsageError, match="after the loop over microbatches"):
+        for step in replica.steps(1):
+            for j in replica.microbatches():
+                replica.backward(loss_of(model, step, j))
+                optimizer.step()
+    replica.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_microbatch_without_backward_is_refused(job):
+    replica, model, optimizer = attached(job)
+    with pytest.raises(UsageError, match=r"had no replica.backward\(loss\)"):
+        for step in replica.steps(1):
+            for j in replica.microbatches():
+                loss_of(model, step, j).backward()  # not through the replica: not counted
+    replica.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_step_left_before_it_committed_is_refused(job):
+    replica, model, optimizer = attached(job)
+    with pytest.raises(UsageError, match="ended before it committed"):
+        for _ in replica.steps(2):
+            pass  # no microbatches(): nothing was computed nor committed
+    replica.close()
+
+
+@pytest.mark.timeout(30)
+def test_calls_out_of_order_are_refused(job):
+    replica = Replica(microbatches=2, env=job)
+    with pytest.raises(UsageError, match="attach"):
+        next(iter(replica.steps(1)))
+    replica2, model, _ = attached(job)
+    with pytest.raises(UsageError, match="inside `for step in replica.steps"):
+        next(iter(replica2.microbatches()))
+    with pytest.raises(UsageError, match="belongs inside"):
+        replica2.backward(loss_of(model, 0, 0))
+    replica.close()
+    replica2.close()
+
+
+def test_a_script_not_started_by_a_launcher_is_told_how_to_start():
+    with pytest.raises(ValueError, match="RECOVER_COORDINATOR and RECOVER_REPLICA_ID not set"):
+        Replica(microbatches=2, env={})
+    with pytest.raises(ValueError, match="microbatches must be an int >= 1"):
+        Replica(microbatches=0, env={})
