@@ -1,0 +1,195 @@
+"""The step machine in-process: replicas as threads, each with its own coordinator session, gloo
+groups and model, against an in-process coordinator. No subprocess, no CLI: this tier drives
+`recover.step_machine` through its two interfaces (a Work and a Link) alone.
+
+The fault here is a replica that leaves mid-reduce by dropping its coordinator session (the
+coordinator sees the connection close, as it does when a process dies) and abandoning its
+in-flight collective. Real-process kills of the same machine are in test_multireplica.py and
+test_api.py; this tier is for the machine's logic: the redo loop, the reassigned ids, the plan
+and the writer named with the commit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import pytest
+import torch
+
+from recover.collective import CollectiveConfig, GroupCache
+from recover.coordinator import CoordinatorOptions, CoordinatorServer
+from recover.coordinator.client import CoordinatorClient
+from recover.grads import GradientSum
+from recover.intra import SoloLink
+from recover.step_machine import StepHooks, StepMachine, StepOptions
+
+M = 6
+STEPS = 5
+_INIT = threading.Lock()
+
+
+class _Gone(Exception):
+    """Ends a replica's thread (the in-process stand-in for its process ending)."""
+
+
+class LinearWork:
+    """The step machine's Work for a tiny linear model; microbatch (step, j) is pure."""
+
+    def __init__(self) -> None:
+        with _INIT:  # the global RNG is shared by the threads: seed and draw at once
+            torch.manual_seed(0)
+            self.model = torch.nn.Linear(4, 1)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        self.grads = GradientSum(self.model.parameters(), device="cpu")
+
+    def loss(self, step: int, j: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 * step + j)
+        x, y = torch.randn(3, 4, generator=g), torch.randn(3, 1, generator=g)
+        return (self.model(x) - y).pow(2).mean()
+
+    def compute(self, todo) -> None:
+        for j in todo.ids:
+            loss = self.loss(todo.step, j)
+            loss.backward()
+            self.grads.loss_sum += float(loss.detach())
+
+    def apply(self, reduced: torch.Tensor, count: int) -> None:
+        self.grads.load(reduced, divide_by=count)
+        self.optimizer.step()
+        self.grads.clear()
+
+    # Work
+    def snapshot(self) -> torch.Tensor:
+        return self.grads.snapshot()
+
+    def clear(self) -> None:
+        self.grads.clear()
+
+    def parameter_hash(self) -> str:
+        return self.grads.parameter_hash()
+
+    def transfer_state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_transfer_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def reference_parameters() -> torch.Tensor:
+    """One process summing all M ids of every step: the trajectory every run must follow."""
+    work = LinearWork()
+    for step in range(STEPS):
+        work.compute(type("Todo", (), {"step": step, "ids": range(M)})())
+        work.apply(work.snapshot(), M)
+    return work.grads.flat_parameters()
+
+
+def run_replica(r: int, server, results: dict, leave_at: tuple[int, str] | None) -> None:
+    """Replica r's thread: register, run STEPS steps through the machine, record each commit."""
+    client = CoordinatorClient(*server.address, replica_id=r, heartbeat_s=0.05)
+    link = SoloLink(client)
+    work = LinearWork()
+
+    def phase(name: str, step: int, index) -> None:
+        if leave_at == (step, name):  # drop the session, abandon the thread
+            client.close()
+            raise _Gone
+
+    def compute(todo) -> None:
+        phase("compute", todo.step, None)
+        work.compute(todo)
+
+    commits = []
+    try:
+        view = link.register(fingerprint={"microbatches": M}, next_step=0, deadline_s=20)
+        store = torch.distributed.TCPStore(
+            *link.store_address, is_master=False, timeout=datetime.timedelta(seconds=20)
+        )
+        machine = StepMachine(
+            work=work,
+            link=link,
+            groups=GroupCache(store, config=CollectiveConfig(), device="cpu"),
+            options=StepOptions(replica_id=r, check_every=2, outcome_timeout_s=20),
+            hooks=StepHooks(phase=phase),
+        )
+        for step in range(view.step, STEPS):
+            commit = machine.run(step, compute)
+            work.apply(commit.reduced, commit.count)
+            commits.append(commit)
+        link.leave(step=STEPS)
+        results[r] = {"commits": commits, "params": work.grads.flat_parameters()}
+    except _Gone:
+        results[r] = {"commits": commits, "gone": True}
+    except Exception as e:  # reported by the test, which would otherwise see a missing result
+        results[r] = e
+    finally:
+        link.close()
+
+
+def run_job(replicas: int, leave_at: dict[int, tuple[int, str]]) -> dict:
+    opts = CoordinatorOptions(expected_replicas=replicas, microbatches=0, lease_s=2.0)
+    results: dict = {}
+    with CoordinatorServer(opts, store_port=0) as server:
+        threads = [
+            threading.Thread(target=run_replica, args=(r, server, results, leave_at.get(r)))
+            for r in range(replicas)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "a replica's thread is stuck"
+    return results
+
+
+def check_commits(results: dict, survivors: list[int]) -> None:
+    """Every step committed with all M ids on every survivor, and exactly one writer per step
+    among every replica that saw its commit."""
+    for r in survivors:
+        commits = results[r]["commits"]
+        assert [c.step for c in commits] == list(range(STEPS))
+        assert all(c.count == M for c in commits), [c.count for c in commits]
+    for step in range(STEPS):
+        writers = [r for r in results for c in results[r]["commits"] if c.step == step and c.writer]
+        assert len(writers) == 1, (step, writers)
+
+
+@pytest.mark.timeout(90)
+def test_three_replicas_follow_the_one_process_trajectory():
+    results = run_job(3, {})
+    assert all(isinstance(results.get(r), dict) for r in range(3)), results
+    check_commits(results, [0, 1, 2])
+    ref = reference_parameters()
+    for r in range(3):
+        assert torch.allclose(results[r]["params"], ref, rtol=1e-5, atol=1e-7), r
+
+
+@pytest.mark.timeout(90)
+def test_a_replica_leaving_mid_step_is_recomputed_by_the_survivors():
+    """Replica 0 (the writer) drops out while computing step 2: the survivors redo step 2 with its
+    ids reassigned, commit it with all M, and the writer of the later steps is replica 1."""
+    results = run_job(3, {0: (2, "compute")})
+    assert results[0].get("gone") and isinstance(results[1], dict), results
+    check_commits(results, [1, 2])
+    step2 = results[1]["commits"][2]
+    assert step2.attempts >= 2 and sorted(step2.shares) == [1, 2], step2
+    assert sum(step2.shares.values()) == M
+    assert [c.writer for c in results[1]["commits"]] == [False, False, True, True, True]
+    ref = reference_parameters()
+    for r in (1, 2):
+        assert torch.allclose(results[r]["params"], ref, rtol=1e-5, atol=1e-7), r
+
+
+@pytest.mark.timeout(90)
+def test_a_replica_leaving_mid_reduce_never_breaks_the_step():
+    """Replica 0 drops out while its reduce of step 2 is in flight. Whether the sum had completed
+    (the step commits as it was) or not (it is redone without replica 0) depends on timing; either
+    way every step sums M ids once, one replica writes it, and the survivors agree."""
+    results = run_job(3, {0: (2, "reduce")})
+    assert results[0].get("gone") and isinstance(results[1], dict), results
+    check_commits(results, [1, 2])
+    ref = reference_parameters()
+    for r in (1, 2):
+        assert torch.allclose(results[r]["params"], ref, rtol=1e-5, atol=1e-7), r
