@@ -11,6 +11,7 @@ with SGD + Nesterov momentum and a warmup-then-cosine LambdaLR on a nanoGPT-styl
 import argparse
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -86,7 +87,8 @@ def train(replica, model, optimizer, scheduler, data, args):
         scheduler.step()
         optimizer.zero_grad()
         if replica.is_writer:  # one replica writes each committed step's record
-            record = {"step": step, "loss": replica.loss, "microbatches": replica.committed_microbatches}  # fmt: skip
+            record = {"step": step, "loss": replica.loss, "microbatches": replica.committed_microbatches,
+                      "time": time.time()}  # fmt: skip
             with open(args.out / "losses.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 

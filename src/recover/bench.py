@@ -563,9 +563,16 @@ def add_bench_parser(subparsers) -> None:
                 help="run folders, compare.json/.md and plots (default: bench-compare)",
             )
     # fmt: on
+    from recover.bench_script import add_script_parser
+
+    add_script_parser(sub)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "script":
+        from recover.bench_script import bench_script
+
+        return _write_result(bench_script, args)
     for name in ("replicas", "repeats", "microbatches", "microbatch_size", "seq_len"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
@@ -583,6 +590,10 @@ def run_bench(args: argparse.Namespace) -> int:
         "balance": bench_balance,
         "compare": bench_compare,
     }[args.bench_command]
+    return _write_result(fn, args)
+
+
+def _write_result(fn, args: argparse.Namespace) -> int:
     try:
         result = fn(args)
     except ValueError as e:
