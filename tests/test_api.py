@@ -147,20 +147,24 @@ def test_a_replica_with_other_settings_is_refused_with_the_field_named(token_fil
 
 
 @pytest.mark.timeout(240)
-def test_the_script_sharded_by_fsdp2_survives_a_rank_kill(token_file, tmp_path):
+def test_the_script_sharded_by_fsdp2_survives_a_rank_kill_and_rejoins(token_file, tmp_path):
     """examples/train_fsdp.py: the same model wrapped by the script with FSDP2 over the replica's
-    mesh, 2 replicas of 2 ranks. Rank 1 of replica 1 is SIGKILLed in a backward: its mate stops
-    on the lost peer (status 7, one line), replica 0 recomputes the lost ids, and the run equals
-    the one-rank run of the unsharded script."""
-    args = custom_args(token_file, 8)
+    mesh, 2 replicas of 2 ranks. Rank 0 of replica 1 is SIGKILLed in a forward: its mate stops on
+    the lost peer (status 7, one line), replica 0 recomputes the lost ids; the replica is respawned
+    and each of its ranks receives its position's shards of the model and of the SGD momentum
+    (DTensors). The run equals the one-rank run of the unsharded script."""
+    steps = 100
+    args = custom_args(token_file, steps)
     ref = tmp_path / "ref"
     assert recover_run(ref, "train_custom.py", "--replicas", "1", script_args=args).returncode == 0
     out = tmp_path / "fsdp"
     r = recover_run(
-        out, "train_fsdp.py", "--replicas", "2", "--ranks-per-replica", "2",
-        "--fault", "kill:replica=1,rank=1,step=3,phase=backward", script_args=args,
+        out, "train_fsdp.py", "--replicas", "2", "--ranks-per-replica", "2", "--respawn", "0",
+        "--fault", "kill:replica=1,rank=0,step=2,phase=forward", script_args=args,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:]
-    assert "replica 1 rank 0 exited with status 7" in r.stdout
+    assert "replica 1 rank 1 exited with status 7" in r.stdout
     assert "Traceback" not in r.stdout, r.stdout[-3000:]
-    assert_same_trajectory(ref, out, steps=8)
+    transfers = events(out / "job", "state_transfer")
+    assert sorted((e["replica"], e["rank"]) for e in transfers) == [(1, 0), (1, 1)], transfers
+    assert_same_trajectory(ref, out, steps=steps)
