@@ -168,3 +168,28 @@ def test_the_script_sharded_by_fsdp2_survives_a_rank_kill_and_rejoins(token_file
     transfers = events(out / "job", "state_transfer")
     assert sorted((e["replica"], e["rank"]) for e in transfers) == [(1, 0), (1, 1)], transfers
     assert_same_trajectory(ref, out, steps=steps)
+
+
+@pytest.mark.timeout(120)
+def test_data_that_depends_on_the_replica_is_caught_by_the_opt_in_check(token_file, tmp_path):
+    """The contract broken on purpose: replica 1 reads other tokens for (step, j) than replica 0
+    (as a data loader keyed by rank would). The example's check (check_data, every 5 steps)
+    replays a microbatch on every replica; the run stops at step 0 saying the data differs."""
+    script = tmp_path / "impure_data.py"
+    script.write_text(
+        "import os, runpy, sys\n"
+        "import recover\n"
+        "if os.environ['RECOVER_REPLICA_ID'] == '1':\n"
+        "    pure = recover.TokenWindows.batch\n"
+        "    recover.TokenWindows.batch = lambda self, step, j: pure(self, step + 1, j)\n"
+        f"sys.argv[0] = {str(EXAMPLES / 'train_custom.py')!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    cmd = [sys.executable, "-m", "recover.cli", "run", "--out", str(tmp_path / "job")]
+    cmd += ["--replicas", "2", "--", sys.executable, str(script), *custom_args(token_file, 6)]
+    cmd += ["--out", str(tmp_path / "result")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=child_env())
+    assert r.returncode != 0
+    assert "PARAMETERS DIVERGED at step 0" in r.stdout, r.stdout[-3000:]
+    assert "The data parts differ" in r.stdout, r.stdout[-3000:]
+    assert leftover_processes(str(tmp_path)) == []

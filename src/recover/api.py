@@ -41,6 +41,7 @@ import contextlib
 import datetime
 import hashlib
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -492,7 +493,7 @@ class Replica:
                 raise SystemExit(self._say(f"nothing to join: {e}", 0)) from None
             raise SystemExit(self._say(f"refused by the coordinator: {e}", EXIT_REFUSED)) from None
         except DivergedError as e:
-            raise SystemExit(self._say(str(e), EXIT_DIVERGED)) from None
+            raise SystemExit(self._say(_explain_divergence(str(e)), EXIT_DIVERGED)) from None
         except (QuorumLostError, _ClientQuorumLost) as e:
             raise QuorumLost(
                 f"replica {self.replica_id}: {e}; the model holds the state after step "
@@ -517,6 +518,25 @@ class Replica:
             self._guard.close()
         # The events file stays open to the end of the process: what ends it after this (a lost
         # replica-mate, seen by the watchdog or an error) is still recorded.
+
+
+def _explain_divergence(text: str) -> str:
+    """The coordinator's divergence message, plus which half of the hashes differs when the data
+    check was on ("PARAMS/data(step,j):BATCH", see _ScriptWork.parameter_hash)."""
+    held = re.findall(r"hold (\S+?)(?:;|\. )", text)
+    if not held or not all("/data(" in h for h in held):
+        return text
+    params = {h.split("/data(")[0] for h in held}
+    batches = {h.split("/data(")[1] for h in held}
+    if len(batches) > 1:
+        return (
+            f"{text}. The data parts differ: the replicas' microbatch of that step is not the "
+            "same, so (step, j) is not a pure function of (step, j) in this script (see the "
+            "contract in docs/api.md)"
+        )
+    if len(params) > 1:
+        return f"{text}. The data parts agree: the parameters themselves differ"
+    return text
 
 
 def _stop_on_lost_mate(intra) -> None:
