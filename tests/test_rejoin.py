@@ -127,9 +127,9 @@ def test_hand_started_joiners_refused_killed_in_transfer_and_scale_up(
                  90, "the run to start")  # fmt: skip
         address = json.loads((out / "coordinator.json").read_text())
         where = ["--coordinator", f"127.0.0.1:{address['port']}", *data]
-        # A joiner with another seed is refused, naming the field; one killed while receiving the
-        # state leaves the others training.
-        bad = cli("worker", *FLAGS, "--seed", "9", *where, "--replica-id", "3", env=env)
+        # A joiner with a 10x learning rate is refused, naming the field; one killed while
+        # receiving the state leaves the others training.
+        bad = cli("worker", *FLAGS, "--lr", "1e-2", *where, "--replica-id", "3", env=env)
         doomed = cli("worker", *FLAGS, *where, "--replica-id", "4",
                      "--fault", "kill:replica=4,step=0,phase=transfer", env=env)  # fmt: skip
         # Scale-up: a good joiner is admitted at a step boundary and trains to the end. It starts
@@ -138,7 +138,7 @@ def test_hand_started_joiners_refused_killed_in_transfer_and_scale_up(
         joiners += [bad, doomed, good]
         refused = finish(bad, 60)
         assert refused.returncode == 6, refused.stdout
-        assert "'seed' differs" in refused.stdout
+        assert "fingerprint field 'lr' differs: run has 0.001, replica has 0.01" in refused.stdout
         assert finish(doomed, 60).returncode == -9
         joined = finish(good, 120)
         assert joined.returncode == 0, joined.stdout

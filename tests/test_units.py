@@ -158,3 +158,30 @@ def test_stall_timeout_is_checked():
     for bad in (-1, "10", True):
         with pytest.raises(ValueError, match="--stall-timeout must be >= 0"):
             check_stall(bad)
+
+
+def test_the_join_fingerprint_covers_every_setting_of_the_update(tiny_dataset):
+    """A replica whose training settings differ in anything that changes the committed update
+    (optimizer, schedule, clip, dropout, precision, batch, seed...) or whose mode differs is
+    refused; the record-only settings (eval and checkpoint cadence) may differ."""
+    from dataclasses import fields, replace
+
+    from recover.config import TrainConfig
+    from recover.data.addressing import TokenDataset
+    from recover.worker import fingerprint
+
+    data = TokenDataset.open(tiny_dataset)
+    base = TrainConfig()
+    ref = fingerprint(base, data)
+    changed = {
+        "preset": "small", "precision": "bf16", "steps": 301, "microbatches": 9,
+        "microbatch_size": 9, "seq_len": 64, "seed": 1, "warmup_steps": 31, "eval_every": 101,
+        "eval_batches": 9, "ckpt_every": 101, "keep_ckpts": 3, "beta1": 0.8, "beta2": 0.9,
+        "dropout": 0.1,
+    }  # fmt: skip
+    for f in fields(TrainConfig):
+        value = changed.get(f.name, getattr(base, f.name) * 2)  # lr, min_lr, weight_decay, clip
+        other = fingerprint(replace(base, **{f.name: value}), data)
+        record_only = f.name in ("eval_every", "eval_batches", "ckpt_every", "keep_ckpts")
+        assert (other == ref) == record_only, f.name
+    assert fingerprint(base, data, mode="shrink") != ref

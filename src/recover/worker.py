@@ -111,24 +111,28 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
+# Settings that only decide what is recorded, never the committed update: a replica may differ.
+_RECORD_ONLY = ("eval_every", "eval_batches", "ckpt_every", "keep_ckpts")
+
+
 def fingerprint(
     cfg: TrainConfig,
     dataset: TokenDataset,
     dims: dict[str, int] | None = None,
     cross_reduce: str = "gloo",
+    mode: str = "recover",
 ) -> dict:
-    """What every replica of a run must agree on; a joiner with another one is refused."""
+    """What every replica of a run must agree on; a joiner with another one is refused (naming
+    the field). Every training setting that changes the committed update is in it: the model,
+    the batch, the seed, the optimizer and schedule, clipping, dropout, precision, the layout, the
+    cross-replica backend, the mode, and the dataset's content."""
+    train = {k: v for k, v in cfg.to_dict().items() if k not in _RECORD_ONLY}
     return {
-        "preset": cfg.preset,
-        "microbatches": cfg.microbatches,
-        "microbatch_size": cfg.microbatch_size,
-        "seq_len": cfg.seq_len,
-        "seed": cfg.seed,
-        "steps": cfg.steps,
+        **train,
         "data_hash": dataset.content_hash,
-        "precision": cfg.precision,
         "layout": " ".join(f"{k} {v}" for k, v in (dims or {}).items()) or "single rank",
         "cross_reduce": cross_reduce,  # one group of every epoch: one backend
+        "mode": mode,
     }
 
 
@@ -205,7 +209,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     )
     try:
         view = link.register(
-            fingerprint=fingerprint(cfg, dataset, dims, wcfg.cross_reduce),
+            fingerprint=fingerprint(cfg, dataset, dims, wcfg.cross_reduce, wcfg.mode),
             next_step=start,
             deadline_s=wcfg.register_timeout_s,
         )
