@@ -2,8 +2,16 @@
 
 Job: read the committed loss of both runs (the last record of each step) and their final models,
 and report (1) the largest relative difference of the committed loss over the steps both runs
-committed and (2) the relative L2 distance of the final parameters, ||a - b|| / ||a||. Both are
-compared with one tolerance; the exit status is 1 when either exceeds it (or nothing is shared).
+committed, (2) the relative L2 distance of the final parameters, ||a - b|| / ||a||, and (3) the
+committed steps of either run that have no step record. Both distances are compared with one
+tolerance; the exit status is 1 when either exceeds it, when nothing is shared, or when a run has
+a gap (a committed step without a record is a difference: lost data, whatever the parameters say).
+
+A run's committed steps are 0..last, where last is the highest step that any of these says was
+committed: a step record, a `coordinator.committed` event, or the run's `summary` record (a
+finished run committed every step up to its `steps`). Steps are committed in order, so a step
+below the last one with no record is a gap. Runs of different lengths are still compared on the
+steps both committed.
 
 Relative loss difference at a step: |a - b| / max(|a|, |b|, tiny).
 """
@@ -17,7 +25,7 @@ from pathlib import Path
 import torch
 
 from recover.config import RunPaths
-from recover.metrics import committed_steps
+from recover.metrics import committed_steps, read_metrics
 
 
 @dataclass(frozen=True)
@@ -26,9 +34,14 @@ class Comparison:
     max_loss_rel_diff: float
     worst_step: int | None
     param_rel_l2: float | None  # None when a final model is missing
+    # Committed steps with no step record, in run A and in run B (see the module docstring).
+    missing_a: tuple[int, ...] = ()
+    missing_b: tuple[int, ...] = ()
 
     def passes(self, rtol: float) -> bool:
         if self.common_steps == 0 or self.param_rel_l2 is None:
+            return False
+        if self.missing_a or self.missing_b:
             return False
         return self.max_loss_rel_diff <= rtol and self.param_rel_l2 <= rtol
 
@@ -46,6 +59,25 @@ def param_rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     diff = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
     norm = sum(float(a[k].double().pow(2).sum()) for k in a)
     return math.sqrt(diff) / max(math.sqrt(norm), 1e-30)
+
+
+def last_committed_step(metrics: Path) -> int:
+    """The highest step the run's record says was committed (-1: none); see the docstring."""
+    last = -1
+    for record in read_metrics(metrics):
+        kind = record.get("kind")
+        if kind == "step" or (kind == "event" and record.get("name") == "coordinator.committed"):
+            if isinstance(record.get("step"), int):
+                last = max(last, record["step"])
+        elif kind == "summary" and isinstance(record.get("steps"), int):
+            last = max(last, record["steps"] - 1)
+    return last
+
+
+def missing_steps(metrics: Path) -> tuple[int, ...]:
+    """Committed steps of the run in `metrics` that have no step record (its gaps)."""
+    recorded = committed_steps(metrics)
+    return tuple(s for s in range(last_committed_step(metrics) + 1) if s not in recorded)
 
 
 def compare_runs(run_a: Path, run_b: Path) -> Comparison:
@@ -66,8 +98,20 @@ def compare_runs(run_a: Path, run_b: Path) -> Comparison:
     pa, pb = _final_params(run_a), _final_params(run_b)
     dist = param_rel_l2(pa, pb) if pa is not None and pb is not None else None
     return Comparison(
-        common_steps=len(common), max_loss_rel_diff=worst, worst_step=worst_step, param_rel_l2=dist
+        common_steps=len(common),
+        max_loss_rel_diff=worst,
+        worst_step=worst_step,
+        param_rel_l2=dist,
+        missing_a=missing_steps(RunPaths(out=run_a).metrics),
+        missing_b=missing_steps(RunPaths(out=run_b).metrics),
     )
+
+
+def _format_missing(steps: tuple[int, ...]) -> str:
+    if not steps:
+        return "none"
+    shown = ", ".join(str(s) for s in steps[:10])
+    return shown + (f" (and {len(steps) - 10} more)" if len(steps) > 10 else "")
 
 
 def format_comparison(c: Comparison, rtol: float, run_a: Path, run_b: Path) -> str:
@@ -79,6 +123,8 @@ def format_comparison(c: Comparison, rtol: float, run_a: Path, run_b: Path) -> s
         + (f" (step {c.worst_step})" if c.worst_step is not None else ""),
         "  final params relative L2   "
         + (f"{c.param_rel_l2:.3e}" if c.param_rel_l2 is not None else "missing final model"),
+        f"  committed, no record       A: {_format_missing(c.missing_a)}; "
+        f"B: {_format_missing(c.missing_b)}",
         f"  tolerance                  {rtol:.1e} -> {verdict}",
     ]
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,10 +29,17 @@ class MetricsWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         # O_APPEND: every write lands at the current end, atomically for one short line.
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # Records come from the training thread and the checkpoint thread (checkpoint_saved); the
+        # lock keeps a write from racing close() onto a descriptor number reused by another file.
+        self._lock = threading.Lock()
 
     def write(self, kind: str, **fields: Any) -> dict:
         record = {"kind": kind, "t_wall": round(time.time(), 6), **fields}
-        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            if self._fd < 0:
+                raise ValueError(f"{self.path}: the metrics writer is closed")
+            os.write(self._fd, line)
         return record
 
     def step(self, **fields: Any) -> dict:
@@ -44,9 +52,10 @@ class MetricsWriter:
         return self.write("event", name=name, **fields)
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 def read_metrics(path: Path) -> Iterator[dict]:

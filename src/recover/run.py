@@ -11,6 +11,7 @@ It must not decide anything about the trajectory: it only records and persists c
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,15 +20,23 @@ from typing import TextIO
 
 import numpy as np
 
-from recover.checkpoint import CheckpointError, CheckpointWriter, load_latest
+from recover.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    ResumePoint,
+    SavedCheckpoint,
+    find_resume_point,
+    remove_stale_tmp,
+)
 from recover.config import RunPaths, TrainConfig
 from recover.metrics import MetricsWriter, format_duration, format_rate, format_step_line
 from recover.trainer import CommitStats, ReplicaTrainer
 
 
-def load_resume_state(paths: RunPaths) -> dict | None:
-    """The newest checkpoint of the run, or None. A corrupt one raises CheckpointError."""
-    return load_latest(paths.checkpoints)
+def load_resume_state(paths: RunPaths) -> ResumePoint | None:
+    """The newest valid checkpoint of the run, or None when it has none. Corrupt newer ones are
+    listed in `skipped`; when every checkpoint is corrupt this raises CheckpointError."""
+    return find_resume_point(paths.checkpoints)
 
 
 @dataclass
@@ -55,7 +64,12 @@ class RunRecorder:
     _last_eval: float | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self._ckpt = CheckpointWriter(self.paths.checkpoints, keep=self.cfg.keep_ckpts)
+        self._ckpt = CheckpointWriter(
+            self.paths.checkpoints, keep=self.cfg.keep_ckpts, on_saved=self._on_saved
+        )
+        if self.writes:  # a writer of this host killed mid-save left its temporary file
+            for stale in remove_stale_tmp(self.paths.checkpoints):
+                self.event("checkpoint_tmp_removed", path=str(stale))
         self._t_start = self._t_last = time.perf_counter()
         self.last_committed = self.start_step - 1
 
@@ -85,9 +99,9 @@ class RunRecorder:
         if self.pen_writes:
             self.writer.step(
                 step=stats.step,
-                loss=stats.loss,
+                loss=_finite_or_none(stats.loss),  # (null for a step skipped as non-finite)
                 lr=stats.lr,
-                grad_norm=stats.grad_norm,
+                grad_norm=_finite_or_none(stats.grad_norm),
                 tokens=tokens,
                 microbatches=microbatches,
                 step_s=round(step_s, 6),
@@ -134,9 +148,18 @@ class RunRecorder:
         }
         if not self.writes:
             return None
-        path = self._ckpt.save(next_step, state, block=block)
-        self.event("checkpoint_saved", step=next_step, path=str(path))
-        return path
+        # `checkpoint_saved` is written by _on_saved once the file is durable, not here.
+        return self._ckpt.save(next_step, state, block=block)
+
+    def _on_saved(self, saved: SavedCheckpoint) -> None:
+        """On the checkpoint thread, after fsync and rename: the file is on disk."""
+        self.event(
+            "checkpoint_saved",
+            step=saved.step,
+            path=str(saved.path),
+            bytes=saved.bytes,
+            seconds=round(saved.seconds, 6),
+        )
 
     def finish(self, *, unigram_loss: float | None = None, extra: dict | None = None) -> dict:
         """Save the final model, write the summary record, print the summary."""
@@ -186,6 +209,11 @@ class RunRecorder:
                 lines.append(f"  {label:<14} {s[key]}")
         lines.append(f"  run folder     {s['out']}")
         return "\n".join(lines)
+
+
+def _finite_or_none(x: float) -> float | None:
+    """JSON has no NaN or infinity: a non-finite figure is recorded as null."""
+    return x if math.isfinite(x) else None
 
 
 def unigram_loss(

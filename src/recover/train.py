@@ -9,16 +9,46 @@ all-reduce (see `recover.worker`); the trajectory is the same.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from recover.checkpoint import CheckpointError
+from recover.checkpoint import CheckpointError, ResumePoint
 from recover.config import RunPaths, TrainConfig
 from recover.data.addressing import TokenDataset
 from recover.metrics import MetricsWriter
 from recover.run import RunRecorder, check_resume_state, load_resume_state, unigram_loss
 from recover.runfolder import open_run_folder, read_dataset_info
 from recover.trainer import ReplicaTrainer, pick_device
+
+
+def announce_resume(
+    point: ResumePoint | None,
+    start: int,
+    *,
+    emit: Callable[..., object],
+    console: TextIO | None,
+) -> None:
+    """Say where a resumed run starts: a `resumed` event (and one `checkpoint_corrupt` event per
+    corrupt newer checkpoint it skipped) and a console line. A skipped checkpoint is also a loud
+    warning on stderr: steps after the older checkpoint are recomputed (same trajectory)."""
+    skipped = point.skipped if point is not None else ()
+    for path, why in skipped:
+        emit("checkpoint_corrupt", path=str(path), error=why)
+        print(
+            f"WARNING: {why}; skipping it and resuming from the older {point.path}",
+            file=sys.stderr,
+            flush=True,
+        )
+    emit(
+        "resumed",
+        step=start,
+        path=str(point.path) if point is not None else None,
+        skipped=[str(p) for p, _ in skipped],
+    )
+    if console is not None:
+        where = f"from {point.path}" if point is not None else "(no checkpoint: from the start)"
+        print(f"resuming at step {start + 1} {where}", file=console, flush=True)
 
 
 def build_trainer_for_run(
@@ -29,10 +59,16 @@ def build_trainer_for_run(
     resume: bool,
     intra=None,
     device: str = "cpu",
+    emit: Callable[..., object] | None = None,
+    console: TextIO | None = sys.stdout,
 ) -> tuple[ReplicaTrainer, int]:
-    """The trainer, loaded from the newest checkpoint when resuming; and the next step to run.
-    With `intra` (a recover.intra.IntraReplica), the model is split over the replica's ranks
-    as its layout `intra.dims` says."""
+    """The trainer, loaded from the newest valid checkpoint when resuming; and the next step to
+    run. With `intra` (a recover.intra.IntraReplica), the model is split over the replica's ranks
+    as its layout `intra.dims` says.
+
+    Resuming is announced (announce_resume) by the first rank of the replica: through `emit`
+    (an event writer), or when none is given, through a writer of the run's metrics.jsonl opened
+    for it; and on `console`."""
     if intra is None:
         trainer = ReplicaTrainer(cfg, dataset, device=device)
     else:
@@ -41,15 +77,24 @@ def build_trainer_for_run(
         trainer = trainer_class(intra.dims)(cfg, dataset, intra=intra, device=device)
     start = 0
     if resume:
-        state = load_resume_state(paths)
-        if state is not None:
+        point = load_resume_state(paths)
+        if point is not None:
             start = check_resume_state(
-                state, cfg=cfg, data_hash=dataset.content_hash, path=paths.checkpoints
+                point.state, cfg=cfg, data_hash=dataset.content_hash, path=point.path
             )
             try:
-                trainer.load_state_dict(state)
+                trainer.load_state_dict(point.state)
             except ValueError as e:  # a checkpoint of another layout
-                raise CheckpointError(f"{paths.checkpoints}: {e}") from None
+                raise CheckpointError(f"{point.path}: {e}") from None
+        if intra is None or intra.rank == 0:
+            if emit is not None:
+                announce_resume(point, start, emit=emit, console=console)
+            else:
+                writer = MetricsWriter(paths.metrics)
+                try:
+                    announce_resume(point, start, emit=writer.event, console=console)
+                finally:
+                    writer.close()
     return trainer, start
 
 
@@ -68,10 +113,15 @@ def train_single(
     info = read_dataset_info(data_path)
     device = pick_device(device)  # before the run folder: a bad --device leaves nothing behind
     open_run_folder(paths, cfg, data_info=info, resume=resume, launch={"replicas": 1})
-    trainer, start = build_trainer_for_run(
-        cfg, paths=paths, dataset=dataset, resume=resume, device=device
-    )
     writer = MetricsWriter(paths.metrics)
+    try:
+        trainer, start = build_trainer_for_run(
+            cfg, paths=paths, dataset=dataset, resume=resume, device=device,
+            emit=writer.event, console=console,
+        )  # fmt: skip
+    except BaseException:
+        writer.close()
+        raise
     recorder = RunRecorder(
         cfg=cfg,
         paths=paths,
@@ -89,10 +139,6 @@ def train_single(
             file=console,
             flush=True,
         )
-    if resume:
-        recorder.event("resumed", step=start)
-        if console is not None:
-            print(f"resuming at step {start + 1}", file=console, flush=True)
     all_ids = range(cfg.microbatches)
     try:
         for step in range(start, cfg.steps):

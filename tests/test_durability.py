@@ -1,0 +1,195 @@
+"""What is written around the trajectory survives: durable checkpoints, honest resume, no gaps.
+
+Real processes: a one-replica run whose checkpoint writer is SIGKILLed inside a save (its fsync
+blocked by a test-only `sitecustomize`, so the kill lands mid-save every time), then resumed; a
+corrupt newest checkpoint skipped with a warning and an event; a run whose checkpoints are all
+corrupt refused; a multi-replica resume that names its checkpoint; and `recover compare` failing
+on a committed step with no record.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_TRAIN_FLAGS, child_env, events, leftover_processes, run_cli
+from recover.compare import compare_runs, missing_steps
+from recover.metrics import committed_steps
+
+# Blocks the fsync of one checkpoint's temporary file for ever: a writer stuck inside that save,
+# with the payload written but not yet durable, when the test SIGKILLs it.
+SLOW_DISK = """
+import os, threading
+_fsync = os.fsync
+def _blocking_fsync(fd):
+    try:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        name = ""
+    if os.environ.get("RECOVER_TEST_BLOCK_FSYNC", "\\0") in name:
+        threading.Event().wait()
+    return _fsync(fd)
+os.fsync = _blocking_fsync
+"""
+
+
+def train_args(data: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", *TINY_TRAIN_FLAGS, "--data", str(data), "--out", str(out), *extra]
+
+
+def corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_dataset, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("full") / "run"
+    r = run_cli(train_args(tiny_dataset, out, "--steps", "8", "--ckpt-every", "2"))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_a_writer_killed_mid_save_logs_no_save_and_its_tmp_is_removed_on_resume(
+    tiny_dataset, uninterrupted, tmp_path
+):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SLOW_DISK)
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(hooks), env.get("PYTHONPATH", "")])
+    env["RECOVER_TEST_BLOCK_FSYNC"] = "step_00000004.ckpt.tmp"
+    out = tmp_path / "run"
+    args = train_args(tiny_dataset, out, "--steps", "8", "--ckpt-every", "2")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "recover.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    ckpts = out / "checkpoints"
+    try:
+        # The save of step 4 is stuck in its fsync; training went on to step 5 (whose commit
+        # queues the save of step 6, which waits for the stuck one). Kill it there.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            tmps = list(ckpts.glob("step_00000004.ckpt.tmp*")) if ckpts.is_dir() else []
+            if tmps and 5 in committed_steps(out / "metrics.jsonl"):
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, "the run ended before it could be killed mid-save"
+        time.sleep(0.2)  # an event claiming the save would have been written by now
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    (tmp,) = ckpts.glob("step_00000004.ckpt.tmp*")
+    assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["step_00000002.ckpt"]
+    # The only save announced is the one that is on disk.
+    assert [e["step"] for e in events(out, "checkpoint_saved")] == [2]
+
+    r = run_cli(train_args(tiny_dataset, out, "--steps", "8", "--ckpt-every", "2", "--resume"))
+    assert r.returncode == 0, r.stderr
+    assert not tmp.exists()
+    assert [e["path"] for e in events(out, "checkpoint_tmp_removed")] == [str(tmp)]
+    (resumed,) = events(out, "resumed")
+    assert resumed["step"] == 2 and resumed["path"] == str(ckpts / "step_00000002.ckpt")
+    assert f"resuming at step 3 from {ckpts / 'step_00000002.ckpt'}" in r.stdout
+    # Every announced save of the resumed run names a file that landed (keep 2: 4 and 6 remain).
+    assert [e["step"] for e in events(out, "checkpoint_saved")] == [2, 4, 6]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000004.ckpt", "step_00000006.ckpt"]
+    result = compare_runs(uninterrupted, out)
+    assert result.passes(0.0), result
+    assert leftover_processes(str(out)) == []
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_loudly_for_the_older_one(
+    tiny_dataset, uninterrupted, tmp_path
+):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000004.ckpt", "step_00000006.ckpt"]
+    corrupt(ckpts / "step_00000006.ckpt")
+    r = run_cli(train_args(tiny_dataset, out, "--steps", "8", "--ckpt-every", "2", "--resume"))
+    assert r.returncode == 0, r.stderr
+    assert "WARNING" in r.stderr and "step_00000006.ckpt" in r.stderr and "corrupt" in r.stderr
+    (bad,) = events(out, "checkpoint_corrupt")
+    assert bad["path"] == str(ckpts / "step_00000006.ckpt") and "checksum" in bad["error"]
+    (resumed,) = events(out, "resumed")
+    assert resumed["step"] == 4 and resumed["path"] == str(ckpts / "step_00000004.ckpt")
+    assert resumed["skipped"] == [str(ckpts / "step_00000006.ckpt")]
+    assert "resuming at step 5 from" in r.stdout
+    assert compare_runs(uninterrupted, out).passes(0.0)  # steps 4..7 recomputed, same trajectory
+
+
+def test_checkpoints_that_are_all_corrupt_are_refused_not_replaced_by_step_0(
+    tiny_dataset, uninterrupted, tmp_path
+):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    for ckpt in (out / "checkpoints").iterdir():
+        corrupt(ckpt)
+    before = (out / "metrics.jsonl").read_text()
+    r = run_cli(train_args(tiny_dataset, out, "--steps", "8", "--ckpt-every", "2", "--resume"))
+    assert r.returncode == 2
+    assert "no valid checkpoint" in r.stderr, r.stderr
+    assert "step_00000004.ckpt" in r.stderr and "step_00000006.ckpt" in r.stderr
+    assert (out / "metrics.jsonl").read_text() == before  # nothing was trained or announced
+
+
+def test_compare_fails_on_a_committed_step_without_a_record(uninterrupted, tmp_path):
+    lines = (uninterrupted / "metrics.jsonl").read_text().splitlines(keepends=True)
+
+    def without(steps: set[int], name: str) -> Path:
+        run = tmp_path / name
+        shutil.copytree(uninterrupted, run)
+        kept = [
+            line
+            for line in lines
+            if not any('"kind":"step"' in line and f'"step":{s},' in line for s in steps)
+        ]
+        assert len(kept) == len(lines) - len(steps)
+        (run / "metrics.jsonl").write_text("".join(kept))
+        return run
+
+    inner = without({2}, "inner")
+    assert missing_steps(inner / "metrics.jsonl") == (2,)
+    result = compare_runs(uninterrupted, inner)
+    assert result.missing_b == (2,) and not result.passes(1.0)  # the loss of the rest agrees
+    r = run_cli(["compare", str(inner), str(uninterrupted), "--rtol", "1"])
+    assert r.returncode == 1 and "A: 2; B: none" in r.stdout and "FAIL" in r.stdout
+    # The last step's record missing: the run's summary says it committed 8 steps.
+    last = without({7}, "last")
+    assert compare_runs(uninterrupted, last).missing_b == (7,)
+    # A shorter run (killed, never finished) is no gap: compared on the steps both committed.
+    short = without(set(), "short")
+    kept = [ln for ln in lines if '"kind":"summary"' not in ln and '"step":7,' not in ln]
+    (short / "metrics.jsonl").write_text("".join(kept))
+    assert compare_runs(uninterrupted, short).missing_b == ()
+
+
+@pytest.mark.timeout(120)
+def test_a_multi_replica_resume_names_its_checkpoint(tiny_dataset, tmp_path):
+    out = tmp_path / "run"
+    flags = ["--replicas", "2", "--ckpt-every", "2", "--eval-every", "0"]
+    r = run_cli(train_args(tiny_dataset, out, "--steps", "3", *flags), timeout=90)
+    assert r.returncode == 0, r.stdout[-3000:]
+    r = run_cli(train_args(tiny_dataset, out, "--steps", "4", *flags, "--resume"), timeout=90)
+    assert r.returncode == 0, r.stdout[-3000:]
+    ckpt = out / "checkpoints" / "step_00000002.ckpt"
+    resumed = events(out, "resumed")
+    assert len(resumed) == 2 and all(e["path"] == str(ckpt) and e["step"] == 2 for e in resumed)
+    for replica in (0, 1):
+        assert f"[replica {replica}] resuming at step 3 from {ckpt}" in r.stdout
+    assert sorted(committed_steps(out / "metrics.jsonl")) == [0, 1, 2, 3]
+    assert leftover_processes(str(out)) == []
