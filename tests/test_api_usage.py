@@ -110,3 +110,29 @@ def test_a_script_not_started_by_a_launcher_is_told_how_to_start():
         Replica(microbatches=2, env={})
     with pytest.raises(ValueError, match="microbatches must be an int >= 1"):
         Replica(microbatches=0, env={})
+
+
+@pytest.mark.timeout(30)
+def test_a_non_finite_step_is_never_applied_and_too_many_stop_the_run(job):
+    """Step 1's loss is NaN: the step commits as skipped (every .grad None, the optimizer step
+    changes nothing), step 2 trains on; three NaN steps in a row raise NonFinite."""
+    from recover import NonFinite
+
+    replica, model, optimizer = attached(job)
+    poisoned = {1, 3, 4, 5}
+    seen = []
+    with pytest.raises(NonFinite, match="3 consecutive steps"):
+        for step in replica.steps(8):
+            before = [p.detach().clone() for p in model.parameters()]
+            for j in replica.microbatches():
+                loss = loss_of(model, step, j)
+                replica.backward(loss * float("nan") if step in poisoned else loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            after = list(model.parameters())
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+            seen.append((step, replica.skipped, unchanged))
+            assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert seen == [(0, False, False), (1, True, True), (2, False, False), (3, True, True),
+                    (4, True, True)]  # fmt: skip
+    replica.close()

@@ -74,6 +74,10 @@ class UsageError(RuntimeError):
     """The script used the API out of its contract; the message says what to change."""
 
 
+class NonFinite(RuntimeError):
+    """Too many consecutive steps were not finite; the model holds the last finite state."""
+
+
 class QuorumLost(QuorumLostError):
     """Too few replicas survive; the model holds the last committed state (save it, resume)."""
 
@@ -127,6 +131,9 @@ class _ScriptWork:
 
     def clear(self) -> None:
         self.grads.clear()
+
+    def nonfinite_ids(self) -> list[int]:
+        return list(self.grads.nonfinite_ids)
 
     def parameter_hash(self) -> str:
         phash = self.grads.parameter_hash()
@@ -195,6 +202,8 @@ class Replica:
     - check_every: compare parameter hashes across replicas every N steps (0: never);
     - check_data: optional `(step, j) -> tensors`; with it the check also compares a replayed
       microbatch, which catches data that is not a pure function of (step, j);
+    - max_nonfinite: a step whose summed gradient or loss is not finite is never applied (every
+      .grad is None, `skipped` is True); after this many in a row `NonFinite` is raised (0: never);
     - env: the launcher's variables (default: this process's environment; see recover.env).
     """
 
@@ -207,10 +216,13 @@ class Replica:
         config: Mapping[str, Any] | None = None,
         check_every: int = 50,
         check_data: Callable[[int, int], Any] | None = None,
+        max_nonfinite: int = 3,
         env: Mapping[str, str] | None = None,
     ) -> None:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+        if isinstance(max_nonfinite, bool) or not isinstance(max_nonfinite, int) or max_nonfinite < 0:
+            raise ValueError(f"max_nonfinite must be an int >= 0, got {max_nonfinite!r}")
         self.spec = ReplicaEnv.from_environ(os.environ if env is None else env)
         if env is None:  # started by the local launcher: die with it, never orphaned
             from recover.cli import die_with_launcher
@@ -247,6 +259,9 @@ class Replica:
         self.loss: float | None = None  # the committed mean loss of the last committed step
         self.is_writer = False  # this rank writes the records of the last committed step
         self.committed_microbatches = 0  # microbatches summed in the last committed step (M)
+        self.skipped = False  # the last step's sum was not finite: .grad is None, not applied
+        self.max_nonfinite = max_nonfinite
+        self._skips = 0
         self._machine: StepMachine | None = None
         self._work: _ScriptWork | None = None
         self._committed = -1
@@ -434,11 +449,26 @@ class Replica:
         finally:
             self._in_step = False
             self._pending = None
-        work.grads.load(commit.reduced, divide_by=commit.count)
         self.loss = self._replica_loss(commit.reduced) / commit.count
+        self.skipped = not commit.finite
+        if self.skipped:
+            # Never applied: every .grad is None, so the optimizer step changes no parameter
+            # (torch's optimizers pass over parameters without a gradient).
+            work.grads.clear()
+            self._skips += 1
+            self.event("step_skipped", replica=self.replica_id, step=step, reason="non-finite")
+        else:
+            self._skips = 0
+            work.grads.load(commit.reduced, divide_by=commit.count)
         self.is_writer = commit.writer and self.rank == 0
         self.committed_microbatches = commit.count
         self._committed = step
+        if self.max_nonfinite and self._skips >= self.max_nonfinite:
+            raise NonFinite(
+                f"{self._skips} consecutive steps had a non-finite gradient or loss (skipped, "
+                f"never applied): the model holds the state after step {step} of the last "
+                "finite one; lower the learning rate or check the data, then resume"
+            )
         if commit.recovered_s is not None:
             self.event(
                 "recovered", replica=self.replica_id, step=step,
@@ -461,7 +491,7 @@ class Replica:
             self._faults("backward", step, index)
         (loss * weight if weight != 1.0 else loss).backward()
         if weight:
-            self._work.grads.loss_sum += float(loss.detach())
+            self._work.grads.add_loss(j, float(loss.detach()))
             self._faults("done", step, index)
         self._guard.tick()
         self._pending = None
@@ -563,4 +593,4 @@ def _sum_inside_fsdp(model: torch.nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
 
 
-__all__ = ["QuorumLost", "Replica", "UsageError"]
+__all__ = ["NonFinite", "QuorumLost", "Replica", "UsageError"]

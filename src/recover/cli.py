@@ -37,6 +37,8 @@ TRAIN_HELP = {
     "eval_batches": "validation microbatches per evaluation",
     "ckpt_every": "checkpoint every N steps (0: no periodic checkpoints)",
     "keep_ckpts": "keep the last K checkpoints",
+    "max_nonfinite": "a step whose summed gradient or loss is not finite is skipped (never "
+    "applied); stop the run after N such steps in a row (0: never stop)",
 }
 
 
@@ -453,6 +455,8 @@ def run_train(args: argparse.Namespace) -> int:
         if lcfg.replicas == 1 and lcfg.ranks == 1 and not lcfg.faults and lcfg.mode == "recover":
             from recover.checkpoint import CheckpointError
             from recover.train import train_single
+            from recover.trainer import NonFiniteError
+            from recover.worker import EXIT_NONFINITE
 
             try:
                 train_single(
@@ -461,6 +465,9 @@ def run_train(args: argparse.Namespace) -> int:
                 )  # fmt: skip
             except (CheckpointError, ValueError) as e:
                 return _error(str(e))
+            except NonFiniteError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return EXIT_NONFINITE
             return 0
         info = read_dataset_info(data)
         launcher = LocalLauncher(

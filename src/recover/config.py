@@ -44,6 +44,7 @@ class TrainConfig:
     eval_batches: int = 8  # validation microbatches per evaluation
     ckpt_every: int = 100  # checkpoint every N steps; 0 disables periodic checkpoints
     keep_ckpts: int = 2  # keep the last K checkpoints
+    max_nonfinite: int = 3  # stop after N consecutive steps skipped as non-finite (0: never)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -55,7 +56,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{_flag(name)} must be a positive integer, got {value!r}")
-        for name in ("warmup_steps", "eval_every", "eval_batches", "ckpt_every", "seed"):
+        for name in (
+            "warmup_steps", "eval_every", "eval_batches", "ckpt_every", "seed", "max_nonfinite",
+        ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{_flag(name)} must be a non-negative integer, got {value!r}")

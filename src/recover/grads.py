@@ -14,6 +14,7 @@ Cost: one flat copy per snapshot; one copy back into `.grad` per commit.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable
 
 import torch
@@ -46,6 +47,13 @@ class GradientSum:
         self.device = torch.device(device)
         self.numel = sum(local_part(p).numel() for p in self.params)  # this rank's values
         self.loss_sum = 0.0
+        self.nonfinite_ids: list[int] = []  # ids of this step whose loss was not finite
+
+    def add_loss(self, j: int, loss: float) -> None:
+        """Count microbatch j's loss in the sum (and remember j if the loss is not finite)."""
+        self.loss_sum += loss
+        if not math.isfinite(loss):
+            self.nonfinite_ids.append(j)
 
     def snapshot(self) -> torch.Tensor:
         """A fresh flat fp32 copy of the local gradient sum and loss sum (numel + 1 values)."""
@@ -79,6 +87,7 @@ class GradientSum:
         for p in self.params:
             p.grad = None
         self.loss_sum = 0.0
+        self.nonfinite_ids = []
 
     def leftover(self) -> list[int]:
         """Indices of parameters whose `.grad` holds non-zero values (before a step begins, the

@@ -429,9 +429,9 @@ class PipelineTrainer(MultiRankTrainer):
                 schedule.step(
                     target=torch.cat([self._tokens(step, j)[1] for j, _ in plan]), losses=losses
                 )
-                self.grads.loss_sum += sum(
-                    float(x.detach()) for x, (_, real) in zip(losses, plan, strict=True) if real
-                )
+                for x, (j, real) in zip(losses, plan, strict=True):
+                    if real:
+                        self.grads.add_loss(j, float(x.detach()))
             else:
                 schedule.step()
         finally:

@@ -96,6 +96,12 @@ class RunRecorder:
         done = stats.step + 1 - self.start_step
         elapsed = now - self._t_start
         eta = elapsed / max(1, done) * (cfg.steps - stats.step - 1)
+        if stats.skipped:
+            extra["skipped"] = "non-finite"
+            self.say(
+                f"step {stats.step + 1} skipped: its summed gradient or loss is not finite "
+                f"(not applied; {self.trainer.consecutive_skips} in a row)"
+            )
         if self.pen_writes:
             self.writer.step(
                 step=stats.step,

@@ -68,6 +68,9 @@ class Work(Protocol):
     def parameter_hash(self) -> str:
         """An exact fingerprint of this rank's parameters."""
 
+    def nonfinite_ids(self) -> list[int]:
+        """Ids of the step (computed here) whose loss was not finite."""
+
     def transfer_state_dict(self) -> dict:
         """The committed state a joiner receives (this rank's part of it)."""
 
@@ -170,6 +173,10 @@ class CommittedStep:
     attempts: int
     recovered_s: float | None  # seconds from this rank's first sight of a failure, if any
     writer: bool  # this replica writes the step's records (the lowest live one at the commit)
+    # Every value of the sum is finite (the same answer on every rank of every replica: they
+    # hold the same sums). A non-finite step must not be applied: its update would poison the
+    # parameters of every replica at once.
+    finite: bool = True
 
 
 @dataclass
@@ -236,7 +243,7 @@ class StepMachine:
             if view.status in ("quorum_lost", "diverged", "finished"):
                 _stop(view.status, view.reason)
             epoch = view.attempt_epoch
-            reduced = None
+            reduced = snapshot = None
             attempt.failure = None
             transferred = self._transfer_if_needed(view, step, attempt)
             if view.joined:  # every rank of the replica goes on only if all of them got it
@@ -270,7 +277,8 @@ class StepMachine:
                     raise RuntimeError(
                         f"step {step} committed although this replica's reduce failed"
                     )
-                return self._committed(step, view, epoch, reduced, attempt)
+                finite = self._check_finite(step, reduced, snapshot, attempt)
+                return self._committed(step, view, epoch, reduced, attempt, finite)
             if isinstance(outcome, Redo):
                 # The local sum (p.grad) was never touched by the reduce: it is the snapshot.
                 if self.options.discard_on_redo:  # shrink baseline: the in-flight step is dropped
@@ -286,7 +294,25 @@ class StepMachine:
                 _stop(outcome.status, outcome.reason)
             raise RuntimeError(f"unexpected outcome {outcome!r}")
 
-    def _committed(self, step: int, view: View, epoch: int, reduced, attempt) -> CommittedStep:
+    def _check_finite(self, step: int, reduced, snapshot, attempt: StepAttempt) -> bool:
+        """Whether the committed sum is finite, agreed by the replica's ranks (each holds its
+        part). When it is not, name what this rank contributed: the ids whose loss was not finite,
+        or, when every loss was finite, that its local gradient sum of `computed` was not."""
+        mine = bool(torch.isfinite(reduced).all())
+        if not mine:
+            local_ok = bool(torch.isfinite(snapshot).all())
+            bad = self.work.nonfinite_ids()
+            if bad or not local_ok:
+                self.hooks.event(
+                    "nonfinite_microbatches", replica=self.me, rank=self.link.rank, step=step,
+                    ids=sorted(bad) if bad else sorted(attempt.computed),
+                    what="loss" if bad else "gradient",
+                )  # fmt: skip
+        return self.link.agree(mine)
+
+    def _committed(
+        self, step: int, view: View, epoch: int, reduced, attempt, finite: bool
+    ) -> CommittedStep:
         recovered = None
         if attempt.t_first_fault is not None:
             recovered = time.perf_counter() - attempt.t_first_fault
@@ -299,6 +325,7 @@ class StepMachine:
             attempts=attempt.redos + 1,
             recovered_s=recovered,
             writer=self.me == _writer(view, self.link.step_view()),
+            finite=finite,
         )
 
     def _with_fault(self, phase: str, step: int, should_abort):

@@ -19,7 +19,7 @@ from recover.data.addressing import TokenDataset
 from recover.metrics import MetricsWriter
 from recover.run import RunRecorder, check_resume_state, load_resume_state, unigram_loss
 from recover.runfolder import open_run_folder, read_dataset_info
-from recover.trainer import ReplicaTrainer, pick_device
+from recover.trainer import NonFiniteError, ReplicaTrainer, pick_device
 
 
 def announce_resume(
@@ -146,6 +146,11 @@ def train_single(
             snapshot = trainer.snapshot()
             stats = trainer.apply_commit(step, snapshot)
             recorder.on_commit(stats, microbatches=cfg.microbatches)
+            try:
+                trainer.stop_if_diverging()
+            except NonFiniteError:  # the parameters are those of the last finite step: keep them
+                recorder.checkpoint(step + 1, block=True)
+                raise
         summary = recorder.finish(
             unigram_loss=unigram_loss(
                 dataset.shards("train"), dataset.shards("val"), dataset.vocab_size

@@ -68,6 +68,12 @@ class CommitStats:
     loss: float  # mean loss over the M microbatches of the step
     lr: float
     grad_norm: float  # global norm of the averaged gradient, before clipping
+    skipped: bool = False  # the sum was not finite: no update was applied (see apply_commit)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had a non-finite gradient or loss: the run stopped, with the
+    parameters of the last finite step (lower the learning rate, or check the data)."""
 
 
 class ReplicaTrainer:
@@ -91,6 +97,7 @@ class ReplicaTrainer:
             cfg.preset, vocab_size=dataset.vocab_size, block_size=cfg.seq_len, dropout=cfg.dropout
         )
         self.model_config = model_cfg
+        self.consecutive_skips = 0  # steps in a row skipped as non-finite
         model = GPT(model_cfg).to(self.device)
         self.model_values = model.num_params()  # of the whole model, whatever this rank holds
         self.model = self._parallelize(model)
@@ -141,7 +148,7 @@ class ReplicaTrainer:
             self.phase_hook("backward", step, index)
         (loss * weight if weight != 1.0 else loss).backward()  # accumulates into p.grad
         if index is not None:
-            self.grads.loss_sum += float(loss.detach())
+            self.grads.add_loss(j, float(loss.detach()))
             self.phase_hook("done", step, index)
 
     def autocast(self):
@@ -175,21 +182,40 @@ class ReplicaTrainer:
     def parameter_hash(self) -> str:
         return self.grads.parameter_hash()
 
+    def nonfinite_ids(self) -> list[int]:
+        return list(self.grads.nonfinite_ids)
+
     # ---- commit -------------------------------------------------------------------------------
     def apply_commit(
-        self, step: int, flat_sum: torch.Tensor, *, count: int | None = None
+        self,
+        step: int,
+        flat_sum: torch.Tensor,
+        *,
+        count: int | None = None,
+        finite: bool | None = None,
     ) -> CommitStats:
         """Apply the update of `step` from the sum over all M microbatches (flat layout).
 
         `count` is the number of microbatches in the sum: M always, except in the `shrink`
-        baseline, whose global batch shrinks after a failure.
+        baseline, whose global batch shrinks after a failure. `finite`: whether every value of
+        the sum is finite (None: check it here). A non-finite step is skipped: no update, and
+        `stop_if_diverging` ends the run after `max_nonfinite` of them in a row.
         """
         M = self.cfg.microbatches if count is None else count
-        self.grads.load(flat_sum, divide_by=M)
         loss = self._committed_loss_sum(flat_sum) / M
+        if finite is None:  # one rank alone; the step machine agrees it over a replica's ranks
+            finite = bool(torch.isfinite(flat_sum).all())
+        lr = compute_lr(step, self.cfg)
+        if not finite:
+            # Never applied: a NaN or infinity in the update would poison every parameter of
+            # every replica at once. The step counts (the schedule moves on); the state does not.
+            self.grads.clear()
+            self.consecutive_skips += 1
+            return CommitStats(step=step, loss=loss, lr=lr, grad_norm=math.nan, skipped=True)
+        self.consecutive_skips = 0
+        self.grads.load(flat_sum, divide_by=M)
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = self._clip_gradients(clip)
-        lr = compute_lr(step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.phase_hook("optimizer", step, None)
@@ -199,6 +225,16 @@ class ReplicaTrainer:
 
     def _committed_loss_sum(self, flat_sum: torch.Tensor) -> float:
         return float(flat_sum[-1])
+
+    def stop_if_diverging(self) -> None:
+        """NonFiniteError after `max_nonfinite` consecutive skipped steps (0: never)."""
+        limit = self.cfg.max_nonfinite
+        if limit and self.consecutive_skips >= limit:
+            raise NonFiniteError(
+                f"{self.consecutive_skips} consecutive steps had a non-finite gradient or loss "
+                "(skipped, never applied); the parameters are those of the last finite step. "
+                "Lower --lr or enable --grad-clip, then resume"
+            )
 
     def _clip_gradients(self, clip: float) -> float:
         """Clip the averaged gradient to global norm `clip`; return the norm before clipping."""

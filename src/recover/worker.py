@@ -50,13 +50,14 @@ from recover.step_machine import (
     StepOptions,
 )
 from recover.train import build_trainer_for_run
-from recover.trainer import pick_device
+from recover.trainer import NonFiniteError, pick_device
 
 EXIT_OK = 0
 EXIT_QUORUM_LOST = 3
 EXIT_EVICTED = 4
 EXIT_DIVERGED = 5
 EXIT_REFUSED = 6
+EXIT_NONFINITE = 9  # max_nonfinite consecutive steps were not finite (none was applied)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,6 +299,13 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     except DivergedError as e:
         print(f"replica {me}: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
+    except NonFiniteError as e:
+        # Every replica holds the same last finite state (no skipped step was applied); the
+        # writer of the last step saves it, so that a resume starts from it.
+        if recorder.holds_pen:
+            recorder.checkpoint(recorder.last_committed + 1, block=True)
+        print(f"replica {me}: {e}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
     except Exception:
         # In a replica of several ranks, a collective inside it fails when a replica-mate dies;
         # the watchdog then names the mate and exits with EXIT_MATE_LOST. Give it the time.
@@ -336,7 +344,9 @@ def apply_commit(
     """The update of a committed step, then its records (the writer was named with the commit)."""
     recorder.holds_pen = commit.writer
     with guard.busy("in the optimizer step"):
-        stats = trainer.apply_commit(commit.step, commit.reduced, count=commit.count)
+        stats = trainer.apply_commit(
+            commit.step, commit.reduced, count=commit.count, finite=commit.finite
+        )
     recorder.on_commit(
         stats,
         microbatches=commit.count,  # M, but in the shrink baseline
@@ -345,6 +355,7 @@ def apply_commit(
         attempts=commit.attempts,
         shares={str(r): n for r, n in commit.shares.items()},
     )
+    trainer.stop_if_diverging()  # NonFiniteError after max_nonfinite skipped steps in a row
     if commit.recovered_s is not None:
         seconds = commit.recovered_s
         recorder.event(
