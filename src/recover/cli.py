@@ -417,6 +417,7 @@ def run_train(args: argparse.Namespace) -> int:
     from recover.config import check_layout_fits
     from recover.data.corpus import DataError
     from recover.data.prepare import ensure_dataset
+    from recover.faults import check_faults_fit
     from recover.launch import LaunchConfig, LocalLauncher, check_gpu_placement
     from recover.runfolder import RunFolderError, read_dataset_info
 
@@ -435,6 +436,7 @@ def run_train(args: argparse.Namespace) -> int:
             mode=args.mode,
             **replica_inside(args),
         )
+        check_faults_fit(lcfg.faults, steps=cfg.steps, microbatches=cfg.microbatches)
         check_layout_fits(cfg.preset, lcfg.tp, lcfg.pp)
         if args.device == "cuda":  # fail here, not in every replica (torch only for this check)
             import torch
@@ -522,6 +524,7 @@ def run_worker_cli(args: argparse.Namespace) -> int:
     from recover.checkpoint import CheckpointError
     from recover.config import check_layout_fits
     from recover.data import DataError
+    from recover.faults import check_faults_fit
     from recover.worker import WorkerConfig, run_worker
 
     try:
@@ -542,6 +545,7 @@ def run_worker_cli(args: argparse.Namespace) -> int:
             mode=args.mode,
             **replica_inside(args),
         )
+        check_faults_fit(wcfg.faults, steps=cfg.steps, microbatches=cfg.microbatches)
         check_layout_fits(cfg.preset, wcfg.tp, wcfg.pp)
     except ValueError as e:
         return _error(str(e))

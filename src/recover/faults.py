@@ -22,10 +22,16 @@ since a joiner cannot know in advance at which step it will be admitted).
 
 Each fault fires at most once per process, and it is written as a `failure_injected` event before
 it happens. The parsing is pure; the injector only acts on its own process.
+
+A fault that could never fire, or never end, is refused at start-up with a ValueError naming the
+field: `wake_after` and `factor` must be finite and not negative (`factor` > 1 for `slow`); and,
+where the run's M and steps are known (`check_faults_fit`, called by the CLI), `microbatch` must
+be < M and `step` < steps.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -61,6 +67,10 @@ class FaultSpec:
             raise ValueError(f"fault kind {self.kind!r} unknown; allowed: {', '.join(KINDS)}")
         if self.replica < 0 or self.step < 0 or self.microbatch < 0 or self.rank < 0:
             raise ValueError("fault replica, step, microbatch and rank must be >= 0")
+        for name in ("wake_after", "factor"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"fault {name} must be a finite number >= 0, got {value}")
         if self.kind == "slow":
             if not self.factor > 1.0:
                 raise ValueError(f"slow fault needs factor > 1, got {self.factor}")
@@ -116,6 +126,25 @@ def parse_fault(text: str) -> FaultSpec:
         )
     except ValueError as e:
         raise ValueError(f"--fault {text!r}: {e}. Grammar: {GRAMMAR}") from None
+
+
+def check_faults_fit(specs, *, steps: int, microbatches: int) -> None:
+    """ValueError naming the field when a fault could never fire in a run of `steps` steps of
+    `microbatches` (M) microbatches: its step is not below `steps`, or its microbatch index (the
+    K-th microbatch a rank computes in the step, at most M of them) is not below M. M = 0 (the
+    coordinator learns it from the replicas) skips the microbatch check."""
+    for spec in specs:
+        if spec.step >= steps:
+            raise ValueError(
+                f"--fault {spec.describe()}: step={spec.step} never comes, the run has "
+                f"--steps {steps} (steps 0..{steps - 1})"
+            )
+        at_microbatch = spec.kind != "slow" and spec.phase in ("forward", "backward")
+        if at_microbatch and microbatches > 0 and spec.microbatch >= microbatches:
+            raise ValueError(
+                f"--fault {spec.describe()}: microbatch={spec.microbatch} never comes, a step "
+                f"has --microbatches {microbatches} (indices 0..{microbatches - 1})"
+            )
 
 
 def faults_for(specs: list[FaultSpec], replica: int) -> list[FaultSpec]:

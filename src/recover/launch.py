@@ -8,8 +8,9 @@ succeeded.
 Supervision rules:
 - a replica that exits is reaped at once; its death is already known to the coordinator (its
   session connection dropped), so the launcher only records it;
-- the run succeeded when at least one replica finished (exit 0) and no replica reported a run
-  failure (quorum lost, divergence, or an unexpected crash of a replica that had no fault);
+- the run succeeded when a replica finished (exit 0: every step committed), no replica reported
+  a run failure (quorum lost, divergence), and the run record holds every step with all M
+  microbatches; a replica that died on the way (injected fault or not) is listed, not a failure;
 - a replica whose fault is `hang` is left stopped unless `wake_after=S`: the launcher sends
   SIGCONT S seconds after it sees the process stopped (the process is then fenced and exits);
 - the coordinator's death ends the run (it is the one process that must not die here).
@@ -41,15 +42,20 @@ from recover.config import (
 )
 from recover.env import TOKEN_ENV, ReplicaEnv
 from recover.faults import FaultSpec, faults_for
-from recover.metrics import MetricsWriter, read_metrics
+from recover.metrics import MetricsWriter, committed_steps, read_metrics
 from recover.runfolder import open_run_folder
 from recover.stall import EXIT_STALLED, check_stall
 
-# exit fault, kill fault, evicted after a hang, a replica-mate lost (replicas of several ranks)
-# An injected fault's own exits: `exit` (17), `kill`, evicted after a `hang` (4), a replica-mate
-# stopping on the lost rank (7), the stall guard ending a `freeze` (8).
-EXPECTED_FAULT_EXITS = (17, -signal.SIGKILL, 4, 7, EXIT_STALLED)
 RUN_FAILURE_EXITS = {3: "quorum lost", 5: "replicas diverged"}
+# What a replica's other exit statuses mean (recover.worker, faults, intra, stall), for the verdict.
+_EXIT_MEANINGS = {
+    1: "crashed (status 1; see its output)",
+    4: "was evicted by the coordinator (status 4)",
+    6: "was refused by the coordinator (status 6)",
+    7: "stopped on a lost replica-mate (status 7)",
+    EXIT_STALLED: f"stalled (status {EXIT_STALLED})",
+    17: "exited by an `exit` fault (status 17)",
+}
 # How the launcher starts its own commands (coordinator, built-in worker): this Python, this package.
 _RECOVER = (sys.executable, "-m", "recover.cli")
 RESTART = -1000  # _supervise's answer in checkpoint-restart mode: restart the whole job
@@ -201,6 +207,24 @@ def _is_stopped(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "T"
     except (OSError, IndexError):
         return False
+
+
+def _describe_exit(replica: int, incarnation: int, code: int) -> str:
+    """One death of a replica process, for the launcher's summary line."""
+    who = f"replica {replica}" + (f" (restart {incarnation})" if incarnation else "")
+    if code < 0:
+        try:
+            how = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+    else:
+        how = _EXIT_MEANINGS.get(code, f"exited with status {code}")
+    return f"{who} {how}"
+
+
+def _steps_text(steps: list[int]) -> str:
+    shown = ", ".join(str(s) for s in steps[:10])
+    return shown + (f" (and {len(steps) - 10} more)" if len(steps) > 10 else "")
 
 
 class LocalLauncher:
@@ -481,18 +505,59 @@ class LocalLauncher:
         return lc.respawn_s is not None and not finishing and incarnation < lc.max_restarts
 
     def _verdict(self, codes: list[tuple[int, int, int]]) -> int:
-        """0 if training succeeded: a replica finished and no replica reported a run failure."""
-        faulty = {f.replica for f in self.lcfg.faults if f.kind != "slow"}
-        failures = [
-            f"replica {r}: {RUN_FAILURE_EXITS.get(c, f'exit {c}')}"
-            for r, inc, c in codes
-            # a fault's own exit, in the incarnation that carried the fault, is expected
-            if c != 0 and not (inc == 0 and r in faulty and c in EXPECTED_FAULT_EXITS)
-        ]
-        if failures or not any(c == 0 for _, _, c in codes):
-            self.say("training failed: " + ("; ".join(failures) or "no replica finished"))
+        """The run's exit status, with one summary line when anything died or failed.
+
+        0 when training succeeded: a replica finished (it exits 0 only once every step of the
+        run committed), no replica reported a run failure (quorum lost, divergence), and the run
+        record holds every step with all M microbatches (`_record_problems`). A replica that died
+        on the way, from an injected fault or not (an external SIGKILL or SIGTERM, a fault in a
+        respawned incarnation), does not fail a run whose every step committed: the summary line
+        lists it. Otherwise 1, and the line says why. Also written as a `launcher.verdict` event."""
+        deaths = list(dict.fromkeys(_describe_exit(r, inc, c) for r, inc, c in codes if c != 0))
+        problems = list(
+            dict.fromkeys(
+                f"replica {r}: {RUN_FAILURE_EXITS[c]}"
+                for r, _, c in codes
+                if c in RUN_FAILURE_EXITS
+            )
+        )
+        if not any(c == 0 for _, _, c in codes):
+            problems.append("no replica finished")
+        problems += self._record_problems()
+        self.writer.event("launcher.verdict", ok=not problems, problems=problems, deaths=deaths)
+        if problems:
+            self.say("training failed: " + "; ".join(problems + deaths))
             return 1
+        if deaths:
+            self.say(
+                "training succeeded: every step committed with all its microbatches; lost on the "
+                "way: " + "; ".join(deaths)
+            )
         return 0
+
+    def _record_problems(self) -> list[str]:
+        """What the run record lacks: steps 0..steps-1 each with a step record summing all M
+        microbatches (the shrink baseline sums fewer by design). Empty under `recover run`,
+        whose script declares its own steps and M."""
+        cfg = self.cfg
+        if cfg is None:
+            return []
+        steps = committed_steps(self.paths.metrics) if self.paths.metrics.exists() else {}
+        problems = []
+        missing = [s for s in range(cfg.steps) if s not in steps]
+        if missing:
+            problems.append(f"no step record for step(s) {_steps_text(missing)}")
+        if self.lcfg.mode != "shrink":
+            short = [
+                s
+                for s, rec in sorted(steps.items())
+                if s < cfg.steps and rec.get("microbatches") != cfg.microbatches
+            ]
+            if short:
+                problems.append(
+                    f"step(s) {_steps_text(short)} did not sum all {cfg.microbatches} microbatches"
+                )
+        return problems
 
     def _only_hung_left(self, alive: dict[int, set[int]], codes: list, wake: dict) -> bool:
         """True when every process still running is one we leave stopped for ever."""

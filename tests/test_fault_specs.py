@@ -1,0 +1,199 @@
+"""Fault specs that could never fire (or never end) are refused at start-up, naming the field; the
+launcher's exit status says whether every step committed, whatever died on the way.
+
+Real processes for the exit status: a replica SIGKILLed from outside (no --fault), and a fault
+that fires in a respawned incarnation; both runs commit every step and exit 0 with a line that
+lists the deaths. A run record with a missing step fails the verdict with a line naming the step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import child_env, events, leftover_processes
+from recover.config import TrainConfig
+from recover.faults import check_faults_fit, parse_fault
+from recover.launch import LaunchConfig, LocalLauncher
+from recover.metrics import MetricsWriter, committed_steps
+
+M = 6
+FLAGS = [
+    "--preset", "tiny", "--seq-len", "32", "--microbatch-size", "2", "--microbatches", str(M),
+    "--eval-every", "0", "--warmup-steps", "2", "--check-every", "25", "--ckpt-every", "0",
+    "--lr", "1e-3", "--min-lr", "1e-4",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ("hang:replica=0,step=1,phase=forward,wake_after=nan", "wake_after"),
+        ("hang:replica=0,step=1,phase=forward,wake_after=inf", "wake_after"),
+        ("hang:replica=0,step=1,phase=forward,wake_after=-1", "wake_after"),
+        ("slow:replica=0,step=1,factor=nan", "factor"),
+        ("slow:replica=0,step=1,factor=inf", "factor"),
+        ("slow:replica=0,step=1,factor=-3", "factor"),
+    ],
+)
+def test_non_finite_or_negative_fault_values_are_refused(spec, field):
+    with pytest.raises(ValueError, match=f"{field} must be a finite number >= 0"):
+        parse_fault(spec)
+
+
+def test_faults_beyond_the_run_are_refused_naming_the_field():
+    def check(spec: str) -> None:
+        check_faults_fit([parse_fault(spec)], steps=24, microbatches=8)
+
+    check("kill:replica=0,step=23,phase=backward,microbatch=7")  # the last step, the last id
+    check("kill:replica=0,step=3,phase=reduce,microbatch=50")  # (no microbatch at a reduce)
+    with pytest.raises(ValueError, match=r"microbatch=50 never comes.*--microbatches 8"):
+        check("kill:replica=0,step=3,phase=backward,microbatch=50")
+    with pytest.raises(ValueError, match=r"microbatch=8 never comes"):
+        check("exit:replica=0,step=3,phase=forward,microbatch=8")
+    with pytest.raises(ValueError, match=r"step=999 never comes.*--steps 24"):
+        check("kill:replica=0,step=999,phase=reduce")
+    with pytest.raises(ValueError, match=r"step=24 never comes"):
+        check("slow:replica=0,step=24,factor=2")
+    # M = 0: the coordinator learns M from the replicas; only the step is checked.
+    check_faults_fit([parse_fault("kill:replica=0,step=1,phase=forward,microbatch=50")],
+                     steps=2, microbatches=0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("hang:replica=1,step=1,phase=forward,wake_after=nan", "wake_after"),
+        ("kill:replica=1,step=1,phase=backward,microbatch=50", "microbatch=50"),
+        ("kill:replica=1,step=999,phase=reduce", "step=999"),
+    ],
+)
+def test_recover_train_refuses_them_before_anything_starts(
+    spec, needle, tiny_dataset, tmp_path, capsys
+):
+    from recover.cli import main
+
+    out = tmp_path / "run"
+    args = ["train", *FLAGS, "--steps", "24", "--replicas", "2", "--fault", spec]
+    assert main([*args, "--data", str(tiny_dataset), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "--fault" in err, err
+    assert not out.exists(), "nothing may be written for a refused fault"
+
+
+def start(data: Path, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "recover.cli", "train", *FLAGS, "--data", str(data),
+         "--out", str(out), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # the launcher's own finally reaps its children
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
+
+
+def replica_pid(out: Path, replica: int) -> int | None:
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode() for a in argv]
+        if "worker" in args and str(out) in args and "--replica-id" in args:
+            if args[args.index("--replica-id") + 1] == str(replica):
+                return int(pid)
+    return None
+
+
+def assert_every_step_recorded(out: Path, steps: int) -> None:
+    committed = committed_steps(out / "metrics.jsonl")
+    assert sorted(committed) == list(range(steps))
+    assert all(s["microbatches"] == M for s in committed.values())
+    (verdict,) = events(out, "launcher.verdict")
+    assert verdict["ok"] and verdict["problems"] == []
+
+
+@pytest.mark.timeout(120)
+def test_an_external_sigkill_of_a_replica_still_exits_0_when_every_step_committed(
+    tiny_dataset, tmp_path
+):
+    out, steps = tmp_path / "run", 150
+    proc = start(tiny_dataset, out, "--replicas", "2", "--steps", str(steps))
+    try:
+        deadline = time.monotonic() + 60
+        metrics = out / "metrics.jsonl"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and 3 in committed_steps(metrics):
+                break
+            time.sleep(0.02)
+        pid = replica_pid(out, 1)
+        assert proc.poll() is None and pid is not None, "the run ended before the kill"
+        os.kill(pid, signal.SIGKILL)  # not a --fault: the launcher did not inject it
+    finally:
+        r = finish(proc, 90)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert_every_step_recorded(out, steps)
+    assert not events(out, "failure_injected")
+    assert "lost on the way: replica 1 killed by SIGKILL" in r.stdout, r.stdout[-3000:]
+    assert leftover_processes(str(out)) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_fault_in_a_respawned_incarnation_still_exits_0_when_every_step_committed(
+    tiny_dataset, tmp_path
+):
+    # Replica 1 dies at step 1; its respawn dies while receiving the state (the fault of the
+    # transfer phase fires only in a joiner); the next respawn joins and the run ends.
+    out, steps = tmp_path / "run", 300
+    r = finish(
+        start(
+            tiny_dataset, out, "--replicas", "2", "--steps", str(steps), "--respawn", "0",
+            "--fault", "kill:replica=1,step=1,phase=backward",
+            "--fault", "kill:replica=1,step=1,phase=transfer",
+        ),
+        150,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert_every_step_recorded(out, steps)
+    assert sorted(e["phase"] for e in events(out, "failure_injected")) == ["backward", "transfer"]
+    assert "replica 1 (restart 1) killed by SIGKILL" in r.stdout, r.stdout[-3000:]
+    assert leftover_processes(str(out)) == []
+
+
+def test_a_run_record_missing_a_step_fails_the_verdict_with_a_line(tmp_path, capsys):
+    cfg = TrainConfig(preset="tiny", steps=4, microbatches=M)
+    launcher = LocalLauncher(
+        cfg, LaunchConfig(replicas=2), data=tmp_path, out=tmp_path, resume=False, data_info={},
+        console=sys.stdout,  # (capsys's)
+    )  # fmt: skip
+    launcher.writer = MetricsWriter(launcher.paths.metrics)
+    try:
+        for step, microbatches in ((0, M), (1, M), (3, M - 2)):
+            launcher.writer.step(step=step, loss=1.0, microbatches=microbatches)
+        assert launcher._verdict([(0, 0, 0), (1, 0, -signal.SIGTERM)]) == 1
+        line = capsys.readouterr().out
+        assert "training failed: no step record for step(s) 2" in line, line
+        assert f"step(s) 3 did not sum all {M} microbatches" in line
+        assert "replica 1 killed by SIGTERM" in line
+        launcher.writer.step(step=2, loss=1.0, microbatches=M)
+        launcher.writer.step(step=3, loss=1.0, microbatches=M)
+        assert launcher._verdict([(0, 0, 0), (1, 0, -signal.SIGTERM)]) == 0
+        assert launcher._verdict([(0, 0, 3), (1, 0, 3)]) == 1  # quorum lost
+        assert "replica 0: quorum lost" in capsys.readouterr().out
+    finally:
+        launcher.writer.close()
