@@ -42,7 +42,9 @@ import datetime
 import hashlib
 import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -50,7 +52,12 @@ import torch
 
 from recover.collective import CollectiveConfig, GroupCache
 from recover.config import describe_layout, layout_ranks, replica_layout
-from recover.coordinator.client import CoordinatorClient, Evicted, RequestRefused
+from recover.coordinator.client import (
+    CoordinatorClient,
+    CoordinatorUnreachable,
+    Evicted,
+    RequestRefused,
+)
 from recover.coordinator.client import QuorumLost as _ClientQuorumLost
 from recover.env import ReplicaEnv
 from recover.faults import FaultInjector
@@ -76,6 +83,10 @@ class UsageError(RuntimeError):
 
 class NonFinite(RuntimeError):
     """Too many consecutive steps were not finite; the model holds the last finite state."""
+
+
+class CoordinatorLost(RuntimeError):
+    """No coordinator can be reached; the model holds the last committed state (save it)."""
 
 
 class QuorumLost(QuorumLostError):
@@ -221,13 +232,19 @@ class Replica:
     ) -> None:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
-        if isinstance(max_nonfinite, bool) or not isinstance(max_nonfinite, int) or max_nonfinite < 0:
+        if (
+            isinstance(max_nonfinite, bool)
+            or not isinstance(max_nonfinite, int)
+            or max_nonfinite < 0
+        ):
             raise ValueError(f"max_nonfinite must be an int >= 0, got {max_nonfinite!r}")
         self.spec = ReplicaEnv.from_environ(os.environ if env is None else env)
-        if env is None:  # started by the local launcher: die with it, never orphaned
+        if env is None:  # this process's own environment: it is the script's entry point
             from recover.cli import die_with_launcher
 
-            die_with_launcher()
+            die_with_launcher()  # started by the local launcher: die with it, never orphaned
+            for sig in (signal.SIGTERM, signal.SIGINT):  # leave at the next step boundary
+                signal.signal(sig, lambda signum, frame: self._stop_requested.set())
         self.microbatches_per_step = microbatches
         self.dims = replica_layout(shard, tp)
         self.config = dict(config or {})
@@ -260,6 +277,8 @@ class Replica:
         self.is_writer = False  # this rank writes the records of the last committed step
         self.committed_microbatches = 0  # microbatches summed in the last committed step (M)
         self.skipped = False  # the last step's sum was not finite: .grad is None, not applied
+        self.stopped = False  # steps() ended early: a stop was asked for (SIGTERM, SIGINT)
+        self._stop_requested = threading.Event()
         self.max_nonfinite = max_nonfinite
         self._skips = 0
         self._machine: StepMachine | None = None
@@ -393,6 +412,15 @@ class Replica:
                         "to its end in every step"
                     )
                 step += 1
+                # A stop request (SIGTERM/SIGINT to any rank of the replica) is served here, at
+                # the step boundary: the loop ends early with `stopped` set; save after it.
+                if step < total_steps and not self._link.agree(not self._stop_requested.is_set()):
+                    self.stopped = True
+                    self.event(
+                        "replica_stopped", replica=self.replica_id, rank=self.rank, step=step
+                    )
+                    self._say(f"stopped as asked at the boundary of step {step}", 0)
+                    break
             with self._stops():
                 self._link.leave(step=step)
         finally:
@@ -524,6 +552,15 @@ class Replica:
             raise SystemExit(self._say(f"refused by the coordinator: {e}", EXIT_REFUSED)) from None
         except DivergedError as e:
             raise SystemExit(self._say(_explain_divergence(str(e)), EXIT_DIVERGED)) from None
+        except CoordinatorUnreachable as e:
+            view = self._link.step_view() if getattr(self, "_link", None) else None
+            live = view.live if view is not None else ()
+            self.is_writer = self.rank == 0 and (not live or self.replica_id == min(live))
+            raise CoordinatorLost(
+                f"replica {self.replica_id}: the coordinator cannot be reached ({str(e)[:120]}); "
+                f"the model holds the state after step {self._committed} (is_writer: save it), "
+                f"then resume with start_step={self._committed + 1}"
+            ) from None
         except (QuorumLostError, _ClientQuorumLost) as e:
             raise QuorumLost(
                 f"replica {self.replica_id}: {e}; the model holds the state after step "
@@ -593,4 +630,4 @@ def _sum_inside_fsdp(model: torch.nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
 
 
-__all__ = ["NonFinite", "QuorumLost", "Replica", "UsageError"]
+__all__ = ["CoordinatorLost", "NonFinite", "QuorumLost", "Replica", "UsageError"]

@@ -46,6 +46,7 @@ from recover.config import describe_layout, layout_ranks
 from recover.coordinator.client import (
     Committed,
     CoordinatorClient,
+    CoordinatorUnreachable,
     Evicted,
     QuorumLost,
     Redo,
@@ -264,7 +265,7 @@ class SoloLink:
         self.client.close()
 
 
-_RAISES = {"evicted": Evicted, "quorum_lost": QuorumLost}
+_RAISES = {"evicted": Evicted, "quorum_lost": QuorumLost, "unreachable": CoordinatorUnreachable}
 
 
 def _describe_error(e: BaseException) -> tuple:

@@ -46,7 +46,7 @@ from recover.metrics import MetricsWriter, committed_steps, read_metrics
 from recover.runfolder import open_run_folder
 from recover.stall import EXIT_STALLED, check_stall
 
-RUN_FAILURE_EXITS = {3: "quorum lost", 5: "replicas diverged"}
+RUN_FAILURE_EXITS = {3: "quorum lost", 5: "replicas diverged", 9: "steps not finite"}
 # What a replica's other exit statuses mean (recover.worker, faults, intra, stall), for the verdict.
 _EXIT_MEANINGS = {
     1: "crashed (status 1; see its output)",
@@ -54,6 +54,8 @@ _EXIT_MEANINGS = {
     6: "was refused by the coordinator (status 6)",
     7: "stopped on a lost replica-mate (status 7)",
     EXIT_STALLED: f"stalled (status {EXIT_STALLED})",
+    10: "left at a step boundary when asked to stop (status 10)",
+    11: "lost the coordinator and stopped (status 11)",
     17: "exited by an `exit` fault (status 17)",
 }
 # How the launcher starts its own commands (coordinator, built-in worker): this Python, this package.
@@ -85,6 +87,7 @@ class LaunchConfig:
     device: str = "auto"  # where replicas compute: auto (GPUs if visible), cpu or cuda
     cross_reduce: str = "gloo"  # the cross-replica reduce: gloo over host copies, or nccl
     stall_s: float = 300.0  # a training thread busy this long without progress ends its process
+    stop_grace_s: float = 30.0  # on a stop: how long replicas get to save and leave
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -270,6 +273,9 @@ class LocalLauncher:
             stdin=subprocess.DEVNULL,
             text=True,
             env=env,
+            # Its own session: a terminal's Ctrl-C reaches the launcher only, which then stops the
+            # replicas in order (they die with the launcher anyway: recover.cli.die_with_launcher).
+            start_new_session=True,
         )
         self.children[name] = proc
         pump = threading.Thread(target=_pump, args=(proc.stdout, prefix, self.console), daemon=True)
@@ -415,8 +421,13 @@ class LocalLauncher:
                 self.resume = True
                 self.children.clear()
         except KeyboardInterrupt:
-            self.say("interrupted: stopping every process")
             code = 130
+            try:
+                self.say("interrupted: every replica stops at its next step boundary")
+                self._stop_replicas()
+            except KeyboardInterrupt:  # a second signal: no more waiting
+                self.say("interrupted again: stopping every process now")
+            self.say(f"stopped: {self._resume_hint()}")
             return code
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -454,7 +465,12 @@ class LocalLauncher:
         while any(alive.values()) or respawn_at:
             coordinator = self.children["coordinator"]
             if coordinator.poll() is not None:
-                self.say(f"the coordinator died (exit {coordinator.returncode}); stopping the run")
+                self.say(
+                    f"the coordinator died (exit {coordinator.returncode}): nothing can commit "
+                    "any more; the replicas save the committed state and stop"
+                )
+                self._stop_replicas()
+                self.say(f"stopped: {self._resume_hint()}")
                 return 1
             now = time.monotonic()
             for r, k in sorted((r, k) for r, ranks in alive.items() for k in ranks):
@@ -571,6 +587,34 @@ class LocalLauncher:
             for k in ranks
         )
 
+    def _stop_replicas(self) -> None:
+        """Ask every replica process to stop (SIGTERM: at its next step boundary the writer saves
+        the committed state and it leaves; without a coordinator it saves and exits at once);
+        wait for them up to the grace period. What is left is reaped by _reap_all."""
+        replicas = [p for n, p in self.children.items() if n != "coordinator" and p.poll() is None]
+        for p in replicas:
+            try:
+                p.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+                p.terminate()
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + self.lcfg.stop_grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in replicas):
+            time.sleep(0.05)
+
+    def _resume_hint(self) -> str:
+        saved = [
+            int(rec["step"])
+            for rec in read_metrics(self.paths.metrics)
+            if rec.get("name") == "checkpoint_saved"
+        ]
+        if not saved:
+            return "no checkpoint was saved; the run starts again from step 0"
+        return (
+            f"step {max(saved)} is checkpointed in {self.paths.checkpoints}; continue with the "
+            f"same command plus --out {self.paths.out} --resume"
+        )
+
     def _reap_all(self) -> None:
         """SIGTERM, then SIGKILL, every child still alive; wait for each (no orphans)."""
         alive = [p for p in self.children.values() if p.poll() is None]
@@ -620,6 +664,12 @@ class ScriptLauncher(LocalLauncher):
 
     def _replica_command(self, r: int, host: str, port: int, *, fresh: bool) -> list[str]:
         return self.command
+
+    def _resume_hint(self) -> str:
+        return (
+            "the replicas left at a step boundary (replica.stopped in the script); resume the "
+            "script from what it saved"
+        )
 
     def _replica_env(self, r: int, host: str, port: int) -> dict[str, str]:
         spec = ReplicaEnv(

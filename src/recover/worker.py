@@ -13,7 +13,9 @@ What it must not do: the step's recovery logic (the step machine's), decide memb
 from __future__ import annotations
 
 import datetime
+import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -31,6 +33,7 @@ from recover.config import (
 )
 from recover.coordinator.client import (
     CoordinatorClient,
+    CoordinatorUnreachable,
     Evicted,
     RequestRefused,
 )
@@ -58,6 +61,8 @@ EXIT_EVICTED = 4
 EXIT_DIVERGED = 5
 EXIT_REFUSED = 6
 EXIT_NONFINITE = 9  # max_nonfinite consecutive steps were not finite (none was applied)
+EXIT_STOPPED = 10  # left at a step boundary when asked to stop (SIGTERM or SIGINT)
+EXIT_COORDINATOR_LOST = 11  # the coordinator could not be reached any more
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,6 +171,11 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         cfg, paths=paths, dataset=dataset, resume=wcfg.resume, intra=intra, device=device
     )
     guard = StallGuard(wcfg.stall_s, replica=me, rank=rank, emit=writer.event)
+    # SIGTERM (a preemption, `kill`, the launcher stopping the job) and SIGINT: leave at the next
+    # step boundary with the committed state saved, instead of dying mid-step.
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
 
     def phase_hook(phase: str, step: int, index: int | None) -> None:
         guard.tick()  # every microbatch's forward and backward is progress
@@ -253,6 +263,20 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             commit = machine.run(step, compute)
             apply_commit(commit, replica=me, trainer=trainer, recorder=recorder, guard=guard)
             step += 1
+            # A stop request (any rank of the replica got one) is served at the step boundary:
+            # the step in flight commits, the writer saves the committed state, then it leaves.
+            if step < cfg.steps and not link.agree(not stop.is_set()) and machine.has_state:
+                if recorder.holds_pen:
+                    recorder.checkpoint(step, block=True)
+                recorder.event("replica_stopped", replica=me, rank=rank, step=step)
+                print(
+                    f"replica {me}: stopped as asked at the boundary of step {step}"
+                    + (f"; the committed state is checkpointed in {paths.checkpoints}"
+                       if recorder.pen_writes else ""),
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
+                link.leave(step=step)
+                return EXIT_STOPPED
         if not machine.has_state:  # admitted at the very end: it never held the run's state
             link.leave(step=step)
             return EXIT_OK
@@ -299,6 +323,22 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     except DivergedError as e:
         print(f"replica {me}: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
+    except CoordinatorUnreachable as e:
+        # Nobody can commit any more. Every replica holds its last committed state; the lowest
+        # replica of the last view saves it, so that a resume loses nothing that committed.
+        view = link.step_view()
+        live = view.live if view is not None else ()
+        recorder.holds_pen = not live or me == min(live)
+        if recorder.holds_pen and wcfg.mode != "checkpoint-restart":
+            recorder.checkpoint(recorder.last_committed + 1, block=True)
+        saved = f"; step {recorder.last_committed + 1} is checkpointed in {paths.checkpoints}"
+        print(
+            f"replica {me}: the coordinator cannot be reached ({str(e)[:120]})"
+            + (saved if recorder.pen_writes else "")
+            + "; run the same command again with --resume to continue",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        return EXIT_COORDINATOR_LOST
     except NonFiniteError as e:
         # Every replica holds the same last finite state (no skipped step was applied); the
         # writer of the last step saves it, so that a resume starts from it.

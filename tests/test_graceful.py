@@ -1,0 +1,131 @@
+"""Clean ways out, with real processes and real signals: nothing that committed is lost.
+
+- SIGTERM to the launcher (a preemption, `kubectl delete`): every replica stops at its next step
+  boundary, the writer checkpoints the committed state, the launcher exits 130 naming the
+  checkpoint, and `--resume` lands on the failure-free trajectory.
+- SIGTERM to one replica: a planned leave at a step boundary; the others go on, every step is
+  recorded once with all M microbatches, and the run still succeeds.
+- SIGKILL of the coordinator: nothing can commit any more; the lowest replica checkpoints the last
+  committed step, every replica exits with one line (status 11), and `--resume` continues on the
+  trajectory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_invariants, child_env, events, leftover_processes
+from recover.metrics import committed_steps
+
+M = 4
+STEPS = 150
+FLAGS = [
+    "--preset", "tiny", "--seq-len", "32", "--microbatch-size", "2", "--microbatches", str(M),
+    "--steps", str(STEPS), "--eval-every", "0", "--ckpt-every", "0", "--warmup-steps", "2",
+    "--lr", "1e-3", "--min-lr", "1e-4",
+]  # fmt: skip
+
+
+def start(data: Path, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "recover.cli", "train", *FLAGS, "--data", str(data),
+         "--out", str(out), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
+
+
+def wait_for_step(out: Path, step: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = out / "metrics.jsonl"
+        if path.exists() and max(committed_steps(path), default=-1) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} never committed")
+
+
+def pid_of(out: Path, *words: str) -> int:
+    """The process of this run whose command line holds every word."""
+    for line in leftover_processes(str(out)):
+        pid, cmd = line.split(": ", 1)
+        if all(w in cmd for w in words):
+            return int(pid)
+    raise AssertionError(f"no process with {words}")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dataset, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("graceful") / "ref"
+    r = finish(start(tiny_dataset, out, "--replicas", "2"))
+    assert r.returncode == 0, r.stdout[-3000:]
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_to_the_launcher_saves_the_committed_state_and_resume_continues(
+    reference, tiny_dataset, tmp_path
+):
+    out = tmp_path / "run"
+    proc = start(tiny_dataset, out, "--replicas", "2")
+    wait_for_step(out, 5)
+    proc.terminate()  # the launcher alone, as a scheduler stops a job
+    r = finish(proc)
+    assert r.returncode == 130, r.stdout[-3000:]
+    saved = [e["step"] for e in events(out, "checkpoint_saved")]
+    recorded = committed_steps(out / "metrics.jsonl")
+    assert saved and max(saved) == max(recorded) + 1, (saved, sorted(recorded))
+    assert f"step {max(saved)} is checkpointed" in r.stdout and "--resume" in r.stdout
+    assert sorted(recorded) == list(range(max(saved))), "a committed step has no record"
+    assert "Traceback" not in r.stdout, r.stdout[-3000:]
+    assert leftover_processes(str(out)) == []
+
+    r = finish(start(tiny_dataset, out, "--replicas", "2", "--resume"))
+    assert_invariants(reference, out, r, steps=STEPS, microbatches=M)
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_to_one_replica_is_a_planned_leave(reference, tiny_dataset, tmp_path):
+    out = tmp_path / "run"
+    proc = start(tiny_dataset, out, "--replicas", "3")
+    wait_for_step(out, 5)
+    os.kill(pid_of(out, " worker ", "--replica-id 1 "), signal.SIGTERM)
+    r = finish(proc)
+    assert "replica 1 left at a step boundary when asked to stop (status 10)" in r.stdout
+    assert_invariants(reference, out, r, steps=STEPS, microbatches=M)
+    assert [e["replica"] for e in events(out, "replica_stopped")] == [1]
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_coordinator_costs_nothing_that_committed(reference, tiny_dataset, tmp_path):
+    out = tmp_path / "run"
+    proc = start(tiny_dataset, out, "--replicas", "2")
+    wait_for_step(out, 5)
+    os.kill(pid_of(out, "coordinator serve"), signal.SIGKILL)
+    r = finish(proc)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert r.stdout.count("the coordinator cannot be reached") == 2, r.stdout[-3000:]
+    assert "Traceback" not in r.stdout, r.stdout[-3000:]
+    saved = [e["step"] for e in events(out, "checkpoint_saved")]
+    recorded = committed_steps(out / "metrics.jsonl")
+    assert saved and max(saved) == max(recorded) + 1, (saved, sorted(recorded))
+    assert leftover_processes(str(out)) == []
+
+    r = finish(start(tiny_dataset, out, "--replicas", "2", "--resume"))
+    assert_invariants(reference, out, r, steps=STEPS, microbatches=M)
