@@ -89,18 +89,32 @@ def events(out: Path, name: str) -> list[dict]:
     ]
 
 
+# The stated tolerance of a recovered fp32 run against the failure-free one (relative loss per
+# step, relative L2 of the final parameters). fp32 summation-order noise between layouts is ~1e-7
+# of either here, three orders below it, on any CPU. bf16 has a noise floor of its own, measured
+# by the tests that use it (test_multirank's bf16_tolerance), which widens it where larger.
+TRAJECTORY_RTOL = 1e-4
+
+
 def assert_invariants(
-    reference: Path, out: Path, r: subprocess.CompletedProcess, *, steps: int, microbatches: int
+    reference: Path,
+    out: Path,
+    r: subprocess.CompletedProcess,
+    *,
+    steps: int,
+    microbatches: int,
+    rtol: float = TRAJECTORY_RTOL,
 ) -> None:
-    """DESIGN.md's invariants for a multi-replica run `out` against the failure-free `reference`."""
+    """DESIGN.md's invariants for a multi-replica run `out` against the failure-free `reference`,
+    with the trajectory within `rtol` (loss per step, final parameters)."""
     assert r.returncode == 0, r.stdout[-4000:]
     committed = committed_steps(out / "metrics.jsonl")
     assert sorted(committed) == list(range(steps)), "every step must be committed"
     assert all(s["microbatches"] == microbatches for s in committed.values()), "batch changed"
     result = compare_runs(reference, out)
     assert result.common_steps == steps
-    assert result.max_loss_rel_diff <= 1e-4, result
-    assert result.param_rel_l2 is not None and result.param_rel_l2 <= 1e-4, result
+    assert result.max_loss_rel_diff <= rtol, result
+    assert result.param_rel_l2 is not None and result.param_rel_l2 <= rtol, result
     hashes = {e["replica"]: e["param_hash"] for e in events(out, "replica_finished")}
     assert hashes, "no replica finished"
     assert len(set(hashes.values())) == 1, f"survivors diverged: {hashes}"

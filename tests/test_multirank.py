@@ -10,14 +10,15 @@ at the end.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
 import torch
 from test_multireplica import STEPS, M, failure_free_run, train
 
+from conftest import TRAJECTORY_RTOL, events
 from conftest import assert_invariants as check_invariants
-from conftest import events
 from recover.compare import compare_runs
 from recover.config import check_layout_fits
 from recover.faults import parse_fault
@@ -224,23 +225,44 @@ def test_pipeline_stages_that_are_split_or_sharded(
     assert {e["replica"] for e in events(out, "replica_finished")} == {1 - dead}
 
 
+def bf16_tolerance(*failure_free: Path) -> float:
+    """bf16's noise floor, measured here: the largest difference (relative loss per step, relative
+    L2 of the final parameters) between failure-free bf16 runs of different layouts, or the
+    stated tolerance where that is larger. Autocast rounds the weights to bf16 at every forward,
+    so a layout's other summation order (a 1e-7 difference in fp32) flips roundings and grows
+    within a few steps to a spread that depends on the CPU's bf16 kernels: 2.8e-5 between one rank
+    and 2 x 2 sharded ranks on an AMD EPYC with AVX-512 BF16, 1.1e-4 on one without AVX-512. A
+    fixed bound cannot hold on both; this one is measured on the machine that runs the test."""
+    spreads = [TRAJECTORY_RTOL]
+    for a, b in itertools.combinations(failure_free, 2):
+        c = compare_runs(a, b)
+        assert c.param_rel_l2 is not None, (a, b)
+        spreads += [c.max_loss_rel_diff, c.param_rel_l2]
+    return max(spreads)
+
+
+@pytest.mark.timeout(300)  # four runs, two of them 2 x 2 ranks
 def test_bf16_autocast_recovers_on_the_bf16_trajectory(reference, tiny_dataset, tmp_path):
     # --precision bf16 runs the forward under bf16 autocast (gradients, sums and optimizer state
     # stay fp32): a different trajectory from fp32, which a recovered run must still follow.
-    bf16_ref = tmp_path / "bf16-one"
-    r = train(tiny_dataset, bf16_ref, "--replicas", "1", "--precision", "bf16")
-    assert r.returncode == 0, r.stdout
-    assert compare_runs(reference, bf16_ref).param_rel_l2 > 1e-4  # autocast really ran
-    out = tmp_path / "bf16-hsdp"
-    r = hsdp(
-        tiny_dataset,
-        out,
-        "--precision",
-        "bf16",
-        "--fault",
-        "kill:replica=1,rank=1,step=2,phase=backward",
-    )
-    check_invariants(bf16_ref, out, r, steps=STEPS, microbatches=M)
+    # Like is compared with like: the recovered 2 x 2 sharded run against the failure-free run of
+    # the same layout, within bf16's noise floor measured between failure-free layouts.
+    bf16 = ("--precision", "bf16")
+    one, two, sharded = tmp_path / "bf16-one", tmp_path / "bf16-two", tmp_path / "bf16-hsdp"
+    for r in (
+        train(tiny_dataset, one, "--replicas", "1", *bf16),
+        train(tiny_dataset, two, "--replicas", "2", "--balance", "equal", *bf16),
+        hsdp(tiny_dataset, sharded, *bf16),
+    ):
+        assert r.returncode == 0, r.stdout[-3000:]
+    tol = bf16_tolerance(one, two, sharded)
+    # Autocast really ran: it moved the trajectory from fp32's by more than bf16's own noise.
+    assert compare_runs(reference, one).param_rel_l2 > tol
+    out = tmp_path / "bf16-hsdp-kill"
+    r = hsdp(tiny_dataset, out, *bf16, "--fault", "kill:replica=1,rank=1,step=2,phase=backward")
+    check_invariants(sharded, out, r, steps=STEPS, microbatches=M, rtol=tol)
+    # Hence within twice the floor of the one-rank bf16 trajectory (through the sharded one).
+    check_invariants(one, out, r, steps=STEPS, microbatches=M, rtol=2 * tol)
     assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [1]
 
 
@@ -297,6 +319,7 @@ def _gpu_case(flags: list[str], gpus: int):
         _gpu_case(["--replicas", "2", "--cross-reduce", "nccl"], 2),
     ],
 )
+@pytest.mark.timeout(600)  # up to three runs, each starting CUDA
 def test_on_gpus_a_killed_replica_is_recovered(flags, tiny_dataset, tmp_path):
     # The GPU smoke run: the reference is a one-replica run on the GPU (same precision), so
     # the check is the recovery, not CPU against GPU arithmetic.
@@ -309,6 +332,17 @@ def test_on_gpus_a_killed_replica_is_recovered(flags, tiny_dataset, tmp_path):
         tiny_dataset, out, *flags, "--device", "cuda", "--balance", "equal",
         "--fault", "kill:replica=1,step=2,phase=backward", timeout=180,
     )  # fmt: skip
-    assert_invariants(reference, out, r)
+    if precision:  # bf16: like with like, within bf16's noise floor measured on this GPU
+        failure_free = tmp_path / "gpu-failure-free"
+        ff = train(
+            tiny_dataset, failure_free, *flags, "--device", "cuda", "--balance", "equal",
+            timeout=180,
+        )  # fmt: skip
+        assert ff.returncode == 0, ff.stdout[-3000:]
+        tol = bf16_tolerance(reference, failure_free)
+        check_invariants(failure_free, out, r, steps=STEPS, microbatches=M, rtol=tol)
+        check_invariants(reference, out, r, steps=STEPS, microbatches=M, rtol=2 * tol)
+    else:
+        assert_invariants(reference, out, r)
     assert {e["device"] for e in events(out, "rank_started")} >= {"cuda:0"}
     assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [1]
