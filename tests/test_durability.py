@@ -12,14 +12,17 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import TINY_TRAIN_FLAGS, child_env, events, leftover_processes, run_cli
+from recover.checkpoint import CheckpointWriter, read_checkpoint, remove_stale_tmp
 from recover.compare import compare_runs, missing_steps
 from recover.metrics import committed_steps
 
@@ -193,3 +196,42 @@ def test_a_multi_replica_resume_names_its_checkpoint(tiny_dataset, tmp_path):
         assert f"[replica {replica}] resuming at step 3 from {ckpt}" in r.stdout
     assert sorted(committed_steps(out / "metrics.jsonl")) == [0, 1, 2, 3]
     assert leftover_processes(str(out)) == []
+
+
+def test_on_saved_runs_once_the_file_is_in_place(tmp_path):
+    seen = []
+
+    def on_saved(saved):  # on the writer thread: the file must already be complete and named
+        assert saved.path.stat().st_size == saved.bytes
+        assert not list(tmp_path.glob("*.tmp*"))
+        seen.append((saved.step, read_checkpoint(saved.path)["step"]))
+
+    writer = CheckpointWriter(tmp_path, keep=2, on_saved=on_saved)
+    writer.save(3, {"step": 3, "w": torch.ones(1000)})
+    writer.save(6, {"step": 6, "w": torch.ones(1000)}, block=True)
+    assert seen == [(3, 3), (6, 6)]
+
+
+def test_only_temporaries_of_dead_writers_of_this_host_are_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # reaped: its PID no longer exists (short of reuse within the test)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        host = socket.gethostname()
+        names = {
+            "dead": f"step_00000004.ckpt.tmp.{host}.{dead.pid}",
+            "old_form": f"step_00000002.ckpt.tmp{dead.pid}",
+            "live": f"step_00000004.ckpt.tmp.{host}.{live.pid}",
+            "mine": f"step_00000004.ckpt.tmp.{host}.{os.getpid()}",
+            "other_host": f"step_00000004.ckpt.tmp.another-host.example.{dead.pid}",
+            "not_ours": "notes.tmp123",
+        }
+        for name in names.values():
+            (tmp_path / name).write_bytes(b"partial")
+        removed = remove_stale_tmp(tmp_path)
+        assert sorted(p.name for p in removed) == sorted([names["dead"], names["old_form"]])
+        left = {p.name for p in tmp_path.iterdir()}
+        assert left == {names[k] for k in ("live", "mine", "other_host", "not_ours")}
+    finally:
+        live.kill()
+        live.wait()
