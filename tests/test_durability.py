@@ -10,6 +10,7 @@ on a committed step with no record.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -235,3 +236,27 @@ def test_only_temporaries_of_dead_writers_of_this_host_are_removed(tmp_path):
     finally:
         live.kill()
         live.wait()
+
+
+def test_compare_reads_steps_skipped_as_non_finite(uninterrupted, tmp_path):
+    # A step skipped as non-finite is recorded with a null loss: the same skip in both runs
+    # agrees, a skip in one run only is a difference (and never a crash of compare).
+    lines = (uninterrupted / "metrics.jsonl").read_text().splitlines(keepends=True)
+
+    def with_null_loss(name: str) -> Path:
+        run = tmp_path / name
+        shutil.copytree(uninterrupted, run)
+        edited = [
+            re.sub(r'"loss":[^,]+,', '"loss":null,', line)
+            if '"kind":"step"' in line and '"step":3,' in line
+            else line
+            for line in lines
+        ]
+        (run / "metrics.jsonl").write_text("".join(edited))
+        return run
+
+    a, b = with_null_loss("a"), with_null_loss("b")
+    assert committed_steps(a / "metrics.jsonl")[3]["loss"] is None
+    assert compare_runs(a, b).passes(0.0)
+    one_sided = compare_runs(uninterrupted, a)
+    assert one_sided.max_loss_rel_diff == float("inf") and one_sided.worst_step == 3

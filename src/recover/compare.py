@@ -13,7 +13,8 @@ finished run committed every step up to its `steps`). Steps are committed in ord
 below the last one with no record is a gap. Runs of different lengths are still compared on the
 steps both committed.
 
-Relative loss difference at a step: |a - b| / max(|a|, |b|, tiny).
+Relative loss difference at a step: |a - b| / max(|a|, |b|, tiny); a step skipped as non-finite
+(null loss) in both runs agrees, in one run only it is an infinite difference.
 """
 
 from __future__ import annotations
@@ -89,8 +90,12 @@ def compare_runs(run_a: Path, run_b: Path) -> Comparison:
     common = sorted(steps_a.keys() & steps_b.keys())
     worst, worst_step = 0.0, None
     for step in common:
-        la, lb = float(steps_a[step]["loss"]), float(steps_b[step]["loss"])
-        rel = abs(la - lb) / max(abs(la), abs(lb), 1e-12)
+        la, lb = steps_a[step].get("loss"), steps_b[step].get("loss")
+        if la is None or lb is None:  # a step skipped as non-finite records a null loss
+            rel = 0.0 if la is None and lb is None else math.inf
+        else:
+            la, lb = float(la), float(lb)
+            rel = abs(la - lb) / max(abs(la), abs(lb), 1e-12)
         if not math.isfinite(rel):
             rel = math.inf
         if rel > worst or worst_step is None:
