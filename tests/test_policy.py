@@ -91,3 +91,15 @@ def test_reassign_example():
 def test_validation_names_the_field(call, field):
     with pytest.raises(ValueError, match=field):
         call()
+
+
+@given(st.lists(st.integers(0, 99), unique=True, max_size=20), st.integers(1, 5))
+def test_dealing_inside_a_replica_computes_each_id_once_in_lockstep(ids, ways):
+    """deal_round_robin: the real passes of the ranks cover the ids once each, and every rank
+    makes the same number of passes (FSDP2 needs them all in every forward and backward)."""
+    from recover.policy import deal_round_robin
+
+    dealt = [deal_round_robin(ids, ways, k) for k in range(ways)]
+    real = sorted(j for passes in dealt for j, is_real in passes if is_real)
+    assert real == sorted(ids)
+    assert len({len(passes) for passes in dealt}) <= 1

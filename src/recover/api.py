@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from recover import exits
 from recover.collective import CollectiveConfig, GroupCache
 from recover.config import describe_layout, layout_ranks, replica_layout
 from recover.coordinator.client import (
@@ -61,7 +62,8 @@ from recover.coordinator.client import (
 from recover.coordinator.client import QuorumLost as _ClientQuorumLost
 from recover.env import ReplicaEnv
 from recover.faults import FaultInjector
-from recover.grads import GradientSum, laid_out_like, local_part
+from recover.policy import deal_round_robin
+from recover.script_work import ScriptWork
 from recover.stall import StallGuard
 from recover.step_machine import (
     DivergedError,
@@ -70,11 +72,6 @@ from recover.step_machine import (
     StepMachine,
     StepOptions,
 )
-
-EXIT_QUORUM_LOST = 3
-EXIT_EVICTED = 4
-EXIT_DIVERGED = 5
-EXIT_REFUSED = 6
 
 
 class UsageError(RuntimeError):
@@ -91,115 +88,6 @@ class CoordinatorLost(RuntimeError):
 
 class QuorumLost(QuorumLostError):
     """Too few replicas survive; the model holds the last committed state (save it, resume)."""
-
-
-def _deal(ids: tuple[int, ...], ways: int, mine: int) -> list[tuple[int, bool]]:
-    """Round-robin dealing of an attempt's ids over the `ways` ranks that shard one model copy:
-    rank `mine` computes ids[mine], ids[mine + ways], ... as (id, True); a rank with one id fewer
-    gets a padding pass (id, False) so that every rank joins every FSDP2 collective."""
-    out = []
-    for start in range(0, len(ids), ways):
-        chunk = ids[start : start + ways]
-        out.append((chunk[mine], True) if mine < len(chunk) else (chunk[0], False))
-    return out
-
-
-def _to_local(state: Any) -> Any:
-    """A state dict with every DTensor replaced by this rank's local part (what is sent)."""
-    if isinstance(state, dict):
-        return {k: _to_local(v) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(_to_local(v) for v in state)
-    if isinstance(state, torch.Tensor):
-        return local_part(state).detach()
-    return state
-
-
-def _like(template: Any, received: Any) -> Any:
-    """`received` (local parts) laid out like `template` (this rank's own state dict)."""
-    if isinstance(received, dict) and isinstance(template, dict):
-        return {k: _like(template.get(k), v) for k, v in received.items()}
-    if isinstance(received, list | tuple) and isinstance(template, list | tuple):
-        return type(received)(_like(t, v) for t, v in zip(template, received, strict=False))
-    if isinstance(received, torch.Tensor) and isinstance(template, torch.Tensor):
-        local = received.to(local_part(template).device)
-        return laid_out_like(template, local) if hasattr(template, "device_mesh") else local
-    return received
-
-
-class _ScriptWork:
-    """The step machine's `Work` for a script's model and optimizer (recover.step_machine)."""
-
-    def __init__(self, model, optimizer, extra: Mapping[str, Any], check_data, replica) -> None:
-        self.model, self.optimizer, self.extra = model, optimizer, dict(extra)
-        device = next(p.device for p in model.parameters())
-        self.grads = GradientSum(model.parameters(), device=device)
-        self.check_data = check_data
-        self.replica = replica
-
-    def snapshot(self) -> torch.Tensor:
-        return self.grads.snapshot()
-
-    def clear(self) -> None:
-        self.grads.clear()
-
-    def nonfinite_ids(self) -> list[int]:
-        return list(self.grads.nonfinite_ids)
-
-    def parameter_hash(self) -> str:
-        phash = self.grads.parameter_hash()
-        if self.check_data is None:
-            return phash
-        # The opt-in contract check: every replica replays one microbatch of this step itself;
-        # a different hash means (step, j) is not a pure function of (step, j) somewhere.
-        step = self.replica.step
-        j = step % self.replica.microbatches_per_step
-        batch = self.check_data(step, j)
-        tensors = batch if isinstance(batch, list | tuple) else (batch,)
-        digest = hashlib.sha256()
-        for t in tensors:
-            digest.update(torch.as_tensor(t).detach().cpu().contiguous().numpy().tobytes())
-        return f"{phash}/data({step},{j}):{digest.hexdigest()[:12]}"
-
-    def transfer_state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        # An optimizer that never stepped has no state; get_optimizer_state_dict would create it
-        # (with one zero step) and so change this replica's bias correction: send None instead.
-        optim = (
-            get_optimizer_state_dict(self.model, self.optimizer) if self.optimizer.state else None
-        )
-        return _to_local(
-            {
-                "model": get_model_state_dict(self.model),
-                "optimizer": optim,
-                "extra": {name: obj.state_dict() for name, obj in self.extra.items()},
-            }
-        )
-
-    def load_transfer_state(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        own = get_model_state_dict(self.model)
-        set_model_state_dict(self.model, _like(own, state["model"]))
-        if state["optimizer"] is not None:
-            # (creates this optimizer's empty state by one zero step, which the load overwrites)
-            self.replica._internal_step = True
-            try:
-                own = get_optimizer_state_dict(self.model, self.optimizer)
-            finally:
-                self.replica._internal_step = False
-            set_optimizer_state_dict(self.model, self.optimizer, _like(own, state["optimizer"]))
-        for name, obj in self.extra.items():
-            obj.load_state_dict(state["extra"][name])
 
 
 class Replica:
@@ -282,7 +170,7 @@ class Replica:
         self.max_nonfinite = max_nonfinite
         self._skips = 0
         self._machine: StepMachine | None = None
-        self._work: _ScriptWork | None = None
+        self._work: ScriptWork | None = None
         self._committed = -1
         self._pending: tuple | None = None  # (step, j, index, weight) awaiting backward()
         self._in_step = False
@@ -312,7 +200,7 @@ class Replica:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise UsageError(f"extra_state[{name!r}] has no state_dict()/load_state_dict()")
         _sum_inside_fsdp(model)
-        self._work = _ScriptWork(model, optimizer, extra, self.check_data, self)
+        self._work = ScriptWork(model, optimizer, extra, self.check_data, self)
         self._faults = FaultInjector(
             [f for f in self.spec.faults if f.replica == self.replica_id and f.rank == self.rank],
             emit=self.event,
@@ -457,7 +345,7 @@ class Replica:
                 todo = next(attempts)
             index = 0
             while True:
-                for j, real in _deal(todo.ids, ways, mine):
+                for j, real in deal_round_robin(todo.ids, ways, mine):
                     if real:
                         self._faults("forward", step, index)
                     self._pending = (step, j, index if real else None, 1.0 if real else 0.0)
@@ -545,13 +433,15 @@ class Replica:
         try:
             yield
         except Evicted as e:
-            raise SystemExit(self._say(f"evicted by the coordinator ({e})", EXIT_EVICTED)) from None
+            raise SystemExit(
+                self._say(f"evicted by the coordinator ({e})", exits.EVICTED)
+            ) from None
         except RequestRefused as e:
             if e.code == "finished":
                 raise SystemExit(self._say(f"nothing to join: {e}", 0)) from None
-            raise SystemExit(self._say(f"refused by the coordinator: {e}", EXIT_REFUSED)) from None
+            raise SystemExit(self._say(f"refused by the coordinator: {e}", exits.REFUSED)) from None
         except DivergedError as e:
-            raise SystemExit(self._say(_explain_divergence(str(e)), EXIT_DIVERGED)) from None
+            raise SystemExit(self._say(_explain_divergence(str(e)), exits.DIVERGED)) from None
         except CoordinatorUnreachable as e:
             view = self._link.step_view() if getattr(self, "_link", None) else None
             live = view.live if view is not None else ()

@@ -455,10 +455,10 @@ def run_train(args: argparse.Namespace) -> int:
         if data is None:
             data = ensure_dataset(args.data_root, show_progress=sys.stderr.isatty())
         if lcfg.replicas == 1 and lcfg.ranks == 1 and not lcfg.faults and lcfg.mode == "recover":
+            from recover import exits
             from recover.checkpoint import CheckpointError
             from recover.train import train_single
             from recover.trainer import NonFiniteError
-            from recover.worker import EXIT_NONFINITE
 
             try:
                 train_single(
@@ -469,7 +469,7 @@ def run_train(args: argparse.Namespace) -> int:
                 return _error(str(e))
             except NonFiniteError as e:
                 print(f"error: {e}", file=sys.stderr)
-                return EXIT_NONFINITE
+                return exits.NONFINITE
             return 0
         info = read_dataset_info(data)
         launcher = LocalLauncher(

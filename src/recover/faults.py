@@ -40,6 +40,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from recover import exits
+
 KINDS = ("kill", "hang", "exit", "freeze", "slow")
 FREEZE_PHASES = ("forward", "backward", "reduce", "optimizer")
 PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "transfer")
@@ -48,7 +50,6 @@ GRAMMAR = (
     "slow:replica=R,step=T,factor=F[,rank=N]   with KIND in {kill, hang, exit, freeze} and "
     "P in {forward, backward, reduce, commit, optimizer, transfer}"
 )
-EXIT_STATUS = 17
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,6 +206,6 @@ class FaultInjector:
             # Continued (SIGCONT): the process goes on; the coordinator has fenced it meanwhile.
         elif spec.kind == "exit":
             sys.stdout.flush()
-            os._exit(EXIT_STATUS)
+            os._exit(exits.FAULT_EXIT)
         elif spec.kind == "freeze":
             threading.Event().wait()  # never set: this thread is stuck, the others run on

@@ -42,6 +42,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from recover import exits
 from recover.config import describe_layout, layout_ranks
 from recover.coordinator.client import (
     Committed,
@@ -56,7 +57,6 @@ from recover.coordinator.client import (
 )
 from recover.coordinator.protocol import View
 
-EXIT_MATE_LOST = 7
 _KEY = "recover/alive/"
 # What gloo says when the other end of a connection is gone (measured: a SIGKILLed peer gives the
 # first within milliseconds; see DESIGN.md's facts).
@@ -186,7 +186,7 @@ class IntraReplica:
             file=sys.stderr,
             flush=True,
         )
-        os._exit(EXIT_MATE_LOST)
+        os._exit(exits.MATE_LOST)
 
     def finish(self) -> None:
         """A clean end: mark this rank done, wait for the others, stop watching."""

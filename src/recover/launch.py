@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TextIO
 
+from recover import exits
 from recover.config import (
     RunPaths,
     TrainConfig,
@@ -44,20 +45,8 @@ from recover.env import TOKEN_ENV, ReplicaEnv
 from recover.faults import FaultSpec, faults_for
 from recover.metrics import MetricsWriter, committed_steps, read_metrics
 from recover.runfolder import open_run_folder
-from recover.stall import EXIT_STALLED, check_stall
+from recover.stall import check_stall
 
-RUN_FAILURE_EXITS = {3: "quorum lost", 5: "replicas diverged", 9: "steps not finite"}
-# What a replica's other exit statuses mean (recover.worker, faults, intra, stall), for the verdict.
-_EXIT_MEANINGS = {
-    1: "crashed (status 1; see its output)",
-    4: "was evicted by the coordinator (status 4)",
-    6: "was refused by the coordinator (status 6)",
-    7: "stopped on a lost replica-mate (status 7)",
-    EXIT_STALLED: f"stalled (status {EXIT_STALLED})",
-    10: "left at a step boundary when asked to stop (status 10)",
-    11: "lost the coordinator and stopped (status 11)",
-    17: "exited by an `exit` fault (status 17)",
-}
 # How the launcher starts its own commands (coordinator, built-in worker): this Python, this package.
 _RECOVER = (sys.executable, "-m", "recover.cli")
 RESTART = -1000  # _supervise's answer in checkpoint-restart mode: restart the whole job
@@ -221,7 +210,7 @@ def _describe_exit(replica: int, incarnation: int, code: int) -> str:
         except ValueError:
             how = f"killed by signal {-code}"
     else:
-        how = _EXIT_MEANINGS.get(code, f"exited with status {code}")
+        how = exits.MEANINGS.get(code, f"exited with status {code}")
     return f"{who} {how}"
 
 
@@ -482,7 +471,7 @@ class LocalLauncher:
                     codes.append((r, incarnation[r], code))
                     # A finished replica, or a run stopped for good (quorum lost, divergence):
                     # nobody is respawned any more.
-                    finishing = finishing or code == 0 or code in RUN_FAILURE_EXITS
+                    finishing = finishing or code == 0 or code in exits.RUN_FAILURES
                     if code != 0:
                         self.say(f"{who} exited with status {code}")
                         if r in dead:
@@ -532,9 +521,9 @@ class LocalLauncher:
         deaths = list(dict.fromkeys(_describe_exit(r, inc, c) for r, inc, c in codes if c != 0))
         problems = list(
             dict.fromkeys(
-                f"replica {r}: {RUN_FAILURE_EXITS[c]}"
+                f"replica {r}: {exits.RUN_FAILURES[c]}"
                 for r, _, c in codes
-                if c in RUN_FAILURE_EXITS
+                if c in exits.RUN_FAILURES
             )
         )
         if not any(c == 0 for _, _, c in codes):

@@ -64,6 +64,7 @@ from recover.config import TrainConfig, describe_layout
 from recover.data.addressing import TokenDataset, microbatch_seed
 from recover.grads import laid_out_like, local_part
 from recover.model import GPT, embed, lm_loss
+from recover.policy import deal_round_robin
 from recover.trainer import ReplicaTrainer
 
 _FULL = StateDictOptions(full_state_dict=True)
@@ -225,18 +226,6 @@ def _tensor_parallel(blocks: Iterable[nn.Module], mesh) -> None:
         parallelize_module(block, mesh, plan)
 
 
-def _deal(ids: list[int], ways: int, mine: int) -> list[tuple[int, bool]]:
-    """Round-robin dealing of a call's ids over `ways` ranks that shard one model copy: rank
-    `mine` computes ids[mine], ids[mine + ways], ... as (id, True). FSDP2 needs every rank in
-    every forward and backward, so a rank with one id fewer gets a padding pass (id, False) on a
-    real microbatch, whose gradient is scaled by 0 (exactly zero, no phase hook, no loss counted)."""
-    out = []
-    for start in range(0, len(ids), ways):
-        chunk = ids[start : start + ways]
-        out.append((chunk[mine], True) if mine < len(chunk) else (chunk[0], False))
-    return out
-
-
 class ShardedTrainer(MultiRankTrainer):
     """One model copy sharded over the S ranks of a replica by FSDP2."""
 
@@ -245,7 +234,9 @@ class ShardedTrainer(MultiRankTrainer):
 
     def compute_microbatches(self, step: int, ids: Iterable[int], *, first_index: int = 0) -> None:
         self.model.train()
-        for j, real in _deal(list(ids), self.intra.dims["shard"], self.intra.coordinate("shard")):
+        for j, real in deal_round_robin(
+            list(ids), self.intra.dims["shard"], self.intra.coordinate("shard")
+        ):
             if real:
                 self._microbatch(step, j, self._next_ordinal(step))
             else:  # padding: keeps this rank in the mesh's collectives, adds exactly zero
@@ -384,7 +375,7 @@ class PipelineTrainer(MultiRankTrainer):
         stage: _Stage = self.model
         stage.train()
         shards = self.intra.dims.get("shard", 1)
-        plan = _deal(ids, shards, self.intra.coordinate("shard"))  # [(id, real)]
+        plan = deal_round_robin(ids, shards, self.intra.coordinate("shard"))  # [(id, real)]
         forwards, weights = iter(plan), iter(plan)
 
         def before_forward():

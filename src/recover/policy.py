@@ -116,3 +116,15 @@ def reassign(
         raise ValueError(f"lost holds duplicate microbatch ids: {items}")
     ids = _check_replicas(survivors, "survivors")
     return _cut(items, compute_shares(len(items), ids, weights))
+
+
+def deal_round_robin(ids: Sequence[int], ways: int, mine: int) -> list[tuple[int, bool]]:
+    """Inside one replica: deal an attempt's ids over the `ways` ranks that shard its model copy.
+    Rank `mine` computes ids[mine], ids[mine + ways], ... as (id, True). FSDP2 needs every rank in
+    every forward and backward, so a rank with one id fewer gets a padding pass (id, False) on a
+    real microbatch, whose gradient the caller scales by 0 (exactly zero, no loss counted)."""
+    out = []
+    for start in range(0, len(ids), ways):
+        chunk = ids[start : start + ways]
+        out.append((chunk[mine], True) if mine < len(chunk) else (chunk[0], False))
+    return out

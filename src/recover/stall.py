@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-EXIT_STALLED = 8
+from recover import exits
 
 
 def check_stall(seconds: float) -> None:
@@ -95,4 +95,4 @@ class StallGuard:
         self.emit("stalled", replica=self.replica, rank=self.rank, reason=reason)
         who = f"replica {self.replica}" + (f" rank {self.rank}" if self.rank else "")
         print(f"{who}: {reason}; ending this process", file=sys.stderr, flush=True)
-        os._exit(EXIT_STALLED)
+        os._exit(exits.STALLED)

@@ -22,6 +22,7 @@ from typing import TextIO
 
 import torch
 
+from recover import exits
 from recover.collective import CollectiveConfig, GroupCache
 from recover.config import (
     RunPaths,
@@ -54,15 +55,6 @@ from recover.step_machine import (
 )
 from recover.train import build_trainer_for_run
 from recover.trainer import NonFiniteError, pick_device
-
-EXIT_OK = 0
-EXIT_QUORUM_LOST = 3
-EXIT_EVICTED = 4
-EXIT_DIVERGED = 5
-EXIT_REFUSED = 6
-EXIT_NONFINITE = 9  # max_nonfinite consecutive steps were not finite (none was applied)
-EXIT_STOPPED = 10  # left at a step boundary when asked to stop (SIGTERM or SIGINT)
-EXIT_COORDINATOR_LOST = 11  # the coordinator could not be reached any more
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,10 +268,10 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
                     file=sys.stderr, flush=True,
                 )  # fmt: skip
                 link.leave(step=step)
-                return EXIT_STOPPED
+                return exits.STOPPED
         if not machine.has_state:  # admitted at the very end: it never held the run's state
             link.leave(step=step)
-            return EXIT_OK
+            return exits.OK
         # The pen stays where the last commit put it (replicas that already left are not in
         # the view any more, so recomputing it here could hand out a second pen).
         pen = recorder.pen_writes
@@ -295,14 +287,14 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         if rank == 0:
             writer.event("replica_finished", replica=me, step=step, param_hash=phash)
         link.leave(step=step)
-        return EXIT_OK
+        return exits.OK
     except Evicted as e:
         print(
             f"replica {me}: evicted by the coordinator ({e}); exiting without touching the run",
             file=sys.stderr,
             flush=True,
         )
-        return EXIT_EVICTED
+        return exits.EVICTED
     except (QuorumLostError, ClientQuorumLost) as e:
         # Every survivor holds the last committed state (the optimizer steps only on commits);
         # the lowest survivor saves it, so that --resume continues from the last committed step.
@@ -313,16 +305,16 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         if recorder.holds_pen and wcfg.mode != "checkpoint-restart":
             recorder.checkpoint(recorder.last_committed + 1, block=True)
         print(f"replica {me}: {e} (run it again with --resume)", file=sys.stderr, flush=True)
-        return EXIT_QUORUM_LOST
+        return exits.QUORUM_LOST
     except RequestRefused as e:
         if e.code == "finished":
             print(f"replica {me}: nothing to join: {e}", file=sys.stderr, flush=True)
-            return EXIT_OK
+            return exits.OK
         print(f"replica {me}: refused by the coordinator: {e}", file=sys.stderr, flush=True)
-        return EXIT_REFUSED
+        return exits.REFUSED
     except DivergedError as e:
         print(f"replica {me}: {e}", file=sys.stderr, flush=True)
-        return EXIT_DIVERGED
+        return exits.DIVERGED
     except CoordinatorUnreachable as e:
         # Nobody can commit any more. Every replica holds its last committed state; the lowest
         # replica of the last view saves it, so that a resume loses nothing that committed.
@@ -338,17 +330,17 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             + "; run the same command again with --resume to continue",
             file=sys.stderr, flush=True,
         )  # fmt: skip
-        return EXIT_COORDINATOR_LOST
+        return exits.COORDINATOR_LOST
     except NonFiniteError as e:
         # Every replica holds the same last finite state (no skipped step was applied); the
         # writer of the last step saves it, so that a resume starts from it.
         if recorder.holds_pen:
             recorder.checkpoint(recorder.last_committed + 1, block=True)
         print(f"replica {me}: {e}", file=sys.stderr, flush=True)
-        return EXIT_NONFINITE
+        return exits.NONFINITE
     except Exception:
         # In a replica of several ranks, a collective inside it fails when a replica-mate dies;
-        # the watchdog then names the mate and exits with EXIT_MATE_LOST. Give it the time.
+        # the watchdog then names the mate and exits with exits.MATE_LOST. Give it the time.
         if intra is not None:
             intra.on_error(sys.exc_info()[1])
         raise
