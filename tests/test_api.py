@@ -129,22 +129,28 @@ def test_a_replica_with_other_settings_is_refused_with_the_field_named(token_fil
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
     cmd = [sys.executable, "-m", "recover.cli", "run", "--out", str(tmp_path / "job")]
-    cmd += [
-        "--replicas",
-        "2",
-        "--start-timeout",
-        "3",
-        "--",
-        sys.executable,
-        str(script),
-        *custom_args(token_file, 4),
-    ]
+    cmd += ["--replicas", "2", "--", sys.executable, str(script), *custom_args(token_file, 4)]
     cmd += ["--out", str(tmp_path / "result")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=child_env())
-    # (The run itself goes on with the replica that was not refused: the launcher's verdict
-    # weighs that; this test is about the refusal.)
-    assert "fingerprint field 'config.lr' differs" in r.stdout, r.stdout[-3000:]
-    assert "exited with status 6" in r.stdout, r.stdout[-3000:]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
+    )
+    seen: list[str] = []
+    try:
+        # The refusal comes at registration; the other replica then waits for a run that cannot
+        # form without it, so the launcher is stopped once the refused replica has exited.
+        for line in proc.stdout:
+            seen.append(line)
+            if "exited with status 6" in line:
+                break
+        proc.terminate()
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(seen)
+    assert "fingerprint field 'config.lr' differs" in text, text[-3000:]
+    assert "exited with status 6" in text, text[-3000:]
     assert leftover_processes(str(tmp_path)) == []
 
 

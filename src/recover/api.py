@@ -131,8 +131,7 @@ class Replica:
             from recover.cli import die_with_launcher
 
             die_with_launcher()  # started by the local launcher: die with it, never orphaned
-            for sig in (signal.SIGTERM, signal.SIGINT):  # leave at the next step boundary
-                signal.signal(sig, lambda signum, frame: self._stop_requested.set())
+        self._own_signals = env is None  # SIGTERM/SIGINT become stop requests once it trains
         self.microbatches_per_step = microbatches
         self.dims = replica_layout(shard, tp)
         self.config = dict(config or {})
@@ -275,6 +274,9 @@ class Replica:
             hooks=StepHooks(phase=self._faults, event=self.event, guard=self._guard),
             has_state=not joining,
         )
+        if self._own_signals:  # leave at the next step boundary (before now: nothing to save)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda signum, frame: self._stop_requested.set())
         return view.step
 
     # ---- the loop ------------------------------------------------------------------------------

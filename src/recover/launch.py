@@ -201,6 +201,18 @@ def _is_stopped(pid: int) -> bool:
         return False
 
 
+def _end_politely(proc: subprocess.Popen) -> None:
+    """SIGTERM a child (it then stops at its next step boundary), but SIGKILL one that is stopped
+    (SIGSTOP: a hung replica, fenced meanwhile): woken, it would act as a member it no longer is."""
+    try:
+        if _is_stopped(proc.pid):
+            proc.kill()
+        else:
+            proc.terminate()
+    except ProcessLookupError:
+        pass
+
+
 def _describe_exit(replica: int, incarnation: int, code: int) -> str:
     """One death of a replica process, for the launcher's summary line."""
     who = f"replica {replica}" + (f" (restart {incarnation})" if incarnation else "")
@@ -582,11 +594,7 @@ class LocalLauncher:
         wait for them up to the grace period. What is left is reaped by _reap_all."""
         replicas = [p for n, p in self.children.items() if n != "coordinator" and p.poll() is None]
         for p in replicas:
-            try:
-                p.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-                p.terminate()
-            except ProcessLookupError:
-                pass
+            _end_politely(p)
         deadline = time.monotonic() + self.lcfg.stop_grace_s
         while time.monotonic() < deadline and any(p.poll() is None for p in replicas):
             time.sleep(0.05)
@@ -608,11 +616,7 @@ class LocalLauncher:
         """SIGTERM, then SIGKILL, every child still alive; wait for each (no orphans)."""
         alive = [p for p in self.children.values() if p.poll() is None]
         for p in alive:
-            try:
-                p.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-                p.terminate()
-            except ProcessLookupError:
-                pass
+            _end_politely(p)
         deadline = time.monotonic() + 5.0
         for p in alive:
             try:

@@ -163,11 +163,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         cfg, paths=paths, dataset=dataset, resume=wcfg.resume, intra=intra, device=device
     )
     guard = StallGuard(wcfg.stall_s, replica=me, rank=rank, emit=writer.event)
-    # SIGTERM (a preemption, `kill`, the launcher stopping the job) and SIGINT: leave at the next
-    # step boundary with the committed state saved, instead of dying mid-step.
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+    stop = threading.Event()  # set by SIGTERM or SIGINT once training runs (see below)
 
     def phase_hook(phase: str, step: int, index: int | None) -> None:
         guard.tick()  # every microbatch's forward and backward is progress
@@ -250,6 +246,11 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         def compute(todo) -> None:
             trainer.compute_microbatches(todo.step, todo.ids, first_index=todo.first_index)
 
+        # From here on, SIGTERM (a preemption, `kill`, the launcher stopping the job) and SIGINT
+        # mean: leave at the next step boundary with the committed state saved, instead of dying
+        # mid-step. (Before, there is nothing committed to save: they end the process.)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stop.set())
         step = view.step
         while step < cfg.steps:
             commit = machine.run(step, compute)
