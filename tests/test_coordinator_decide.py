@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from recover.coordinator.decide import attempt_outcome, decide
 from recover.coordinator.protocol import (
     Heartbeat,
+    Heartbeats,
     Leave,
     ProcessExit,
     Register,
@@ -126,6 +127,7 @@ def check_invariants(s):
         assert set(s.live) <= set(s.attempt_members)
         assert s.epoch >= s.attempt_epoch
     assert list(s.live) == sorted(set(s.live))
+    assert s.n_pending == sum(m.state == "pending" for m in s.members.values())
     assert state_from_json(state_to_json(s)) == s
 
 
@@ -201,6 +203,38 @@ def test_heartbeats_keep_a_lease_and_silence_expires_it():
     dead = one(ds, "member_dead")
     assert (dead.replica_id, dead.how) == (2, "lease")
     assert sim.state.live == (0, 1, 3) and sim.state.epoch == 2
+
+
+def test_a_batch_of_heartbeats_counts_each_from_when_it_was_read():
+    sim = Sim().formed()
+    sim.now = 0.9
+    seen = ((0, "inc0", 0.5), (1, "inc1", 0.9), (2, "old-incarnation", 0.9), (9, "x", 0.9))
+    ds = sim.send(Heartbeats(seen=seen))
+    assert ds == [] and sim.state.members[0].last_seen == 0.5
+    ds = sim.tick(0.65)  # now 1.55: replica 0 was read at 0.5 (> 1 s ago), 2 and 3 at 0
+    assert sorted(d.replica_id for d in ds if d.name == "member_dead") == [0, 2, 3]
+    assert sim.state.live == (1,)
+
+
+def test_tick_with_a_due_list_judges_only_those_replicas():
+    sim = Sim().formed()
+    ds = sim.send(Tick(due=(1,)), dt=1.5)  # every lease ran out, but only 1 is named
+    assert [(d.name, d.replica_id) for d in ds if d.name == "member_dead"] == [("member_dead", 1)]
+    assert sim.state.live == (0, 2, 3)
+
+
+def test_a_pending_replica_that_expired_is_not_banned_and_registers_again():
+    sim = Sim(expected_replicas=3)
+    sim.reg(0)
+    sim.reg(1)
+    ds = sim.tick(1.5)  # both pending replicas missed their lease: dead, but not fenced
+    assert sorted(d.replica_id for d in ds if d.name == "member_dead") == [0, 1]
+    assert one(sim.hb(0), "refused").code == "expired"
+    assert sim.state.n_pending == 0 and not sim.state.fenced
+    assert names(sim.reg(0)) == ["registered"]  # the same incarnation waits again
+    sim.reg(1)
+    sim.reg(2)
+    assert sim.state.status == "running" and sim.state.live == (0, 1, 2)
 
 
 def test_process_exit_is_an_immediate_death_with_a_new_epoch():
@@ -452,6 +486,9 @@ def test_decide_never_mutates_its_input():
     frozen = sim.state
     decide(5.0, frozen, ProcessExit(replica_id=1, incarnation="inc1"))
     decide(5.0, frozen, Tick())
+    decide(5.0, frozen, Heartbeats(seen=((0, "inc0", 4.0),)))
+    for r in range(4):
+        decide(5.0, frozen, ReportDone(replica_id=r, incarnation=f"inc{r}", step=0, epoch=1))
     assert frozen == before
 
 

@@ -566,6 +566,9 @@ def add_bench_parser(subparsers) -> None:
     from recover.bench_script import add_script_parser
 
     add_script_parser(sub)
+    from recover.bench_coordinator import add_coordinator_bench_parser
+
+    add_coordinator_bench_parser(sub)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -573,6 +576,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from recover.bench_script import bench_script
 
         return _write_result(bench_script, args)
+    if args.bench_command == "coordinator":
+        from recover.bench_coordinator import run_coordinator_bench
+
+        return run_coordinator_bench(args)
     for name in ("replicas", "repeats", "microbatches", "microbatch_size", "seq_len"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)

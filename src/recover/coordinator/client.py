@@ -5,6 +5,12 @@ Job: give each replica's training loop a small blocking API over two TCP connect
 leave; closing it without `leave()` tells the coordinator this process is gone. The *rpc*
 connection carries reports and long-polls from the training thread.
 
+Each heartbeat asks the coordinator to hold its reply for up to `heartbeat_s` (`hold_s`): a new
+epoch (or step, or status) is then pushed to the replica the moment it is decided, not at its
+next heartbeat. The next heartbeat goes `heartbeat_s` after the previous one was sent, or at once
+when a held reply came back (an older coordinator that does not hold gets one per heartbeat_s).
+A pending replica whose lease expired before admission (code "expired") registers again.
+
 Invariants:
 - every call has a deadline; no call blocks longer than its `deadline_s` (+ `rpc_timeout_s` for
   the last reply) and failures raise named exceptions: `Evicted` (fenced: restart the process to
@@ -229,6 +235,10 @@ class CoordinatorClient:
                 self.wait_view(newer_than_epoch=view.epoch, deadline_s=remaining)
             except DeadlineExceeded:
                 continue
+            except RequestRefused as e:
+                if e.code != "expired":  # expired while pending: wait again, same incarnation
+                    raise
+                self._raise_refusal(self._register_session())
 
     def wait_view(self, *, newer_than_epoch: int, deadline_s: float) -> View:
         """The first view with epoch > newer_than_epoch (or a terminal status)."""
@@ -373,20 +383,22 @@ class CoordinatorClient:
 
     def _heartbeat_loop(self) -> None:
         failing_since: float | None = None
-        next_at = time.monotonic()
+        next_at = time.monotonic() + self._heartbeat_s
         while True:
-            next_at += self._heartbeat_s
             if self._stop.wait(max(0.0, next_at - time.monotonic())):
                 return
+            next_at = time.monotonic() + self._heartbeat_s
             view = self.view
             req = {"kind": "heartbeat", "epoch": view.epoch if view else 0}
             req["view_version"] = view.version if view else -1
+            req["hold_s"] = self._heartbeat_s  # a new epoch is pushed while the reply is held
             try:
                 with self._session.lock:
                     if self._stop.is_set():
                         return
                     fresh = self._session.sock is None
-                    reply = self._session.call(self._member(req)) if not fresh else None
+                    if not fresh:
+                        reply = self._session.call(self._member(req), self._heartbeat_s)
                 if fresh:  # a new session must start with a (same-incarnation) register
                     reply = self._register_session()
                 self._absorb(reply)
@@ -397,6 +409,11 @@ class CoordinatorClient:
                 if now - failing_since > self._rpc_timeout_s:
                     self._unreachable = str(e)
                 continue
+            if not reply.get("ok") and reply.get("code") == "expired":
+                try:  # expired while pending (never admitted, not fenced): wait again
+                    reply = self._register_session()
+                except CoordinatorUnreachable:
+                    continue
             if not reply.get("ok"):
                 try:
                     self._raise_refusal(reply)

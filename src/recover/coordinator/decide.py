@@ -23,7 +23,11 @@ Rules (docs/design.md has the narrative):
 
 Invariants (tested): `decide` never mutates its input; while running, the holdings of the
 attempt's members split 0..M-1 with every id exactly once; epochs never decrease.
-Costs: O(R + M) per message (a clone and a key comparison).
+Costs: a heartbeat, or a batch of them, copies the members map once (O(R) in C, no sort); a
+done report copies the reports map and checks the attempt (O(R)); a registration is O(1) apart
+from that copy. Change detection compares a few scalars and container identities, never whole
+keys. A commit or a redo is O(R + M) (the plan). Lease expiry (`Tick(due=...)`) looks only at the
+replicas the caller names (the server keeps them in deadline order); `due=None` scans them all.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from recover.coordinator.protocol import (
     EpochChanged,
     Finished,
     Heartbeat,
+    Heartbeats,
     Leave,
     MemberDead,
     Message,
@@ -95,11 +100,11 @@ def decide(
     s = state.clone()
     out: list[Decision] = []
     note = _HANDLERS[type(msg)](s, now, msg, out) or ""
-    view_changed = _view_key(s) != _view_key(state)
+    view_changed = _view_changed(state, s)
     if view_changed:
         s.view_version += 1
         s.reason = "; ".join(d.reason for d in out if not isinstance(d, Refused)) or note
-    if view_changed or _durable_key(s) != _durable_key(state):
+    if view_changed or _durable_changed(state, s, msg):
         s.revision += 1
     reason = "; ".join(d.reason for d in out) or note
     return s, out, reason
@@ -136,8 +141,8 @@ def _on_register(s: CoordinatorState, now: float, m: Register, out: list) -> str
     if fence:
         return _refuse(out, m, fence, check_member(s, r, inc)[1])
     cur = s.members.get(r)
-    if cur is not None and cur.incarnation == inc:
-        s.members[r] = replace(cur, last_seen=now)
+    if cur is not None and cur.incarnation == inc and cur.state != DEAD:
+        s.own("members")[r] = replace(cur, last_seen=now)
         return f"replica {r} registered again (new session, same incarnation)"
     if s.status in TERMINAL:
         return _refuse(out, m, s.status, f"the run is {s.status}: {s.reason}")
@@ -148,7 +153,10 @@ def _on_register(s: CoordinatorState, now: float, m: Register, out: list) -> str
         return _refuse(out, m, "duplicate", why)
     if why := _mismatch(s, m):
         return _refuse(out, m, "mismatch", why)
-    s.members[r] = Member(
+    # A new member, or (same incarnation) one whose lease expired while pending: it was never
+    # admitted into an epoch, so it is not fenced and waits again.
+    s.n_pending += 1
+    s.own("members")[r] = Member(
         replica_id=r,
         incarnation=inc,
         state=PENDING,
@@ -160,7 +168,7 @@ def _on_register(s: CoordinatorState, now: float, m: Register, out: list) -> str
     out.append(
         Registered(replica_id=r, incarnation=inc, reason=f"replica {r} registered, pending {wait}")
     )
-    if s.status == FORMING and len(pending_ids(s)) >= s.options.expected_replicas:
+    if s.status == FORMING and s.n_pending >= s.options.expected_replicas:
         _form(s, out, f"all {s.options.expected_replicas} expected replicas registered")
     return ""
 
@@ -171,14 +179,14 @@ def _mismatch(s: CoordinatorState, m: Register) -> str:
         declared = m.fingerprint.get("microbatches")
         if isinstance(declared, bool) or not isinstance(declared, int) or declared < 1:
             return f"fingerprint field 'microbatches' must be an int >= 1, got {declared!r}"
-    peers = [s.members[p] for p in pending_ids(s)]
+    first = _first_pending(s) if s.status != RUNNING else None
+    peers = [first] if first is not None else []
     ref = s.fingerprint if s.status == RUNNING else (peers[0].fingerprint if peers else None)
     for key in sorted(set(ref) | set(m.fingerprint)) if ref is not None else ():
         if ref.get(key) != m.fingerprint.get(key):
             theirs, mine = ref.get(key), m.fingerprint.get(key)
             return f"fingerprint field {key!r} differs: run has {theirs!r}, replica has {mine!r}"
     if s.status == FORMING and peers and peers[0].next_step != m.next_step:
-        first = peers[0]
         return f"next_step differs: replica {first.replica_id} has {first.next_step}, not {m.next_step}"
     return ""
 
@@ -187,8 +195,28 @@ def _on_heartbeat(s: CoordinatorState, now: float, m: Heartbeat, out: list) -> s
     member, code, why = _lookup(s, m.replica_id, m.incarnation)
     if member is None:
         return _refuse(out, m, code, why)
-    s.members[m.replica_id] = replace(member, last_seen=now)
-    acc = s.accusations.pop(m.replica_id, None)
+    return _heard(s, m.replica_id, member, now, out)
+
+
+def _on_heartbeats(s: CoordinatorState, now: float, m: Heartbeats, out: list) -> str:
+    """Heartbeats the transport read since its last batch, each at the time it was read. Not a
+    current member any more: skipped (it was answered already; its next heartbeat is refused)."""
+    notes = []
+    for r, inc, at in m.seen:
+        member = s.members.get(r)
+        if member is None or member.incarnation != inc or member.state not in (PENDING, LIVE):
+            continue
+        if s.fenced.get(inc) or at <= member.last_seen:
+            continue
+        note = _heard(s, r, member, at, out)
+        if note != "heartbeat":
+            notes.append(note)
+    return "; ".join(notes) or f"{len(m.seen)} heartbeats"
+
+
+def _heard(s: CoordinatorState, r: int, member: Member, at: float, out: list) -> str:
+    s.own("members")[r] = replace(member, last_seen=max(at, member.last_seen))
+    acc = s.own("accusations").pop(r, None) if r in s.accusations else None
     if acc is None:
         return "heartbeat"
     why = (
@@ -232,9 +260,9 @@ def _on_done(s: CoordinatorState, now: float, m: ReportDone, out: list) -> str:
     if not _check_report(s, m, out):
         return ""
     if s.reports.get(m.replica_id) != "failed":  # a failure within an attempt is sticky
-        s.reports[m.replica_id] = "done"
+        s.own("reports")[m.replica_id] = "done"
     if m.param_hash is not None:
-        s.param_hashes[m.replica_id] = m.param_hash
+        s.own("param_hashes")[m.replica_id] = m.param_hash
     _record_throughput(s, m.replica_id, m.throughput)
     _evaluate_attempt(s, out)
     return f"replica {m.replica_id} reported done ({m.step}, {m.epoch})"
@@ -244,13 +272,13 @@ def _on_failed(s: CoordinatorState, now: float, m: ReportFailed, out: list) -> s
     if not _check_report(s, m, out):
         return ""
     r = m.replica_id
-    s.reports[r] = "failed"
+    s.own("reports")[r] = "failed"
     accused = []
     for q in sorted(set(m.suspects)):
         if q != r and q in s.live:
             accused.append(q)
             if q not in s.accusations:
-                s.accusations[q] = Accusation(
+                s.own("accusations")[q] = Accusation(
                     suspect=q, accuser=r, at=now, step=m.step, epoch=m.epoch
                 )
     why = f"replica {r} reported a failed collective in ({m.step}, {m.epoch}): {m.reason!r}"
@@ -271,7 +299,11 @@ def _on_leave(s: CoordinatorState, now: float, m: Leave, out: list) -> str:
 
 def _on_tick(s: CoordinatorState, now: float, m: Tick, out: list) -> str:
     opts = s.options
-    for r, member in sorted(s.members.items()):
+    due = sorted(s.members) if m.due is None else sorted(set(m.due))
+    for r in due:
+        member = s.members.get(r)
+        if member is None:
+            continue
         if member.state in (PENDING, LIVE) and now - member.last_seen > opts.lease_s:
             why = (
                 f"replica {r} lease expired: no heartbeat for {now - member.last_seen:.3f} s "
@@ -286,7 +318,7 @@ def _on_tick(s: CoordinatorState, now: float, m: Tick, out: list) -> str:
             )
             _kill(s, q, "report", why, out)
     if s.status == FORMING and now >= s.start_deadline:
-        n = len(pending_ids(s))
+        n = s.n_pending
         head = f"start deadline passed with {n} of {opts.expected_replicas} replicas registered"
         if n >= opts.min_replicas:
             _form(s, out, f"{head}; starting with them")
@@ -298,6 +330,7 @@ def _on_tick(s: CoordinatorState, now: float, m: Tick, out: list) -> str:
 _HANDLERS = {
     Register: _on_register,
     Heartbeat: _on_heartbeat,
+    Heartbeats: _on_heartbeats,
     ProcessExit: _on_process_exit,
     ReportDone: _on_done,
     ReportFailed: _on_failed,
@@ -314,8 +347,10 @@ def _form(s: CoordinatorState, out: list, why: str) -> None:
     if s.options.microbatches == 0:  # learned from the replicas (checked at registration)
         s.options = replace(s.options, microbatches=s.fingerprint["microbatches"])
     s.step = s.members[ids[0]].next_step
+    members = s.own("members")
     for r in ids:
-        s.members[r] = replace(s.members[r], state=LIVE)
+        members[r] = replace(members[r], state=LIVE)
+    s.n_pending = 0
     s.status = RUNNING
     s.live = ids
     s.epoch += 1
@@ -328,9 +363,15 @@ def _kill(s: CoordinatorState, r: int, how: str, why: str, out: list) -> None:
     member = s.members[r]
     was_live = member.state == LIVE
     left = how == "leave"
-    s.members[r] = replace(member, state=LEFT if left else DEAD, how=how)
-    s.fenced[member.incarnation] = "left" if left else "evicted"
-    s.accusations.pop(r, None)
+    s.own("members")[r] = replace(member, state=LEFT if left else DEAD, how=how)
+    if member.state == PENDING:
+        s.n_pending -= 1
+    # A pending incarnation that only missed its lease was never in an epoch: nothing to fence,
+    # it may register again. Anything else is fenced forever.
+    if not (member.state == PENDING and how == "lease"):
+        s.own("fenced")[member.incarnation] = "left" if left else "evicted"
+    if r in s.accusations:
+        s.own("accusations").pop(r)
     if not left:
         out.append(MemberDead(replica_id=r, incarnation=member.incarnation, how=how, reason=why))
     if not was_live:
@@ -395,10 +436,12 @@ def _commit(s: CoordinatorState, out: list, survivors: list[int]) -> None:
             )
         )
         return
-    joiners = pending_ids(s)
+    joiners = pending_ids(s) if s.n_pending else ()
     if joiners:
+        members = s.own("members")
         for r in joiners:
-            s.members[r] = replace(s.members[r], state=LIVE, throughput=None)
+            members[r] = replace(members[r], state=LIVE, throughput=None)
+        s.n_pending = 0
         s.live = tuple(sorted(set(s.live) | set(joiners)))
         s.epoch += 1
         s.joined = tuple(joiners)
@@ -455,7 +498,7 @@ def _record_throughput(s: CoordinatorState, r: int, x: float | None) -> None:
     tp = s.members[r].throughput
     alpha = s.options.throughput_ema_alpha
     tp = x if tp is None else alpha * x + (1 - alpha) * tp
-    s.members[r] = replace(s.members[r], throughput=tp)
+    s.own("members")[r] = replace(s.members[r], throughput=tp)
 
 
 def _weights(s: CoordinatorState, ids: tuple[int, ...]) -> dict[int, float]:
@@ -510,20 +553,47 @@ def _is_current_attempt(s: CoordinatorState, step: int, epoch: int) -> bool:
     return s.status == RUNNING and step == s.step and epoch == s.attempt_epoch
 
 
-def _view_key(s: CoordinatorState) -> tuple:
-    return (
-        s.epoch,
-        s.live,
-        s.step,
-        s.holdings,
-        s.weights,
-        s.status,
-        s.committed_step,
-        s.attempt_epoch,
-        pending_ids(s),
+def _first_pending(s: CoordinatorState) -> Member | None:
+    """A pending member (the earliest registered still pending), or None. Members keep their
+    registration order, and forming runs have few non-pending members, so this stops early."""
+    if s.n_pending == 0:
+        return None
+    return next((m for m in s.members.values() if m.state == PENDING), None)
+
+
+def _same(a: object, b: object) -> bool:
+    return a is b or a == b
+
+
+def _view_changed(old: CoordinatorState, new: CoordinatorState) -> bool:
+    """Did the published view change? Scalars, then container identity (a container that a
+    handler did not touch is the very same object, so the O(R) comparison runs only when one
+    was touched)."""
+    return not (
+        old.epoch == new.epoch
+        and old.step == new.step
+        and old.status == new.status
+        and old.committed_step == new.committed_step
+        and old.attempt_epoch == new.attempt_epoch
+        and old.n_pending == new.n_pending
+        and _same(old.live, new.live)
+        and _same(old.holdings, new.holdings)
+        and _same(old.weights, new.weights)
     )
 
 
-def _durable_key(s: CoordinatorState) -> tuple:
-    members = tuple((r, m.incarnation, m.state, m.throughput) for r, m in sorted(s.members.items()))
-    return (s.reports, s.param_hashes, tuple(s.accusations), members, len(s.fenced), s.leaving)
+def _durable_changed(old: CoordinatorState, new: CoordinatorState, msg: Message) -> bool:
+    """Did something other than lease bookkeeping (last_seen) change?"""
+    if old.leaving != new.leaving or len(old.fenced) != len(new.fenced):
+        return True
+    for name in ("reports", "param_hashes", "accusations"):
+        if not _same(getattr(old, name), getattr(new, name)):
+            return True
+    if old.members is new.members:
+        return False
+    if isinstance(msg, Heartbeat | Heartbeats):  # only last_seen (accusations checked above)
+        return False
+    if isinstance(msg, Register) and len(old.members) == len(new.members):
+        cur = old.members.get(msg.replica_id)
+        return not (cur is not None and cur.incarnation == msg.incarnation and cur.state != DEAD)
+    return True

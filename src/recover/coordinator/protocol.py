@@ -29,6 +29,7 @@ __all__ = [
     "ProtocolError",
     "Register",
     "Heartbeat",
+    "Heartbeats",
     "ProcessExit",
     "ReportDone",
     "ReportFailed",
@@ -121,11 +122,26 @@ class Leave:
 
 
 @dataclass(frozen=True)
+class Heartbeats:
+    """Heartbeats the transport read since its last batch: (replica_id, incarnation, read at).
+
+    Not a wire message: the server answers each heartbeat at once (a refusal through `decide`)
+    and hands the rest to the rules in one batch per tick, each judged from when it was read."""
+
+    seen: tuple[tuple[int, str, float], ...]
+
+
+@dataclass(frozen=True)
 class Tick:
-    """The clock moved: expire leases and unanswered accusations, check the start deadline."""
+    """The clock moved: expire leases and unanswered accusations, check the start deadline.
+
+    `due`: the replicas whose lease may have run out (the server keeps leases in deadline
+    order); None checks every member."""
+
+    due: tuple[int, ...] | None = None
 
 
-Message = Register | Heartbeat | ProcessExit | ReportDone | ReportFailed | Leave | Tick
+Message = Register | Heartbeat | Heartbeats | ProcessExit | ReportDone | ReportFailed | Leave | Tick
 
 MESSAGE_KINDS: dict[str, type] = {
     "register": Register,

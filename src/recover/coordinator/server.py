@@ -3,7 +3,8 @@
 Job: accept length-prefixed JSON requests on TCP, run every message through `decide()`, tick
 every ~20 ms for leases, answer long-polls (new view, outcome of an attempt), log decisions
 (last ~200 in memory; every one as a JSON line in `events_path`), save the state through a
-`StateStore`, and host the `TCPStore` that per-epoch process groups are built on.
+`StateStore` (in a background thread, batched), and host the `TCPStore` that per-epoch process
+groups are built on.
 
 Design (justified in docs/design.md, "Coordinator transport"): one asyncio event loop in one
 background thread owns the state, so `decide()` runs strictly one message at a time without
@@ -11,11 +12,31 @@ locks; long-polls are coroutines parked on a "view changed" event. The connectio
 replica registered is its *session*: EOF on it without a prior `leave` is reported to the rules
 as `ProcessExit`, which makes a SIGKILLed replica visible within milliseconds.
 
+Work per message does not grow with R (docs/coordinator.md has the measurements):
+- a heartbeat of a current, unaccused member is answered at once and queued with the time it was
+  read; the queue reaches `decide` as one `Heartbeats` batch per tick. A lease is judged only
+  after the loop has drained the sockets that were readable (a few zero sleeps) and the batch
+  applied, so a burst of work that delays reading never turns into false deaths. The leases are
+  kept in deadline order (an ordered map, moved to the end at each heartbeat): a tick looks only
+  at the members whose deadline passed (`Tick(due=...)`), never scans them all;
+- each view version is encoded to JSON once and spliced into every reply that carries it;
+  heartbeats carry it only when the replica's `view_version` is older;
+- a heartbeat may ask to be held (`hold_s`): the reply then comes at the next epoch, step or
+  status change, or after hold_s. That pushes an epoch change to every replica at once instead
+  of at its next heartbeat;
+- long-polls park on one future each, woken only when the epoch, step, attempt or status
+  changes (registrations while forming wake nobody);
+- the state is saved by a background thread, at most every `save_interval_s`, newest revision
+  only, and once more at stop.
+
 Invariants: a bad frame, a wrong token, an unknown kind or a malformed field closes only that
 connection (after an error reply when possible); every wait has a deadline (long-polls are capped
 at `max_wait_s`, a frame body must arrive within `body_timeout_s`).
-Limits: `StateStore.save` and event writes run on the event loop (fine for memory and a local
-file; a remote store should move saves off the loop).
+Limits: event writes run on the event loop (a local file). The saved state can be up to
+save_interval_s older than what replicas saw. The only store today (`InMemoryStateStore`) does
+not outlive the process and gets a final save at stop, so nothing is lost; a store that outlives
+a crash (etcd) must also hold back the replies that reveal a commit until its revision is saved
+(docs/coordinator.md, "Durability").
 """
 
 from __future__ import annotations
@@ -26,9 +47,10 @@ import itertools
 import json
 import logging
 import os
+import struct
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,9 +64,12 @@ from recover.coordinator.decide import (
     view_of,
 )
 from recover.coordinator.protocol import (
+    MAX_FRAME,
     MESSAGE_KINDS,
     Decision,
+    FrameTooLarge,
     Heartbeat,
+    Heartbeats,
     Leave,
     ProcessExit,
     ProtocolError,
@@ -54,9 +79,10 @@ from recover.coordinator.protocol import (
     check_field,
     decode_message,
     read_frame_async,
-    write_frame_async,
 )
 from recover.coordinator.state_store import (
+    LIVE,
+    PENDING,
     TERMINAL,
     CoordinatorOptions,
     CoordinatorState,
@@ -67,6 +93,11 @@ from recover.coordinator.state_store import (
 __all__ = ["CoordinatorServer", "run_coordinator_process"]
 
 log = logging.getLogger("recover.coordinator")
+
+_HEADER = struct.Struct(">I")
+_VIEW = object()  # a reply's "view" value meaning: the current view, spliced in pre-encoded
+_MAX_HOLD_S = 1.0  # the longest a heartbeat reply may be held (a lease is >= this in practice)
+_DRAIN_ROUNDS = 4  # zero sleeps before a tick: readable sockets are read and their frames handled
 
 
 @dataclass
@@ -105,12 +136,17 @@ class CoordinatorServer:
         max_wait_s: float = 60.0,
         body_timeout_s: float = 10.0,
         log_size: int = 200,
+        save_interval_s: float = 0.1,
     ) -> None:
         if not isinstance(options, CoordinatorOptions):
             raise ValueError(f"options must be CoordinatorOptions, got {type(options).__name__}")
         if token is not None and not token:
             raise ValueError("token must be a non-empty string or None")
-        for name, v in (("tick_s", tick_s), ("max_wait_s", max_wait_s)):
+        for name, v in (
+            ("tick_s", tick_s),
+            ("max_wait_s", max_wait_s),
+            ("save_interval_s", save_interval_s),
+        ):
             if not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
         self._options = options
@@ -131,12 +167,20 @@ class CoordinatorServer:
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
-        self._changed: asyncio.Event | None = None
         self._stopping = False
         self._sessions: dict[tuple[int, str], int] = {}
         self._conn_ids = itertools.count(1)
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task] = set()
+        self._save_interval_s = save_interval_s
+        self._saver: threading.Thread | None = None
+        self._save_stop = threading.Event()
+        # Leases in deadline order: replica -> coordinator clock of its last heartbeat (read).
+        self._leases: OrderedDict[int, float] = OrderedDict()
+        self._beats: list[tuple[int, str, float]] = []  # read, not yet applied (one per tick)
+        self._waiters: set[asyncio.Future] = set()  # long-polls and held heartbeats
+        self._wake_key: tuple = ()
+        self._view_cache: tuple[int, bytes] = (-1, b"")
 
     # ------------------------------------------------------------ lifecycle
 
@@ -151,6 +195,10 @@ class CoordinatorServer:
         self._state = (
             initial_state(self._options, now) if loaded is None else (resume_state(loaded, now))
         )
+        self._wake_key = self._key(self._state)
+        alive = [m for m in self._state.members.values() if m.state in (PENDING, LIVE)]
+        for m in sorted(alive, key=lambda m: m.last_seen):
+            self._leases[m.replica_id] = m.last_seen
         if self._store_port is not None:
             from torch.distributed import TCPStore  # the only torch use; clients stay torch-free
 
@@ -163,6 +211,8 @@ class CoordinatorServer:
             self._events_fd = os.open(self._events_path, flags, 0o644)
         self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
         self._thread.start()
+        self._saver = threading.Thread(target=self._save_loop, name="coordinator-save", daemon=True)
+        self._saver.start()
         if not self._ready.wait(timeout_s):
             raise TimeoutError(f"coordinator did not start listening within {timeout_s} s")
         if self._error is not None:
@@ -176,6 +226,9 @@ class CoordinatorServer:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.error("coordinator thread did not stop within %s s", timeout_s)
+        self._save_stop.set()
+        if self._saver is not None:
+            self._saver.join(timeout_s)
         if self._events_fd is not None:
             os.close(self._events_fd)
             self._events_fd = None
@@ -223,7 +276,6 @@ class CoordinatorServer:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
-        self._changed = asyncio.Event()
         server = await asyncio.start_server(self._handle, self._host, self._port)
         self._address = tuple(server.sockets[0].getsockname()[:2])
         self._ready.set()
@@ -234,7 +286,7 @@ class CoordinatorServer:
             self._stopping = True
             ticker.cancel()
             server.close()
-            self._changed.set()  # wake long-polls: they see _stopping and return
+            self._wake()  # wake long-polls: they see _stopping and return
             for w in list(self._writers):
                 w.close()
             if self._tasks:  # let handlers end on their own (cancelling them logs noise)
@@ -243,26 +295,122 @@ class CoordinatorServer:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self._tick_s)
+            for _ in range(_DRAIN_ROUNDS):  # read what is readable before judging any lease
+                await asyncio.sleep(0)
             try:
-                self._apply(Tick())
+                self._flush_beats()
+                now = time.monotonic()
+                due = self._due(now)
+                st = self._state
+                if due or st.accusations or st.status == "forming":
+                    self._apply(Tick(due=tuple(due)), now)
+                    self._requeue(due)
             except Exception as e:  # a broken rule must stop the service loudly
                 log.critical("coordinator tick failed; stopping", exc_info=True)
                 self._error = e
                 self._stop_event.set()
                 return
 
-    def _apply(self, msg: Any) -> tuple[list[Decision], str]:
+    def _apply(self, msg: Any, now: float | None = None) -> tuple[list[Decision], str]:
         old = self._state
-        new, decisions, reason = decide(time.monotonic(), old, msg)
-        if new.revision != old.revision:
-            self._state_store.save(new)
+        new, decisions, reason = decide(time.monotonic() if now is None else now, old, msg)
         self._state = new
         for d in decisions:
             self._record(d)
         if new.view_version != old.view_version:
-            self._changed.set()
-            self._changed = asyncio.Event()
+            key = self._key(new)
+            if key != self._wake_key:
+                self._wake_key = key
+                self._wake()
         return decisions, reason
+
+    @staticmethod
+    def _key(s: CoordinatorState) -> tuple:
+        """What long-polls and held heartbeats wait for: a new epoch, attempt, step or status."""
+        return (s.epoch, s.attempt_epoch, s.step, s.committed_step, s.status)
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, set()
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _until_change(self, timeout_s: float) -> None:
+        """Sleep until the next wake (epoch, attempt, step or status change) or timeout_s."""
+        fut = self._loop.create_future()
+        self._waiters.add(fut)
+        timer = self._loop.call_later(timeout_s, _resolve, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._waiters.discard(fut)
+
+    # ------------------------------------------------------------ leases and saving
+
+    def _touch(self, r: int, at: float) -> None:
+        self._leases[r] = at
+        self._leases.move_to_end(r)
+
+    def _flush_beats(self) -> None:
+        if self._beats:
+            beats, self._beats = tuple(self._beats), []
+            self._apply(Heartbeats(seen=beats))
+
+    def _due(self, now: float) -> list[int]:
+        """Replicas whose lease ran out by `now`: the front of the deadline-ordered map."""
+        lease, due = self._options.lease_s, []
+        for r, at in self._leases.items():
+            if now - at <= lease:
+                break
+            due.append(r)
+        return due
+
+    def _requeue(self, due: list[int]) -> None:
+        members = self._state.members
+        for r in due:
+            m = members.get(r)
+            if m is None or m.state not in (PENDING, LIVE):
+                self._leases.pop(r, None)
+            else:  # the rules saw a newer heartbeat than this map (it cannot happen; be safe)
+                self._touch(r, m.last_seen)
+
+    def _save_loop(self) -> None:
+        """Save the newest revision at most every save_interval_s, and once more at stop."""
+        saved = None
+        while True:
+            stopping = self._save_stop.wait(self._save_interval_s)
+            state = self._state
+            if state is not None and state.revision != saved:
+                try:
+                    self._state_store.save(state)
+                    saved = state.revision
+                except Exception:  # keep serving; the next round retries
+                    log.exception("saving the coordinator state failed")
+            if stopping:
+                return
+
+    def _view_json(self) -> bytes:
+        """The current view as JSON, encoded once per view version."""
+        st = self._state
+        version, body = self._view_cache
+        if version != st.view_version:
+            d = view_of(st).to_dict()
+            body = json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
+            self._view_cache = (st.view_version, body)
+        return body
+
+    def _frame(self, reply: dict[str, Any]) -> bytes:
+        """One reply frame; a `_VIEW` value is replaced by the pre-encoded current view."""
+        with_view = reply.get("view") is _VIEW
+        if with_view:
+            reply = {k: v for k, v in reply.items() if k != "view"}
+        body = json.dumps(reply, separators=(",", ":"), allow_nan=False).encode()
+        if with_view:
+            body = body[:-1] + b',"view":' + self._view_json() + b"}"
+        if len(body) > MAX_FRAME:
+            raise FrameTooLarge(f"reply of {len(body)} bytes exceeds {MAX_FRAME}")
+        return _HEADER.pack(len(body)) + body
 
     def _record(self, d: Decision) -> None:
         entry = {"t_wall": time.time(), "t_mono": time.monotonic(), **d.to_dict()}
@@ -294,11 +442,7 @@ class CoordinatorServer:
             remaining = end - time.monotonic()
             if remaining <= 0 or self._stopping:
                 return None
-            changed = self._changed
-            try:
-                await asyncio.wait_for(changed.wait(), remaining)
-            except TimeoutError:
-                pass
+            await self._until_change(remaining)
 
     # ------------------------------------------------------------ connections
 
@@ -324,7 +468,8 @@ class CoordinatorServer:
                     log.warning("closing connection from %s: %s", peer, e)
                     await self._reply_and_close(writer, "bad_request", str(e))
                     break
-                await write_frame_async(writer, reply)
+                writer.write(self._frame(reply))
+                await writer.drain()
         except (ConnectionError, OSError):
             pass  # the peer went away; a session's loss is handled below
         except Exception:
@@ -345,9 +490,8 @@ class CoordinatorServer:
 
     async def _reply_and_close(self, writer: asyncio.StreamWriter, code: str, why: str) -> None:
         try:
-            await asyncio.wait_for(
-                write_frame_async(writer, {"ok": False, "code": code, "reason": why[:500]}), 1.0
-            )
+            writer.write(self._frame({"ok": False, "code": code, "reason": why[:500]}))
+            await asyncio.wait_for(writer.drain(), 1.0)
         except (ConnectionError, OSError, TimeoutError):
             pass
 
@@ -361,6 +505,8 @@ class CoordinatorServer:
 
     async def _dispatch(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         kind = req.get("kind")
+        if kind == "heartbeat":
+            return await self._handle_heartbeat(req, conn)
         if kind in MESSAGE_KINDS:
             return self._handle_message(req, conn)
         if kind == "wait_view":
@@ -368,27 +514,53 @@ class CoordinatorServer:
         if kind == "wait_outcome":
             return await self._handle_wait_outcome(req)
         if kind == "view":
-            return {"ok": True, "view": view_of(self._state).to_dict()}
+            return {"ok": True, "view": _VIEW}
         if kind == "status":
             return self._status()
         raise ProtocolError(f"unknown request kind {kind!r}"[:200])
 
-    def _handle_message(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
+    async def _handle_heartbeat(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         msg = decode_message(req)
-        decisions, reason = self._apply(msg)
-        view = view_of(self._state)
+        r, inc = msg.replica_id, msg.incarnation
+        st, now = self._state, time.monotonic()
+        if check_member(st, r, inc)[0] or r in st.accusations:
+            reply = self._handle_message(req, conn, msg)  # a refusal, or it answers an accusation
+        else:  # the common case: O(1) now, applied with the tick's batch
+            self._beats.append((r, inc, now))
+            self._touch(r, now)
+            reply = {"ok": True, "reason": "heartbeat"}
+        hold = req.get("hold_s")
+        if (
+            reply.get("ok")
+            and isinstance(hold, int | float)
+            and not isinstance(hold, bool)
+            and hold > 0
+            and req.get("view_version") == self._state.view_version
+        ):
+            await self._until_change(min(float(hold), _MAX_HOLD_S))
+            reply["reason"] = "heartbeat"
+        if req.get("view_version") != self._state.view_version or not reply.get("ok"):
+            reply["view"] = _VIEW
+        return reply
+
+    def _handle_message(self, req: dict[str, Any], conn: _Conn, msg: Any = None) -> dict[str, Any]:
+        msg = decode_message(req) if msg is None else msg
+        now = time.monotonic()
+        decisions, reason = self._apply(msg, now)
         for d in decisions:
             if isinstance(d, Refused) and d.incarnation == getattr(msg, "incarnation", None):
-                return {"ok": False, "code": d.code, "reason": d.reason, "view": view.to_dict()}
+                return {"ok": False, "code": d.code, "reason": d.reason, "view": _VIEW}
         reply: dict[str, Any] = {"ok": True, "reason": reason}
+        if isinstance(msg, Register | Heartbeat):
+            self._touch(msg.replica_id, now)
         if isinstance(msg, Register):
             conn.session = (msg.replica_id, msg.incarnation)
             self._sessions[conn.session] = conn.id
             reply["store"] = list(self._store_address) if self._store_address else None
         if isinstance(msg, Leave):
             conn.left = True
-        if not isinstance(msg, Heartbeat) or req.get("view_version") != view.version:
-            reply["view"] = view.to_dict()
+        if not isinstance(msg, Heartbeat) or req.get("view_version") != self._state.view_version:
+            reply["view"] = _VIEW
         return reply
 
     async def _handle_wait_view(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -401,11 +573,11 @@ class CoordinatorServer:
                 return refusal
             s = self._state
             if s.epoch > after or s.status in TERMINAL:
-                return {"ok": True, "view": view_of(s).to_dict()}
+                return {"ok": True, "view": _VIEW}
             return None
 
         result = await self._wait_for(ready, deadline_s)
-        return result or {"ok": True, "timeout": True, "view": view_of(self._state).to_dict()}
+        return result or {"ok": True, "timeout": True, "view": _VIEW}
 
     async def _handle_wait_outcome(self, req: dict[str, Any]) -> dict[str, Any]:
         who = self._who(req, required=True)
@@ -419,15 +591,13 @@ class CoordinatorServer:
             out = attempt_outcome(self._state, step, epoch)
             if out is None:
                 return None
-            view = view_of(self._state).to_dict()
             if out[0] == "stale":
-                return {"ok": False, "code": "stale", "reason": out[1], "view": view}
-            return {"ok": True, "outcome": out[0], "reason": out[1], "view": view}
+                return {"ok": False, "code": "stale", "reason": out[1], "view": _VIEW}
+            return {"ok": True, "outcome": out[0], "reason": out[1], "view": _VIEW}
 
         result = await self._wait_for(ready, deadline_s)
         if result is None:
-            view = view_of(self._state).to_dict()
-            return {"ok": True, "outcome": "timeout", "reason": "deadline passed", "view": view}
+            return {"ok": True, "outcome": "timeout", "reason": "deadline passed", "view": _VIEW}
         return result
 
     def _who(self, req: dict[str, Any], *, required: bool) -> tuple[int, str] | None:
@@ -451,19 +621,24 @@ class CoordinatorServer:
                 "incarnation": m.incarnation,
                 "state": m.state,
                 "how": m.how,
-                "lease_age_s": round(now - m.last_seen, 3),
+                "lease_age_s": round(now - self._leases.get(m.replica_id, m.last_seen), 3),
                 "throughput": m.throughput,
             }
             for _, m in sorted(s.members.items())
         ]
         return {
             "ok": True,
-            "view": view_of(s).to_dict(),
+            "view": _VIEW,
             "members": members,
             "decisions": self.decisions(),
             "store": list(self._store_address) if self._store_address else None,
             "options": vars(s.options),
         }
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 # Re-exported: the process main lives with the CLI that also calls it.

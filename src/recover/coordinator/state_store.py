@@ -5,16 +5,18 @@ Job: define `CoordinatorOptions` (validated once), the `CoordinatorState` that t
 an in-memory implementation. A later etcd-backed store implements the same two methods.
 
 Invariants:
-- `decide()` never mutates a state it is given: it works on `state.clone()`. Members and
-  accusations are frozen records, replaced and never edited, so a shallow copy of the containers
-  is a full copy.
+- `decide()` never mutates a state it is given. `clone()` is shallow (O(1)): `decide` copies a
+  container the first time it changes it (copy on write), so a heartbeat does not copy the whole
+  state. Members and accusations are frozen records, replaced and never edited.
 - `state_from_json(state_to_json(s)) == s` for every reachable state (tested), so a store that
   keeps JSON loses nothing.
-- `revision` grows whenever anything other than lease bookkeeping (last_seen)
-  changes; the server saves exactly then. `view_version` grows whenever the published view does.
+- `revision` grows whenever something durable changes (membership, the plan, reports, commits;
+  not lease bookkeeping); the server saves the newest revision in the background, batched.
+  `view_version` grows whenever the published view does.
 
-Costs: a clone copies O(R) references; the JSON form is O(R + M). Limits: `fenced` keeps every
-dead incarnation for the life of the run (a few dozen bytes each).
+Costs: a clone is O(1); a container's first change in one `decide` copies it, O(R). The JSON form
+is O(R + M) and is built off the coordinator's event loop. Limits: `fenced` keeps every dead
+incarnation for the life of the run (a few dozen bytes each).
 """
 
 from __future__ import annotations
@@ -159,20 +161,34 @@ class CoordinatorState:
     # Replicas admitted into the current epoch at a step boundary: before the step, every member
     # of the epoch takes part in the state transfer to them. Cleared at the next epoch change.
     joined: tuple[int, ...] = ()
+    n_pending: int = 0  # members in state pending (kept by decide: no O(R) count per register)
     view_version: int = 0
     revision: int = 0
     reason: str = "waiting for registrations"  # why the view last changed
 
     def clone(self) -> CoordinatorState:
-        """A copy whose containers can be changed without touching `self`."""
+        """A shallow copy that shares its containers with `self` (O(1)). Change a container of
+        the copy only through `own(name)`, which copies it first."""
         out = copy.copy(self)
-        for f in ("holdings", "weights", "reports", "param_hashes", "members", "fenced"):
-            setattr(out, f, dict(getattr(self, f)))
-        out.accusations = dict(self.accusations)
+        out.__dict__["_owned"] = set()
         return out
+
+    def own(self, name: str) -> dict:
+        """Container `name` of this (cloned) state, copied on its first change since the clone."""
+        owned = self.__dict__.setdefault("_owned", set())
+        if name not in owned:
+            setattr(self, name, dict(getattr(self, name)))
+            owned.add(name)
+        return getattr(self, name)
 
 
 _INT_KEYED = ("holdings", "weights", "reports", "param_hashes", "members", "accusations")
+_MEMBER_FIELDS = tuple(f.name for f in fields(Member))
+_ACCUSATION_FIELDS = tuple(f.name for f in fields(Accusation))
+
+
+def _record(obj: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    return {n: getattr(obj, n) for n in names}  # no deep copy: json.dumps only reads
 
 
 def state_to_json(state: CoordinatorState) -> str:
@@ -182,8 +198,10 @@ def state_to_json(state: CoordinatorState) -> str:
         v = getattr(state, f.name)
         if f.name == "options":
             v = asdict(v)
-        elif f.name in ("members", "accusations"):
-            v = {str(k): asdict(m) for k, m in v.items()}
+        elif f.name == "members":
+            v = {str(k): _record(m, _MEMBER_FIELDS) for k, m in v.items()}
+        elif f.name == "accusations":
+            v = {str(k): _record(a, _ACCUSATION_FIELDS) for k, a in v.items()}
         elif f.name in _INT_KEYED:
             v = {str(k): (list(x) if isinstance(x, tuple) else x) for k, x in v.items()}
         elif isinstance(v, tuple):
@@ -203,6 +221,7 @@ def state_from_json(text: str) -> CoordinatorState:
     d["live"] = tuple(d["live"])
     d["attempt_members"] = tuple(d["attempt_members"])
     d["joined"] = tuple(d.get("joined", ()))
+    d.setdefault("n_pending", sum(m.state == PENDING for m in d["members"].values()))
     return CoordinatorState(**d)
 
 
@@ -244,7 +263,9 @@ def pending_ids(state: CoordinatorState) -> tuple[int, ...]:
 
 
 def check_member(state: CoordinatorState, replica_id: int, incarnation: str) -> tuple[str, str]:
-    """("", "") for a current member, else (refusal code, reason)."""
+    """("", "") for a current member, else (refusal code, reason). Code "expired": a pending
+    incarnation whose lease expired before it was admitted; it is not fenced and may register
+    again (same incarnation)."""
     fence = state.fenced.get(incarnation)
     if fence:
         return fence, (
@@ -254,6 +275,11 @@ def check_member(state: CoordinatorState, replica_id: int, incarnation: str) -> 
     m = state.members.get(replica_id)
     if m is None or m.incarnation != incarnation:
         return "unknown", f"replica {replica_id} incarnation {incarnation} is not a member"
+    if m.state == DEAD:  # only a never-admitted (pending) incarnation dies unfenced
+        return "expired", (
+            f"replica {replica_id} incarnation {incarnation} expired while pending; "
+            "register again to wait for admission"
+        )
     return "", ""
 
 
