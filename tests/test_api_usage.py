@@ -136,3 +136,18 @@ def test_a_non_finite_step_is_never_applied_and_too_many_stop_the_run(job):
     assert seen == [(0, False, False), (1, True, True), (2, False, False), (3, True, True),
                     (4, True, True)]  # fmt: skip
     replica.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_fault_that_could_never_fire_is_refused(job):
+    """`recover run` cannot know the script's steps or M; the Replica checks its faults itself."""
+    env = {**job, "RECOVER_FAULTS": "kill:replica=0,step=2,phase=forward,microbatch=5"}
+    replica, model, optimizer = attached(env)
+    with pytest.raises(ValueError, match="microbatch=5"):
+        next(iter(replica.steps(4)))
+    replica.close()
+    env = {**job, "RECOVER_FAULTS": "kill:replica=0,step=9,phase=forward"}
+    replica, model, optimizer = attached(env)
+    with pytest.raises(ValueError, match="step=9 never comes"):
+        next(iter(replica.steps(4)))
+    replica.close()

@@ -61,7 +61,7 @@ from recover.coordinator.client import (
 )
 from recover.coordinator.client import QuorumLost as _ClientQuorumLost
 from recover.env import ReplicaEnv
-from recover.faults import FaultInjector
+from recover.faults import FaultInjector, check_faults_fit
 from recover.policy import deal_round_robin
 from recover.script_work import ScriptWork
 from recover.stall import StallGuard
@@ -290,6 +290,11 @@ class Replica:
             raise UsageError("steps() can be iterated once per Replica")
         if not 0 <= start_step <= total_steps:
             raise ValueError(f"start_step must be in 0..{total_steps}, got {start_step}")
+        # A fault the launcher passed that could never fire (its step or microbatch beyond this
+        # run) is refused now, naming the field (the launcher does not know M or the steps).
+        check_faults_fit(
+            self.spec.faults, steps=total_steps, microbatches=self.microbatches_per_step
+        )
         try:
             with self._stops():
                 step = self._join(total_steps, start_step)
