@@ -14,7 +14,7 @@ open; it sends nothing). Survivors keep reporting done, so the steps commit with
 Figures (all from this process's clock, except the coordinator's CPU):
 - form_s: first register sent -> the last replica saw itself live in a running view;
 - commit_s median / p99: done sent -> Committed received, per replica and failure-free step;
-- heartbeat_rtt_s p99: heartbeat sent -> its reply;
+- heartbeat_rtt_s p99: heartbeat sent -> its reply (a held reply: minus the hold);
 - coordinator_cpu: (utime + stime) of the coordinator pid over the steady window / wall time, in
   cores (1.0 = one core busy), from /proc/<pid>/stat;
 - false_deaths: `coordinator.member_dead` events (its --events file) of replicas never faulted;
@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import resource
 import statistics
 import struct
@@ -61,6 +62,7 @@ class BenchCoordinatorConfig:
     heartbeat_s: float = 0.1
     lease_s: float = 1.0
     faults: bool = True
+    hold: bool = True  # heartbeats ask for held replies (pushed epochs), like CoordinatorClient
     form_timeout_s: float = 120.0
     step_timeout_s: float = 30.0
 
@@ -99,10 +101,46 @@ class _Conn:
         body = json.dumps(req, separators=(",", ":")).encode()
         self.writer.write(_HEADER.pack(len(body)) + body)
         (n,) = _HEADER.unpack(await self.reader.readexactly(4))
-        return json.loads(await self.reader.readexactly(n))
+        return _parse_reply(await self.reader.readexactly(n))
 
     def drop(self) -> None:
         self.writer.transport.abort()  # RST, like a killed process's sockets
+
+
+_VIEW_AT = b',"view":{"epoch":'
+_VIEW_HEAD = re.compile(rb'^\{"epoch":(\d+),"live":\[([0-9,]*)\],"step":(\d+),')
+_VIEW_MID = re.compile(rb'"status":"(\w+)","committed_step":(-?\d+),"attempt_epoch":(\d+),')
+_VIEW_VERSION = re.compile(rb'\],"version":(\d+),"reason":')
+
+
+def _parse_reply(body: bytes) -> dict:
+    """A reply, with its view reduced to what a simulated replica reads.
+
+    The server splices the view in last (`,"view":{...}}`); decoding the whole view (its plan is
+    O(R) JSON) for every reply would make this one driver process the bottleneck, so the view's
+    scalars are read with anchored patterns (JSON strings escape quotes: a reason cannot fake
+    them) and `live` is decoded only when asked (`view["live"]()`)."""
+    at = body.find(_VIEW_AT)
+    if at < 0:
+        return json.loads(body)
+    reply = json.loads(body[:at] + b"}")
+    raw = body[at + 8 : -1]
+    head, mid, ver = _VIEW_HEAD.match(raw), _VIEW_MID.search(raw), _VIEW_VERSION.search(raw)
+    if head is None or mid is None or ver is None:  # an unknown layout: decode it all
+        v = json.loads(raw)
+        reply["view"] = {**v, "live": lambda v=v: tuple(v["live"])}
+        return reply
+    live = head.group(2)
+    reply["view"] = {
+        "epoch": int(head.group(1)),
+        "live": lambda: tuple(int(x) for x in live.split(b",")) if live else (),
+        "step": int(head.group(3)),
+        "status": mid.group(1).decode(),
+        "committed_step": int(mid.group(2)),
+        "attempt_epoch": int(mid.group(3)),
+        "version": int(ver.group(1)),
+    }
+    return reply
 
 
 @dataclass
@@ -129,7 +167,8 @@ class _Replica:
             return
         self.version = v.get("version", 0)
         self.status, self.step, self.attempt_epoch = v["status"], v["step"], v["attempt_epoch"]
-        self.live = tuple(v["live"])
+        if v["epoch"] != self.epoch or not self.live:
+            self.live = v["live"]()
         if v["epoch"] != self.epoch:
             self.epoch = v["epoch"]
             self.seen_epoch_at.setdefault(self.epoch, time.monotonic())
@@ -167,19 +206,25 @@ class _Driver:
         next_at = time.monotonic() + period * (rep.rid * 0.618 % 1.0)
         while not self.stop.is_set() and not rep.dead:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            next_at += period
+            next_at = time.monotonic() + period
             if rep.silent or rep.dead:
                 if rep.dead:
                     return
                 continue
             req = self.member(rep, {"kind": "heartbeat", "epoch": rep.epoch})
             req["view_version"] = rep.version
+            if self.cfg.hold:  # as CoordinatorClient does: epoch changes are pushed
+                req["hold_s"] = period
             t0 = rep.last_hb_sent = time.monotonic()
             try:
                 reply = await conn.call(req)
             except (ConnectionError, asyncio.IncompleteReadError):
                 return
-            self.hb_rtt.append(time.monotonic() - t0)
+            rtt = time.monotonic() - t0
+            if not self.cfg.hold:
+                self.hb_rtt.append(rtt)
+            elif "view" not in reply:  # held for `period`: the rest is the round trip
+                self.hb_rtt.append(max(0.0, rtt - period))
             if not reply.get("ok") and reply.get("code") in ("evicted", "unknown"):
                 rep.evicted = reply.get("reason", "")
             rep.absorb(reply)
@@ -317,7 +362,9 @@ async def _drive(cfg: BenchCoordinatorConfig, host: str, port: int, pid: int) ->
         if cfg.faults:
             # The kill: drop both connections mid-compute, as a SIGKILL would.
             await d.until(
-                lambda: d.commits and time.monotonic() - max(d.commits.values()) > 0.3,
+                lambda: (
+                    d.commits and time.monotonic() - max(d.commits.values()) > cfg.compute_s / 2
+                ),
                 cfg.step_timeout_s,
                 "mid-step",
             )
@@ -377,6 +424,7 @@ def start_coordinator(cfg: BenchCoordinatorConfig, workdir: Path) -> tuple[subpr
         "serve",
         "--port",
         "0",
+        "--no-store",
         "--replicas",
         str(cfg.replicas),
         "--microbatches",

@@ -36,6 +36,11 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=29400)
     serve.add_argument("--store-port", type=int, default=0, help="TCPStore port (0: any)")
+    serve.add_argument(
+        "--no-store",
+        action="store_true",
+        help="host no torch TCPStore (load tests and tools that build no process groups)",
+    )
     serve.add_argument("--replicas", type=int, required=True, help="replicas expected at start")
     serve.add_argument(
         "--microbatches",
@@ -127,7 +132,7 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             options,
             host=args.host,
             port=args.port,
-            store_port=args.store_port,
+            store_port=None if args.no_store else args.store_port,
             token=token,
             events_path=args.events,
             address_file=args.address_file,
@@ -162,12 +167,13 @@ def run_coordinator_process(
     """
     if isinstance(options, dict):
         options = CoordinatorOptions(**options)
-    try:
-        import torch  # noqa: PLC0415 - only to keep this process to one thread
+    if store_port is not None:  # torch only when a TCPStore is hosted
+        try:
+            import torch  # noqa: PLC0415 - only to keep this process to one thread
 
-        torch.set_num_threads(1)
-    except ImportError:
-        pass
+            torch.set_num_threads(1)
+        except ImportError:
+            pass
     from recover.coordinator.server import CoordinatorServer
 
     server = CoordinatorServer(

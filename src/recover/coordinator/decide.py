@@ -400,6 +400,10 @@ def _lose_quorum(s: CoordinatorState, out: list, why: str) -> None:
 def _evaluate_attempt(s: CoordinatorState, out: list) -> None:
     if s.status != RUNNING:
         return
+    # The live set is the attempt's surviving members (joiners enter only at a commit), so
+    # fewer reports than live members means someone live has not reported: O(1) per report.
+    if len(s.reports) < len(s.live):
+        return
     survivors = [r for r in s.attempt_members if _alive_in_attempt(s, r)]
     if not survivors or any(r not in s.reports for r in survivors):
         return

@@ -238,11 +238,14 @@ class View:
     reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
+        """The wire form. Holdings travel as runs ("holding_runs": replica -> flat [start, stop,
+        ...] pairs of consecutive ids): a plan is a few contiguous blocks per replica, so the view
+        grows with R, not with M."""
         return {
             "epoch": self.epoch,
             "live": list(self.live),
             "step": self.step,
-            "holdings": {str(r): list(ids) for r, ids in self.holdings.items()},
+            "holding_runs": {str(r): _runs(ids) for r, ids in self.holdings.items()},
             "weights": {str(r): w for r, w in self.weights.items()},
             "status": self.status,
             "committed_step": self.committed_step,
@@ -260,7 +263,7 @@ class View:
                 epoch=int(d["epoch"]),
                 live=tuple(int(r) for r in d["live"]),
                 step=int(d["step"]),
-                holdings={int(r): tuple(int(j) for j in ids) for r, ids in d["holdings"].items()},
+                holdings=_holdings_of(d),
                 weights={int(r): float(w) for r, w in d["weights"].items()},
                 status=str(d["status"]),
                 committed_step=int(d["committed_step"]),
@@ -274,6 +277,31 @@ class View:
             raise ProtocolError(f"malformed view: {e!r}") from e
 
 
+def _runs(ids: tuple[int, ...]) -> list[int]:
+    """(3, 4, 5, 9) -> [3, 6, 9, 10]: start, stop of each run of consecutive ids, in order."""
+    out: list[int] = []
+    for j in ids:
+        if out and out[-1] == j:
+            out[-1] = j + 1
+        else:
+            out += [j, j + 1]
+    return out
+
+
+def _holdings_of(d: dict[str, Any]) -> dict[int, tuple[int, ...]]:
+    if "holding_runs" not in d:  # the plain form: replica -> every id
+        return {int(r): tuple(int(j) for j in ids) for r, ids in d["holdings"].items()}
+    out = {}
+    for r, runs in d["holding_runs"].items():
+        if len(runs) % 2:
+            raise ValueError(f"holding_runs of replica {r} has an odd length")
+        ids: list[int] = []
+        for a, b in zip(runs[::2], runs[1::2], strict=True):
+            ids.extend(range(int(a), int(b)))
+        out[int(r)] = tuple(ids)
+    return out
+
+
 # ---------------------------------------------------------------- decisions (outputs of decide)
 
 
@@ -283,7 +311,7 @@ class _Decision:
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}  # asdict deep-copies: slow
         for k, v in list(d.items()):
             if isinstance(v, dict):
                 d[k] = {str(r): (list(x) if isinstance(x, tuple) else x) for r, x in v.items()}
@@ -442,7 +470,8 @@ async def read_frame_async(
     (n,) = _HEADER.unpack(header)
     _check_length(n)
     try:
-        body = await asyncio.wait_for(reader.readexactly(n), body_timeout_s)
+        async with asyncio.timeout(body_timeout_s):  # no extra task per frame, unlike wait_for
+            body = await reader.readexactly(n)
     except asyncio.IncompleteReadError as e:
         raise ProtocolError("connection closed inside a frame body") from e
     except TimeoutError as e:

@@ -413,14 +413,15 @@ class CoordinatorServer:
         return _HEADER.pack(len(body)) + body
 
     def _record(self, d: Decision) -> None:
-        entry = {"t_wall": time.time(), "t_mono": time.monotonic(), **d.to_dict()}
+        record = d.to_dict()
+        entry = {"t_wall": time.time(), "t_mono": time.monotonic(), **record}
         with self._log_lock:
             self._log.append(entry)
         # Commits happen every step: the replicas' step lines already show them.
         level = logging.DEBUG if d.name in ("registered", "committed") else logging.INFO
         log.log(level, "%s: %s", d.name, d.reason)
         if self._events_fd is not None:
-            fields = {k: v for k, v in d.to_dict().items() if k not in ("decision", "reason")}
+            fields = {k: v for k, v in record.items() if k not in ("decision", "reason")}
             if "replica_id" in fields:  # docs/metrics.md names a replica `replica` in events
                 fields["replica"] = fields["replica_id"]
             line = {
@@ -538,7 +539,11 @@ class CoordinatorServer:
             and req.get("view_version") == self._state.view_version
         ):
             await self._until_change(min(float(hold), _MAX_HOLD_S))
-            reply["reason"] = "heartbeat"
+            # While we held the reply the replica could not heartbeat: its lease runs from now.
+            if not check_member(self._state, r, inc)[0]:
+                now = time.monotonic()
+                self._beats.append((r, inc, now))
+                self._touch(r, now)
         if req.get("view_version") != self._state.view_version or not reply.get("ok"):
             reply["view"] = _VIEW
         return reply
