@@ -383,6 +383,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="the command of every process (after --), e.g. python train.py",
     )
 
+    exp = sub.add_parser(
+        "export",
+        help="write a run's model in another format (a Hugging Face GPT-2 folder)",
+        description="Write the run's final model (else its newest checkpoint) as a folder that "
+        "transformers.GPT2LMHeadModel.from_pretrained loads, with its tokenizer. Needs the "
+        "optional transformers package (pip install 'recover[hf]').",
+    )
+    exp.add_argument("run", type=Path, metavar="RUN", help="the run folder (--out of train)")
+    exp.add_argument("--format", choices=("hf",), default="hf", help="the format (default: hf)")
+    exp.add_argument(
+        "--out", type=Path, default=None, metavar="DIR", help="where (default: RUN/export-hf)"
+    )
+    smp = sub.add_parser(
+        "sample",
+        help="generate text from a run's model",
+        description="Continue a prompt with the run's final model (else its newest checkpoint).",
+    )
+    smp.add_argument("run", type=Path, metavar="RUN", help="the run folder (--out of train)")
+    smp.add_argument("--prompt", default="", help="the text to continue (default: empty)")
+    smp.add_argument(
+        "--tokens", type=int, default=200, metavar="N", help="tokens to generate (default: 200)"
+    )
+    smp.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="0: greedy (the likeliest token each time); > 0: sample (default: 0)",
+    )
+    smp.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --temperature: sample among the K likeliest tokens only (default: all)",
+    )
+    smp.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+
     cmp = sub.add_parser("compare", help="compare two run folders' trajectories")
     cmp.add_argument("run_a", type=Path, metavar="RUN_A")
     cmp.add_argument("run_b", type=Path, metavar="RUN_B")
@@ -518,6 +556,36 @@ def run_script(args: argparse.Namespace) -> int:
     return launcher.run()
 
 
+def run_export(args: argparse.Namespace) -> int:
+    from recover.checkpoint import CheckpointError
+    from recover.export import ExportError, export_hf
+
+    try:
+        out = export_hf(args.run, args.out or args.run / "export-hf")
+    except (ExportError, CheckpointError) as e:
+        return _error(str(e))
+    print(f"wrote {out} (load it with transformers.GPT2LMHeadModel.from_pretrained)")
+    return 0
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from recover.checkpoint import CheckpointError
+    from recover.export import ExportError, sample
+
+    torch.set_num_threads(min(4, torch.get_num_threads()))
+    try:
+        text = sample(
+            args.run, args.prompt, tokens=args.tokens, temperature=args.temperature,
+            top_k=args.top_k, seed=args.seed,
+        )  # fmt: skip
+    except (ExportError, CheckpointError, ValueError) as e:
+        return _error(str(e))
+    print(text)
+    return 0
+
+
 def run_worker_cli(args: argparse.Namespace) -> int:
     import os
 
@@ -605,6 +673,8 @@ HANDLERS = {
     "train": ("recover.cli", "run_train"),
     "compare": ("recover.cli", "run_compare"),
     "run": ("recover.cli", "run_script"),
+    "export": ("recover.cli", "run_export"),
+    "sample": ("recover.cli", "run_sample"),
     "worker": ("recover.cli", "run_worker_cli"),
     "coordinator": ("recover.coordinator.cli", "run_coordinator_cli"),
     "simulate": ("recover.simulate.cli", "run_simulate"),
