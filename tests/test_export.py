@@ -59,3 +59,11 @@ def test_sample_continues_the_prompt(trained):
     assert hot.returncode == 0 and hot.stdout.startswith("replica ")
     bad = run_cli(["sample", str(trained), "--temperature", "-1"])
     assert bad.returncode != 0 and "temperature" in bad.stderr
+
+
+def test_the_run_folder_records_the_models_shape(trained):
+    import json
+
+    model = json.loads((trained / "config.json").read_text())["model"]
+    assert model["n_layer"] == 2 and model["n_head"] == 2 and model["n_embd"] == 64
+    assert model["block_size"] == 32 and model["vocab_size"] == 256

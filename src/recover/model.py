@@ -11,48 +11,12 @@ from `(seed, step, j)`, so a microbatch gets the same dropout masks on any repli
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from recover.presets import PRESETS
-
-
-@dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    vocab_size: int = 256  # from the dataset's tokenizer (256 for the byte tokenizer)
-    block_size: int = 128  # longest sequence the position table covers
-    n_layer: int = 2
-    n_head: int = 2
-    n_embd: int = 64  # model width; must be divisible by n_head
-    dropout: float = 0.0
-    bias: bool = False  # biases in Linear and LayerNorm; off is a little faster and no worse
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def build_config(
-    preset: str, *, vocab_size: int, block_size: int, dropout: float = 0.0
-) -> GPTConfig:
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; allowed: {', '.join(PRESETS)}")
-    return GPTConfig(
-        vocab_size=vocab_size, block_size=block_size, dropout=dropout, **PRESETS[preset]
-    )
+from recover.presets import PRESETS, GPTConfig, build_config  # noqa: F401 (re-exported)
 
 
 class CausalSelfAttention(nn.Module):

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from recover.config import RESUMABLE_CHANGES, RunPaths, TrainConfig
+from recover.presets import build_config
 
 CONFIG_FORMAT = 1
 
@@ -60,6 +61,12 @@ def open_run_folder(
         )
     out.mkdir(parents=True, exist_ok=True)
     record = {"format": CONFIG_FORMAT, "train": cfg.to_dict(), "data": data_info}
+    if data_info.get("vocab_size"):  # the model's whole shape, so that the folder explains itself
+        model = build_config(
+            cfg.preset, vocab_size=int(data_info["vocab_size"]), block_size=cfg.seq_len,
+            dropout=cfg.dropout,
+        )  # fmt: skip
+        record["model"] = model.to_dict()
     if launch:
         record["launch"] = launch
     _write_json_atomic(paths.config, record)
