@@ -106,6 +106,7 @@ class _Conn:
     peer: str
     session: tuple[int, str] | None = None  # (replica_id, incarnation) registered here
     left: bool = False
+    gone: asyncio.Future | None = None  # resolved when the peer closes (see _Protocol)
 
 
 def _number(req: dict[str, Any], name: str) -> float:
@@ -276,7 +277,12 @@ class CoordinatorServer:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
-        server = await asyncio.start_server(self._handle, self._host, self._port)
+        loop = self._loop
+
+        def protocol() -> _Protocol:  # what asyncio.start_server builds, plus `gone`
+            return _Protocol(asyncio.StreamReader(loop=loop), self._handle, loop=loop)
+
+        server = await loop.create_server(protocol, self._host, self._port)
         self._address = tuple(server.sockets[0].getsockname()[:2])
         self._ready.set()
         ticker = asyncio.create_task(self._tick_loop())
@@ -335,16 +341,22 @@ class CoordinatorServer:
             if not fut.done():
                 fut.set_result(None)
 
-    async def _until_change(self, timeout_s: float) -> None:
-        """Sleep until the next wake (epoch, attempt, step or status change) or timeout_s."""
+    async def _until_change(self, timeout_s: float, gone: asyncio.Future | None = None) -> None:
+        """Sleep until the next wake (epoch, attempt, step or status change), timeout_s, or
+        (given `gone`) the peer closing the connection."""
         fut = self._loop.create_future()
         self._waiters.add(fut)
         timer = self._loop.call_later(timeout_s, _resolve, fut)
+        wake = (lambda _: _resolve(fut)) if gone is not None else None
+        if wake is not None:
+            gone.add_done_callback(wake)
         try:
             await fut
         finally:
             timer.cancel()
             self._waiters.discard(fut)
+            if wake is not None:
+                gone.remove_done_callback(wake)
 
     # ------------------------------------------------------------ leases and saving
 
@@ -450,6 +462,7 @@ class CoordinatorServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         conn = _Conn(id=next(self._conn_ids), peer=str(peer))
+        conn.gone = getattr(writer.transport.get_protocol(), "gone", None)
         self._writers.add(writer)
         self._tasks.add(asyncio.current_task())
         try:
@@ -538,7 +551,9 @@ class CoordinatorServer:
             and hold > 0
             and req.get("view_version") == self._state.view_version
         ):
-            await self._until_change(min(float(hold), _MAX_HOLD_S))
+            # A held session that the replica's death closes must end now, not after the hold:
+            # its EOF is what declares the death.
+            await self._until_change(min(float(hold), _MAX_HOLD_S), conn.gone)
             # While we held the reply the replica could not heartbeat: its lease runs from now.
             if not check_member(self._state, r, inc)[0]:
                 now = time.monotonic()
@@ -639,6 +654,23 @@ class CoordinatorServer:
             "store": list(self._store_address) if self._store_address else None,
             "options": vars(s.options),
         }
+
+
+class _Protocol(asyncio.StreamReaderProtocol):
+    """asyncio's stream protocol, with `gone`: a future resolved at the peer's EOF or at the
+    connection's loss, even while no one reads (a held heartbeat reply)."""
+
+    def __init__(self, reader: asyncio.StreamReader, cb: Any, *, loop: Any) -> None:
+        super().__init__(reader, cb, loop=loop)
+        self.gone: asyncio.Future = loop.create_future()
+
+    def eof_received(self) -> bool:
+        _resolve(self.gone)
+        return super().eof_received()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        _resolve(self.gone)
+        super().connection_lost(exc)
 
 
 def _resolve(fut: asyncio.Future) -> None:
