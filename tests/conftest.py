@@ -105,7 +105,7 @@ def assert_invariants(
     microbatches: int,
     rtol: float = TRAJECTORY_RTOL,
 ) -> None:
-    """DESIGN.md's invariants for a multi-replica run `out` against the failure-free `reference`,
+    """the invariants of docs/design.md for a multi-replica run `out` against the failure-free `reference`,
     with the trajectory within `rtol` (loss per step, final parameters)."""
     assert r.returncode == 0, r.stdout[-4000:]
     committed = committed_steps(out / "metrics.jsonl")

@@ -1,6 +1,6 @@
 """Multi-replica runs with real processes and real faults (SIGKILL, SIGSTOP, exit).
 
-Every fault test asserts DESIGN.md's invariants against a failure-free one-replica run with the
+Every fault test asserts the invariants of docs/design.md against a failure-free one-replica run with the
 same seed and M: the run finishes; every committed step sums exactly M microbatches; the committed
 loss matches (rtol 1e-4 per step) and so do the final parameters (relative L2 1e-4); all surviving
 replicas end with identical parameters; the fault really happened (its events are in the record);

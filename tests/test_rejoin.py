@@ -66,7 +66,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 
 def respawned_run(reference, data: Path, out: Path, replicas: int, *extra: str):
-    """A run whose dead replica is respawned at once: DESIGN.md's invariants hold, every replica
+    """A run whose dead replica is respawned at once: the invariants of docs/design.md hold, every replica
     (the respawned one too) finishes with the same parameters, and its state_transfer events."""
     r = finish(
         cli("train", *FLAGS, "--data", str(data), "--out", str(out), "--replicas", str(replicas),

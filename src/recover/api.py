@@ -14,7 +14,7 @@ model and optimizer, and writes its loop as usual, with the microbatches of each
         clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step(); scheduler.step(); optimizer.zero_grad()
 
-The boundary (DESIGN.md, "the library boundary"): the library owns the plan, the snapshot, the
+The boundary (docs/design.md, "the library boundary"): the library owns the plan, the snapshot, the
 fault-tolerant reduce, the vote and the redo loop (`recover.step_machine`); the script owns one
 microbatch's forward and backward, the optimizer, clipping and schedule. A joiner receives the
 committed model, optimizer and extra state (torch.distributed.checkpoint's state_dict helpers, so

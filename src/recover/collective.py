@@ -1,7 +1,7 @@
 """Fault-tolerant cross-replica collective: one group per epoch, async ops, deadlines, abandon.
 
 Job: sum (or broadcast) a flat buffer across the live replicas of one epoch without ever hanging
-and without ever handing back a partially reduced buffer as if it were whole (DESIGN.md,
+and without ever handing back a partially reduced buffer as if it were whole (docs/design.md,
 invariants 3 "no corruption" and 5 "bounded waits").
 
 How:

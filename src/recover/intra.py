@@ -59,7 +59,7 @@ from recover.coordinator.protocol import View
 
 _KEY = "recover/alive/"
 # What gloo says when the other end of a connection is gone (measured: a SIGKILLed peer gives the
-# first within milliseconds; see DESIGN.md's facts).
+# first within milliseconds; see docs/design.md's measured facts).
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 

@@ -1,4 +1,4 @@
-"""The step of DESIGN.md as a state machine: one replica's part, from plan to commit.
+"""The step of docs/design.md as a state machine: one replica's part, from plan to commit.
 
 Job: for every step, hand the caller the microbatch ids this rank must compute (the plan's share
 of this replica, then any ids reassigned to it after a failure), take the snapshot of the local

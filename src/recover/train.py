@@ -1,4 +1,4 @@
-"""Training with one replica: the failure-free step of DESIGN.md with nobody to reduce with.
+"""Training with one replica: the failure-free step of docs/design.md with nobody to reduce with.
 
 Job: open the run folder, build the replica's trainer, resume from the newest checkpoint when
 asked, and run steps `start..steps-1`: compute microbatch ids 0..M-1, take the snapshot, commit

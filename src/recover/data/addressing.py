@@ -3,7 +3,7 @@
 Job: open a prepared dataset read-only and answer "which tokens does microbatch (step, j) hold?"
 and "which seed drives its randomness (dropout)?", the same way in every process.
 
-The rule (DESIGN.md, invariant 2 "same samples"):
+The rule (docs/design.md, invariant 2 "same samples"):
 
 * A sample is a window of ``seq_len + 1`` consecutive tokens inside one shard; windows start at
   multiples of ``seq_len`` (so consecutive windows share one token: the last target of one is the
