@@ -630,3 +630,23 @@ def test_microbatches_learned_from_the_replicas_when_not_given():
         Register(replica_id=2, incarnation="c", fingerprint={"microbatches": 8}, next_step=0),
     )
     assert "'microbatches' differs" in reason
+
+
+def test_the_commit_names_one_writer_alive_at_the_decision():
+    """The writer of a step's records is decided with its commit: the lowest member of the
+    attempt alive at the decision, published in the view until the next commit (a replica that
+    leaves right after, or a joiner, changes nothing)."""
+    sim = Sim().formed(4)
+    for r in range(4):
+        sim.done(r)
+    assert view_of(sim.state).committed_step == 0 and view_of(sim.state).writer == 0
+    # Step 1: replica 0 reports done, then dies before the others report: the sum is complete
+    # (its part is in every survivor's reduce), the step commits, and replica 1 writes it.
+    sim.done(0)
+    sim.exit(0)
+    for r in (1, 2, 3):
+        sim.done(r)
+    assert view_of(sim.state).committed_step == 1 and view_of(sim.state).writer == 1
+    # The writer named at the commit stays, whatever moves later before the next commit.
+    sim.send(Leave(replica_id=1, incarnation=sim.inc[1], step=2))
+    assert view_of(sim.state).committed_step == 1 and view_of(sim.state).writer == 1

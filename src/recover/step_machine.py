@@ -324,7 +324,7 @@ class StepMachine:
             shares={r: len(ids) for r, ids in sorted(view.holdings.items())},
             attempts=attempt.redos + 1,
             recovered_s=recovered,
-            writer=self.me == _writer(view, self.link.step_view()),
+            writer=self.me == _writer(step, view, self.link.step_view()),
             finite=finite,
         )
 
@@ -433,14 +433,15 @@ class StepMachine:
             return None
 
 
-def _writer(attempt: View, latest: View) -> int:
-    """The replica that writes a committed step's records: the lowest member of the committing
-    attempt that the newest view still holds live. Members only: a joiner admitted at this very
-    commit is live in the newest view but never saw the step (it would leave the step unwritten).
-    """
-    members = sorted(attempt.holdings)
-    live = [r for r in members if r in latest.live]
-    return (live or members)[0]
+def _writer(step: int, attempt: View, latest: View) -> int:
+    """The replica that writes a committed step's records: the one the coordinator named with the
+    commit (the lowest attempt member alive at the decision; every replica reads the same name
+    from its view, which is at least as new as the commit). Only a coordinator that names none
+    (an older one) leaves it to the replica: then the lowest member of the committing attempt,
+    the same on every committing replica, since they all reduced in that attempt's group."""
+    if latest.committed_step == step and latest.writer >= 0:
+        return latest.writer
+    return min(attempt.holdings)
 
 
 def _stop(status: str, reason: str) -> None:

@@ -420,6 +420,10 @@ def _commit(s: CoordinatorState, out: list, survivors: list[int]) -> None:
     if gone:
         why += f" (replicas {gone} left the epoch after the reduce; the sum is complete)"
     s.committed_step = t
+    # The writer of the step's records is decided here, once, with the commit: the lowest member
+    # of the attempt that is alive now. Replicas read it from the view; none infers it from a
+    # view that may have moved on (a member leaving right after its last step, a joiner).
+    s.committed_writer = min(survivors)
     s.step = t + 1
     s.joined = ()  # a committed step proves every member held the committed state
     out.append(Committed(step=t, epoch=a, reason=why))

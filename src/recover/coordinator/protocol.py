@@ -236,6 +236,9 @@ class View:
     joined: tuple[int, ...] = ()  # admitted into this epoch: they get the state before the step
     version: int = 0
     reason: str = ""
+    # The replica that writes committed_step's records, named by the commit decision (the lowest
+    # attempt member alive then): one writer per step, the same on every replica. -1: none yet.
+    writer: int = -1
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form. Holdings travel as runs ("holding_runs": replica -> flat [start, stop,
@@ -254,6 +257,7 @@ class View:
             "joined": list(self.joined),
             "version": self.version,
             "reason": self.reason,
+            "writer": self.writer,
         }
 
     @classmethod
@@ -272,6 +276,7 @@ class View:
                 joined=tuple(int(r) for r in d.get("joined", ())),
                 version=int(d.get("version", 0)),
                 reason=str(d.get("reason", "")),
+                writer=int(d.get("writer", -1)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ProtocolError(f"malformed view: {e!r}") from e

@@ -146,6 +146,7 @@ class CoordinatorState:
     live: tuple[int, ...] = ()
     step: int = 0
     committed_step: int = -1
+    committed_writer: int = -1  # who writes committed_step's records (named at its commit)
     attempt_epoch: int = 0  # the epoch in which the current attempt of `step` reduces
     attempt_members: tuple[int, ...] = ()  # live set when this attempt began (the dead stay)
     holdings: dict[int, tuple[int, ...]] = field(default_factory=dict)  # attempt's plan
@@ -311,4 +312,5 @@ def view_of(state: CoordinatorState) -> View:
         joined=state.joined,
         version=state.view_version,
         reason=state.reason,
+        writer=state.committed_writer,
     )
