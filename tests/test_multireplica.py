@@ -68,6 +68,9 @@ def test_four_replicas_equal_one_replica(reference, tiny_dataset, tmp_path):
     assert all(s["replicas"] == 4 for s in committed_steps(out / "metrics.jsonl").values())
     assert not events(out, "coordinator.redo")
     assert "[replica 3]" in r.stdout or "[replica 0]" in r.stdout
+    header = [line for line in r.stdout.splitlines() if "] training tiny (" in line]
+    assert len(header) == 1 and "on 4 replicas" in header[0], header  # one header, not four
+    assert not (out / "coordinator.json").exists(), "the address of a gone coordinator was left"
 
 
 FAULT_CASES = {

@@ -169,3 +169,14 @@ def test_nccl_cross_reduce_without_gpus_is_refused_before_anything_starts(tiny_d
     r = run_cli(train_args(tiny_dataset, out, "--replicas", "2", "--cross-reduce", "nccl"))
     assert r.returncode == 2 and "2 processes, 0 GPUs visible" in r.stderr, r.stderr
     assert not out.exists()
+
+
+def test_version_and_a_warmup_longer_than_the_run_is_warned(tiny_dataset, tmp_path):
+    from conftest import TINY_TRAIN_FLAGS, run_cli
+
+    version = run_cli(["--version"])
+    assert version.returncode == 0 and version.stdout.startswith("recover ")
+    r = run_cli(["train", *TINY_TRAIN_FLAGS, "--steps", "2", "--warmup-steps", "5",
+                 "--data", str(tiny_dataset), "--out", str(tmp_path / "run")])  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "--warmup-steps 5 >= --steps 2: the learning rate never reaches its peak" in r.stderr

@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="recover",
         description="ReCoVer: resilient LLM pre-training that survives replica failures in-step.",
     )
+    from recover import __version__
+
+    parser.add_argument("--version", action="version", version=f"recover {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = sub.add_parser(
@@ -272,11 +275,31 @@ def build_parser() -> argparse.ArgumentParser:
         "trains until the last step. The shared token is read from $RECOVER_TOKEN.",
     )
     add_train_config_flags(worker)
-    worker.add_argument("--coordinator", required=True, metavar="HOST:PORT")
-    worker.add_argument("--replica-id", type=int, required=True, metavar="R")
-    worker.add_argument("--data", type=Path, required=True, metavar="DIR")
-    worker.add_argument("--out", type=Path, required=True, metavar="DIR")
-    worker.add_argument("--resume", action="store_true")
+    worker.add_argument(
+        "--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's address"
+    )
+    worker.add_argument(
+        "--replica-id",
+        type=int,
+        required=True,
+        metavar="R",
+        help="this replica's id, an int >= 0, unique in the job",
+    )
+    worker.add_argument(
+        "--data",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="the dataset folder (`recover prepare`; the same content on every node)",
+    )
+    worker.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help="the run folder on this node"
+    )
+    worker.add_argument(
+        "--resume",
+        action="store_true",
+        help="start from the newest checkpoint in --out (every replica of the job alike)",
+    )
     add_replica_flags(worker)
     worker.add_argument(
         "--register-timeout",
@@ -476,6 +499,12 @@ def run_train(args: argparse.Namespace) -> int:
         )
         check_faults_fit(lcfg.faults, steps=cfg.steps, microbatches=cfg.microbatches)
         check_layout_fits(cfg.preset, lcfg.tp, lcfg.pp)
+        if cfg.warmup_steps >= cfg.steps:
+            print(
+                f"warning: --warmup-steps {cfg.warmup_steps} >= --steps {cfg.steps}: the learning "
+                f"rate never reaches its peak --lr {cfg.lr:g} in this run",
+                file=sys.stderr,
+            )
         if args.device == "cuda":  # fail here, not in every replica (torch only for this check)
             import torch
 

@@ -435,6 +435,8 @@ class LocalLauncher:
             self._reap_all()
             for pump in self._pumps:  # every pipe is closed now: the pumps end at once
                 pump.join(timeout=2.0)
+            # The address of a coordinator that is gone would mislead `coordinator status`.
+            (self.paths.out / "coordinator.json").unlink(missing_ok=True)
             self.writer.event("launcher.finished", exit_status=code)
             self.writer.close()
 

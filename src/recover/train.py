@@ -135,7 +135,8 @@ def train_single(
         n = trainer.model.num_params()
         print(
             f"training {cfg.preset} ({n / 1e6:.2f}M parameters) for {cfg.steps} steps of "
-            f"{cfg.microbatches} x {cfg.microbatch_size} x {cfg.seq_len} tokens; run folder {out}",
+            f"{cfg.microbatches} x {cfg.microbatch_size} x {cfg.seq_len} tokens; run folder {out}; "
+            "steps counted from 1 here, from 0 in metrics.jsonl",
             file=console,
             flush=True,
         )

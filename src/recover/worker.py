@@ -219,6 +219,15 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             recorder.last_committed = view.step - 1
         elif view.step != start:
             raise RuntimeError(f"replica {me} holds step {start}, the run is at step {view.step}")
+        elif console is not None and rank == 0 and me == min(view.live):  # one header per run
+            print(
+                f"training {cfg.preset} ({trainer.model_values / 1e6:.2f}M parameters) for "
+                f"{cfg.steps} steps of {cfg.microbatches} x {cfg.microbatch_size} x "
+                f"{cfg.seq_len} tokens on {len(view.live)} replicas"
+                + (f" of {ranks} ranks ({layout_name(dims)})" if ranks > 1 else "")
+                + f"; run folder {paths.out}; steps counted from 1 here, from 0 in metrics.jsonl",
+                file=console, flush=True,
+            )  # fmt: skip
         store_host, store_port = link.store_address
         store = torch.distributed.TCPStore(
             store_host,
