@@ -476,8 +476,59 @@ def run_once(cfg: BenchCoordinatorConfig) -> dict:
         "replicas": cfg.replicas,
         "microbatches": cfg.m,
         "ranks": cfg.ranks_per_replica,
+        "heartbeat_s": cfg.heartbeat_s,
         **result,
     }
+
+
+def message_costs(replicas: int, microbatches: int = 0, repeats: int = 200) -> dict:
+    """Per-message cost of the rules and the encoding in this process, no sockets: a run of R
+    formed replicas; seconds per heartbeat (alone, and per member of a batch of R), per done
+    report (mean over one step's burst of R), per whole-state JSON save, per view encoding."""
+    from recover.coordinator import protocol as proto
+    from recover.coordinator.decide import decide, initial_state, view_of
+    from recover.coordinator.state_store import CoordinatorOptions, state_to_json
+
+    m = microbatches or 2 * replicas
+    opts = CoordinatorOptions(expected_replicas=replicas, microbatches=m, start_deadline_s=1e9)
+    s, now = initial_state(opts, 0.0), 0.0
+    fp = {"model": "bench", "microbatches": m}
+    for r in range(replicas):
+        reg = proto.Register(replica_id=r, incarnation=f"i{r}", fingerprint=fp, next_step=0)
+        s = decide(now, s, reg)[0]
+    assert s.status == "running", s.status
+
+    def per_call(fn, n):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n
+
+    hb = proto.Heartbeat(replica_id=replicas // 2, incarnation=f"i{replicas // 2}", epoch=s.epoch)
+    out = {"replicas": replicas, "microbatches": m}
+    out["heartbeat_s"] = per_call(lambda: decide(now + 0.01, s, hb), repeats)
+    if hasattr(proto, "Heartbeats"):
+        batch = proto.Heartbeats(seen=tuple((r, f"i{r}", now + 0.01) for r in range(replicas)))
+        out["heartbeat_in_batch_s"] = per_call(lambda: decide(now + 0.01, s, batch), 5) / replicas
+    dones = [
+        proto.ReportDone(replica_id=r, incarnation=f"i{r}", step=s.step, epoch=s.attempt_epoch)
+        for r in range(replicas)
+    ]
+
+    def burst():
+        st = s
+        for msg in dones:
+            st = decide(now, st, msg)[0]
+        assert st.committed_step == s.step
+
+    out["done_s"] = per_call(burst, max(1, repeats // 40)) / replicas
+    out["state_json_s"] = per_call(lambda: state_to_json(s), max(1, repeats // 20))
+    view_json = json.dumps(view_of(s).to_dict(), separators=(",", ":"))
+    out["view_bytes"] = len(view_json)
+    out["view_encode_s"] = per_call(
+        lambda: json.dumps(view_of(s).to_dict(), separators=(",", ":")), max(1, repeats // 20)
+    )
+    return out
 
 
 def format_table(rows: list[dict]) -> str:
@@ -485,13 +536,14 @@ def format_table(rows: list[dict]) -> str:
         return "-" if x is None else format(x, spec)
 
     head = (
-        "| R | M | K | form s | commit med / p99 s | hb rtt p99 s | coord CPU | driver CPU "
-        "| false deaths | kill -> epoch s | hang evict s |\n|" + "---|" * 11
+        "| R | M | K | hb s | form s | commit med / p99 s | hb rtt p99 s | coord CPU | driver CPU "
+        "| false deaths | kill -> epoch s | hang evict s |\n|" + "---|" * 12
     )
     lines = [head]
     for r in rows:
         lines.append(
-            f"| {r['replicas']} | {r['microbatches']} | {r['ranks']} | {f(r.get('form_s'))} | "
+            f"| {r['replicas']} | {r['microbatches']} | {r['ranks']} | {r.get('heartbeat_s', 0.1)} | "
+            f"{f(r.get('form_s'))} | "
             f"{f(r.get('commit_s_median'))} / {f(r.get('commit_s_p99'))} | "
             f"{f(r.get('heartbeat_rtt_s_p99'), '.3f')} | {f(r.get('coordinator_cpu'), '.0%')} | "
             f"{f(r.get('driver_cpu'), '.0%')} | {r.get('false_deaths', '-')} | "
@@ -508,6 +560,12 @@ def add_coordinator_bench_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=8, help="failure-free steps measured")
     p.add_argument("--compute", type=float, default=1.0, help="seconds of 'compute' per step")
     p.add_argument("--lease", type=float, default=1.0)
+    p.add_argument(
+        "--heartbeat", type=float, default=0.1, help="heartbeat period = hold (default 0.1 s)"
+    )
+    p.add_argument(
+        "--costs", action="store_true", help="also time the rules per message in-process (no I/O)"
+    )
     p.add_argument("--no-faults", action="store_true", help="skip the kill and the hang")
     p.add_argument("--out", default="bench-coordinator.json", metavar="FILE")
 
@@ -526,6 +584,7 @@ def run_coordinator_bench(args: argparse.Namespace) -> int:
                 steps=args.steps,
                 compute_s=args.compute,
                 lease_s=args.lease,
+                heartbeat_s=args.heartbeat,
                 faults=not args.no_faults,
             )
             for r in sizes
@@ -542,12 +601,16 @@ def run_coordinator_bench(args: argparse.Namespace) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(format_table(rows))
+    costs = [message_costs(cfg.replicas, cfg.microbatches) for cfg in cfgs] if args.costs else []
+    for c in costs:
+        print(json.dumps(c))
     result = {
         "bench": "coordinator",
         "machine": machine_info(),
         "loadavg_at_end": os.getloadavg(),
         "method": __doc__,
         "rows": rows,
+        "message_costs": costs,
     }
     Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"wrote {args.out}")

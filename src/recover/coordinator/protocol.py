@@ -284,6 +284,8 @@ class View:
 
 def _runs(ids: tuple[int, ...]) -> list[int]:
     """(3, 4, 5, 9) -> [3, 6, 9, 10]: start, stop of each run of consecutive ids, in order."""
+    if ids and ids == tuple(range(ids[0], ids[0] + len(ids))):  # the usual plan: one block
+        return [ids[0], ids[0] + len(ids)]
     out: list[int] = []
     for j in ids:
         if out and out[-1] == j:
