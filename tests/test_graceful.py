@@ -129,3 +129,28 @@ def test_a_lost_coordinator_costs_nothing_that_committed(reference, tiny_dataset
 
     r = finish(start(tiny_dataset, out, "--replicas", "2", "--resume"))
     assert_invariants(reference, out, r, steps=STEPS, microbatches=M)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_never_joined_saves_nothing(tiny_dataset, tmp_path):
+    """No coordinator at the address: the worker gives up registering, says so in one line, and
+    writes no checkpoint (it never held the run's state: a checkpoint would be its initial
+    parameters, passed off as the run's)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again at once: nothing listens there
+    out = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, "-m", "recover.cli", "worker", *FLAGS, "--coordinator",
+         f"127.0.0.1:{port}", "--replica-id", "0", "--data", str(tiny_dataset), "--out", str(out),
+         "--register-timeout", "2"],
+        capture_output=True, text=True, timeout=50, env=child_env(),
+    )  # fmt: skip
+    assert r.returncode == 11, r.stdout + r.stderr
+    assert "the coordinator cannot be reached" in r.stderr and "Traceback" not in r.stderr
+    assert "checkpointed" not in r.stderr
+    assert (
+        not list((out / "checkpoints").glob("*.ckpt")) if (out / "checkpoints").exists() else True
+    )

@@ -452,7 +452,8 @@ class Replica:
         except CoordinatorUnreachable as e:
             view = self._link.step_view() if getattr(self, "_link", None) else None
             live = view.live if view is not None else ()
-            self.is_writer = self.rank == 0 and (not live or self.replica_id == min(live))
+            held = self._machine is not None and self._machine.has_state
+            self.is_writer = held and self.rank == 0 and (not live or self.replica_id == min(live))
             raise CoordinatorLost(
                 f"replica {self.replica_id}: the coordinator cannot be reached ({str(e)[:120]}); "
                 f"the model holds the state after step {self._committed} (is_writer: save it), "

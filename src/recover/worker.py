@@ -206,6 +206,23 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         holds_pen=False,
         writes=rank == 0,
     )
+    machine = None
+
+    def save_last_committed() -> bool:
+        """When the run cannot go on: the lowest replica of the last view saves the committed
+        state it holds (every replica holds the same: the optimizer steps only on commits), so
+        that --resume loses nothing. A replica that never held the run's state (not admitted
+        yet, or a joiner before its transfer) saves nothing; nor does the checkpoint-restart
+        baseline, which restarts from its last periodic checkpoint. True if this rank wrote."""
+        if machine is None or not machine.has_state or wcfg.mode == "checkpoint-restart":
+            return False
+        view = link.step_view()
+        live = view.live if view is not None else ()
+        recorder.holds_pen = not live or me == min(live)
+        if recorder.holds_pen:
+            recorder.checkpoint(recorder.last_committed + 1, block=True)
+        return recorder.pen_writes
+
     try:
         view = link.register(
             fingerprint=fingerprint(cfg, dataset, dims, wcfg.cross_reduce, wcfg.mode),
@@ -308,12 +325,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     except (QuorumLostError, ClientQuorumLost) as e:
         # Every survivor holds the last committed state (the optimizer steps only on commits);
         # the lowest survivor saves it, so that --resume continues from the last committed step.
-        view = link.step_view()
-        live = view.live if view is not None else ()
-        recorder.holds_pen = not live or me == min(live)
-        # (The checkpoint-restart baseline restarts from its last periodic checkpoint instead.)
-        if recorder.holds_pen and wcfg.mode != "checkpoint-restart":
-            recorder.checkpoint(recorder.last_committed + 1, block=True)
+        save_last_committed()
         print(f"replica {me}: {e} (run it again with --resume)", file=sys.stderr, flush=True)
         return exits.QUORUM_LOST
     except RequestRefused as e:
@@ -328,15 +340,11 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     except CoordinatorUnreachable as e:
         # Nobody can commit any more. Every replica holds its last committed state; the lowest
         # replica of the last view saves it, so that a resume loses nothing that committed.
-        view = link.step_view()
-        live = view.live if view is not None else ()
-        recorder.holds_pen = not live or me == min(live)
-        if recorder.holds_pen and wcfg.mode != "checkpoint-restart":
-            recorder.checkpoint(recorder.last_committed + 1, block=True)
-        saved = f"; step {recorder.last_committed + 1} is checkpointed in {paths.checkpoints}"
+        saved = save_last_committed()
+        where = f"; step {recorder.last_committed + 1} is checkpointed in {paths.checkpoints}"
         print(
             f"replica {me}: the coordinator cannot be reached ({str(e)[:120]})"
-            + (saved if recorder.pen_writes else "")
+            + (where if saved else "")
             + "; run the same command again with --resume to continue",
             file=sys.stderr, flush=True,
         )  # fmt: skip
