@@ -66,6 +66,18 @@ def run_cli(args: list[str], *, timeout: float = 60, cwd: Path | None = None):
     )
 
 
+def finish(proc: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Wait at most `timeout` s for `proc` (stdout piped, stderr merged into it); kill it if it is
+    still running then (a launcher's own finally reaps its children); return what it printed."""
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
+
+
 def leftover_processes(marker: str) -> list[str]:
     """Command lines of live processes that mention `marker` (the run folder)."""
     found = []

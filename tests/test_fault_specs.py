@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_env, events, leftover_processes
+from conftest import child_env, events, finish, leftover_processes
 from recover.config import TrainConfig
 from recover.faults import check_faults_fit, parse_fault
 from recover.launch import LaunchConfig, LocalLauncher
@@ -93,16 +93,6 @@ def start(data: Path, out: Path, *extra: str) -> subprocess.Popen:
          "--out", str(out), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
     )  # fmt: skip
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()  # the launcher's own finally reaps its children
-            proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
 
 
 def replica_pid(out: Path, replica: int) -> int | None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_invariants, child_env, events, leftover_processes
+from conftest import assert_invariants, child_env, events, finish, leftover_processes
 from recover.metrics import committed_steps
 
 M = 4
@@ -39,16 +39,6 @@ def start(data: Path, out: Path, *extra: str) -> subprocess.Popen:
          "--out", str(out), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
     )  # fmt: skip
-
-
-def finish(proc: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
 
 
 def wait_for_step(out: Path, step: int, timeout: float = 60) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_invariants as check_invariants
-from conftest import child_env, events, leftover_processes
+from conftest import child_env, events, finish, leftover_processes
 from recover.metrics import committed_steps
 
 M = 6
@@ -36,16 +36,6 @@ def cli(*args: str, env=None) -> subprocess.Popen:
         [sys.executable, "-m", "recover.cli", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or child_env(),
     )  # fmt: skip
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
 @pytest.fixture(scope="module")

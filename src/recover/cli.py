@@ -155,6 +155,42 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_supervision_flags(parser: argparse.ArgumentParser) -> None:
+    """How a local launcher supervises its replicas (`recover train` and `recover run`)."""
+    group = parser.add_argument_group("supervision")
+    group.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        help="stop (and checkpoint) when fewer replicas survive (default: 1)",
+    )
+    group.add_argument(
+        "--lease",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="a replica silent this long is declared dead (default: 1.0)",
+    )
+    group.add_argument(
+        "--respawn",
+        type=float,
+        default=None,
+        metavar="DELAY",
+        help="restart a dead replica after DELAY seconds; it joins the running job at a step "
+        "boundary and gets the state from a live replica (default: never)",
+    )
+    group.add_argument(
+        "--max-restarts", type=int, default=3, metavar="N", help="respawns per replica (default: 3)"
+    )
+    group.add_argument(
+        "--balance",
+        choices=("throughput", "equal"),
+        default="throughput",
+        help="microbatch shares by each replica's measured throughput, or equal (default: "
+        "throughput)",
+    )
+
+
 def replica_inside(args: argparse.Namespace) -> dict:
     """What a replica is inside, as LaunchConfig and WorkerConfig both take it."""
     return dict(
@@ -236,37 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="data-parallel replicas started on this machine, each its own process "
         "(default: 1, no coordinator)",
     )
-    train.add_argument(
-        "--min-replicas",
-        type=int,
-        default=1,
-        help="stop (and checkpoint) when fewer replicas survive (default: 1)",
-    )
-    train.add_argument(
-        "--lease",
-        type=float,
-        default=1.0,
-        metavar="S",
-        help="a replica silent this long is declared dead (default: 1.0)",
-    )
-    train.add_argument(
-        "--respawn",
-        type=float,
-        default=None,
-        metavar="DELAY",
-        help="restart a dead replica after DELAY seconds; it joins the running job at a step "
-        "boundary and gets the state from a live replica (default: never)",
-    )
-    train.add_argument(
-        "--max-restarts", type=int, default=3, metavar="N", help="respawns per replica (default: 3)"
-    )
-    train.add_argument(
-        "--balance",
-        choices=("throughput", "equal"),
-        default="throughput",
-        help="microbatch shares by each replica's measured throughput, or equal (default: "
-        "throughput)",
-    )
+    add_supervision_flags(train)
 
     worker = sub.add_parser(
         "worker",
@@ -337,36 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder for the job's events (metrics.jsonl: failures, decisions, recoveries) "
         "(default: runs/run-DATE-TIME)",
     )
-    script.add_argument(
-        "--min-replicas",
-        type=int,
-        default=1,
-        help="the run stops (QuorumLost in the script) when fewer replicas survive (default: 1)",
-    )
-    script.add_argument(
-        "--lease",
-        type=float,
-        default=1.0,
-        metavar="S",
-        help="a replica silent this long is declared dead (default: 1.0)",
-    )
-    script.add_argument(
-        "--respawn",
-        type=float,
-        default=None,
-        metavar="DELAY",
-        help="restart a dead replica after DELAY seconds; it joins at a step boundary and gets "
-        "the state from a live replica (default: never)",
-    )
-    script.add_argument(
-        "--max-restarts", type=int, default=3, metavar="N", help="respawns per replica (default: 3)"
-    )
-    script.add_argument(
-        "--balance",
-        choices=("throughput", "equal"),
-        default="throughput",
-        help="microbatch shares by measured throughput, or equal (default: throughput)",
-    )
+    add_supervision_flags(script)
     script.add_argument(
         "--fault",
         action="append",
