@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import child_env, events, leftover_processes
+from conftest import child_env, events, finish, leftover_processes
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 M = 6
@@ -26,14 +26,9 @@ def recover_run(out: Path, script: str, *flags: str, script_args=(), timeout: fl
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
     )
-    try:
-        text, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    r = finish(proc, timeout)
     assert leftover_processes(str(out)) == [], "processes of the run were left behind"
-    return subprocess.CompletedProcess(cmd, proc.returncode, text, "")
+    return r
 
 
 def records(out: Path) -> list[dict]:
