@@ -185,6 +185,7 @@ class _Driver:
         self.commits: dict[int, float] = {}  # step -> first seen committed
         self.stop = asyncio.Event()
         self.errors: list[str] = []
+        self.reregistered = 0  # pending replicas that expired and registered again
         self.fp = {"model": "bench", "microbatches": cfg.m}
 
     def member(self, rep: _Replica, req: dict) -> dict:
@@ -225,8 +226,13 @@ class _Driver:
                 self.hb_rtt.append(rtt)
             elif "view" not in reply:  # held for `period`: the rest is the round trip
                 self.hb_rtt.append(max(0.0, rtt - period))
+            if not reply.get("ok") and reply.get("code") == "expired":  # as CoordinatorClient
+                self.reregistered += 1
+                req = {"kind": "register", "fingerprint": self.fp, "next_step": 0}
+                reply = await conn.call(self.member(rep, req))
             if not reply.get("ok") and reply.get("code") in ("evicted", "unknown"):
                 rep.evicted = reply.get("reason", "")
+                return  # fenced: a real replica exits
             rep.absorb(reply)
 
     async def watcher(self, rep: _Replica) -> None:
@@ -390,6 +396,7 @@ async def _drive(cfg: BenchCoordinatorConfig, host: str, port: int, pid: int) ->
             r.rid for r in d.replicas if r.evicted is not None and r.rid > (1 if cfg.faults else -1)
         )
         result["errors"] = d.errors[:10]
+        result["reregistered"] = d.reregistered
         result["t_wall_end"] = time.time()  # deaths after this are the teardown's
     finally:
         d.stop.set()

@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from recover.coordinator.protocol import ProtocolError, View, recv_frame, send_frame
@@ -352,9 +352,18 @@ class CoordinatorClient:
         raw = reply.get("view")
         if raw is None:
             return
-        view = View.from_dict(raw)
         with self._lock:
-            if self._view is None or view.version >= self._view.version:
+            old = self._view
+            if raw.get("pulse"):  # a view without its plan: the attempt's plan is the one we hold
+                if old is None or old.version > int(raw.get("version", 0)):
+                    return
+                raw = {**raw, "holdings": {}, "weights": {}}
+                raw.pop("holding_runs", None)
+                view = View.from_dict(raw)
+                view = replace(view, holdings=old.holdings, weights=old.weights)
+            else:
+                view = View.from_dict(raw)
+            if old is None or view.version >= old.version:
                 self._view = view
 
     def _check(self) -> None:

@@ -96,6 +96,8 @@ log = logging.getLogger("recover.coordinator")
 
 _HEADER = struct.Struct(">I")
 _VIEW = object()  # a reply's "view" value meaning: the current view, spliced in pre-encoded
+_PULSE = object()  # the current view without its plan (holdings, weights): see _handle_heartbeat
+_ATTEMPTS_KEPT = 64  # view versions whose attempt (step, attempt_epoch) the server remembers
 _MAX_HOLD_S = 1.0  # the longest a heartbeat reply may be held (a lease is >= this in practice)
 _DRAIN_ROUNDS = 4  # zero sleeps before a tick: readable sockets are read and their frames handled
 
@@ -181,7 +183,9 @@ class CoordinatorServer:
         self._beats: list[tuple[int, str, float]] = []  # read, not yet applied (one per tick)
         self._waiters: set[asyncio.Future] = set()  # long-polls and held heartbeats
         self._wake_key: tuple = ()
-        self._view_cache: tuple[int, bytes] = (-1, b"")
+        self._view_cache: tuple[int, bytes, bytes] = (-1, b"", b"")
+        # view version -> its attempt (step, attempt_epoch), for the last _ATTEMPTS_KEPT versions
+        self._attempts: OrderedDict[int, tuple[int, int]] = OrderedDict()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -324,6 +328,9 @@ class CoordinatorServer:
         for d in decisions:
             self._record(d)
         if new.view_version != old.view_version:
+            self._attempts[new.view_version] = (new.step, new.attempt_epoch)
+            if len(self._attempts) > _ATTEMPTS_KEPT:
+                self._attempts.popitem(last=False)
             key = self._key(new)
             if key != self._wake_key:
                 self._wake_key = key
@@ -402,24 +409,34 @@ class CoordinatorServer:
             if stopping:
                 return
 
-    def _view_json(self) -> bytes:
-        """The current view as JSON, encoded once per view version."""
+    def _view_json(self, pulse: bool = False) -> bytes:
+        """The current view as JSON, encoded once per view version; `pulse`: without the plan
+        (holding_runs, weights), which a replica keeps from the view of the same attempt."""
         st = self._state
-        version, body = self._view_cache
+        version, body, lite = self._view_cache
         if version != st.view_version:
             d = view_of(st).to_dict()
             body = json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
-            self._view_cache = (st.view_version, body)
-        return body
+            d = {k: v for k, v in d.items() if k not in ("holding_runs", "weights")}
+            lite = json.dumps({**d, "pulse": True}, separators=(",", ":")).encode()
+            self._view_cache = (st.view_version, body, lite)
+        return lite if pulse else body
+
+    def _same_attempt(self, version: Any) -> bool:
+        """Did view `version` (a replica's) describe the current attempt? Then its plan is the
+        current one: an attempt's holdings and weights change only with a new attempt."""
+        st = self._state
+        return self._attempts.get(version) == (st.step, st.attempt_epoch)
 
     def _frame(self, reply: dict[str, Any]) -> bytes:
         """One reply frame; a `_VIEW` value is replaced by the pre-encoded current view."""
-        with_view = reply.get("view") is _VIEW
+        view = reply.get("view")
+        with_view = view is _VIEW or view is _PULSE
         if with_view:
             reply = {k: v for k, v in reply.items() if k != "view"}
         body = json.dumps(reply, separators=(",", ":"), allow_nan=False).encode()
         if with_view:
-            body = body[:-1] + b',"view":' + self._view_json() + b"}"
+            body = body[:-1] + b',"view":' + self._view_json(view is _PULSE) + b"}"
         if len(body) > MAX_FRAME:
             raise FrameTooLarge(f"reply of {len(body)} bytes exceeds {MAX_FRAME}")
         return _HEADER.pack(len(body)) + body
@@ -559,8 +576,12 @@ class CoordinatorServer:
                 now = time.monotonic()
                 self._beats.append((r, inc, now))
                 self._touch(r, now)
-        if req.get("view_version") != self._state.view_version or not reply.get("ok"):
-            reply["view"] = _VIEW
+        known = req.get("view_version")
+        if known != self._state.view_version or not reply.get("ok"):
+            # Pushed to every replica at each epoch change: without the plan when the replica
+            # already holds this attempt's plan (O(R) bytes each instead of O(R + plan)).
+            same = reply.get("ok") and self._same_attempt(known)
+            reply["view"] = _PULSE if same else _VIEW
         return reply
 
     def _handle_message(self, req: dict[str, Any], conn: _Conn, msg: Any = None) -> dict[str, Any]:
