@@ -196,3 +196,29 @@ def test_data_that_depends_on_the_replica_is_caught_by_the_opt_in_check(token_fi
     assert "PARAMETERS DIVERGED at step 0" in r.stdout, r.stdout[-3000:]
     assert "The data parts differ" in r.stdout, r.stdout[-3000:]
     assert leftover_processes(str(tmp_path)) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_script_that_splits_its_replica_by_tensor_parallelism(tmp_path):
+    """tests/scripts/tp_mlp.py applies tensor parallelism itself over `replica.mesh` (replicas of
+    2 ranks, tp=2: both ranks compute the same ids, the loss counts once). Rank 1 of replica 1
+    is SIGKILLed in a backward; the run equals the one-rank run of the same script."""
+    script = Path(__file__).parent / "scripts" / "tp_mlp.py"
+
+    def run(out: Path, *flags: str, tp: int) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "recover.cli", "run", "--out", str(out / "job"), *flags]
+        cmd += ["--", sys.executable, str(script), "--tp", str(tp), "--out", str(out / "result")]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
+        )
+        return finish(proc, 150)
+
+    assert run(tmp_path / "ref", "--replicas", "1", tp=1).returncode == 0
+    r = run(
+        tmp_path / "tp", "--replicas", "2", "--ranks-per-replica", "2",
+        "--fault", "kill:replica=1,rank=1,step=4,phase=backward", tp=2,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert events(tmp_path / "tp" / "job", "coordinator.redo"), "the kill was not recovered from"
+    assert_same_trajectory(tmp_path / "ref", tmp_path / "tp", steps=10)
+    assert leftover_processes(str(tmp_path)) == []

@@ -343,7 +343,7 @@ class Replica:
                 "replica.microbatches(); the step would add them to its sum"
             )
         work.grads.clear()
-        ways = self.dims["shard"] if self.intra is not None else 1
+        ways = self.dims.get("shard", 1)  # the ranks along tp compute the same ids
         mine = self.intra.coordinate("shard") if self.intra is not None else 0
         self._in_step = True
         try:
