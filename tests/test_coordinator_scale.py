@@ -61,3 +61,28 @@ def test_a_stalled_event_loop_declares_no_healthy_replica_dead():
         finally:
             for c in clients:
                 c.close()
+
+
+def test_the_simulator_reads_the_measured_control_plane(tmp_path):
+    import json
+
+    from recover.simulate.scenarios import GpuAssumptions, gpu_costs, read_bench
+
+    rows = [
+        {"replicas": 64, "commit_s_median": 0.02, "kill_detect_s": 0.01, "false_deaths": 0},
+        {"replicas": 1024, "commit_s_median": 0.5, "kill_detect_s": 0.4, "false_deaths": 0},
+        {"replicas": 2048, "commit_s_median": 1.0, "kill_detect_s": 9.0, "false_deaths": 700},
+        {"replicas": 4096, "failed": "forming did not happen"},
+    ]
+    path = tmp_path / "bench-coordinator.json"
+    path.write_text(json.dumps({"benchmark": "coordinator", "rows": rows}))
+    bench = read_bench([path], cpu_cores=2)
+    assert bench.control_plane == ((64, 0.02, 0.01), (1024, 0.5, 0.4))  # runs that held only
+    assert bench.control_plane_s(32) == (0.02, 0.01)
+    commit, detect = bench.control_plane_s(544)  # half way: linear in R
+    assert commit == pytest.approx(0.26) and detect == pytest.approx(0.205)
+    assert bench.control_plane_s(1984)[0] == pytest.approx(0.98)  # extrapolated past the last
+    a = GpuAssumptions()
+    base, at = gpu_costs(a, bench), gpu_costs(a, bench, replicas=1024)
+    assert at.step_overhead_s == pytest.approx(base.step_overhead_s + 0.5)
+    assert at.detect_s == pytest.approx(base.detect_s + 0.4)

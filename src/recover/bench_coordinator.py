@@ -612,7 +612,7 @@ def run_coordinator_bench(args: argparse.Namespace) -> int:
     for c in costs:
         print(json.dumps(c))
     result = {
-        "bench": "coordinator",
+        "benchmark": "coordinator",
         "machine": machine_info(),
         "loadavg_at_end": os.getloadavg(),
         "method": __doc__,

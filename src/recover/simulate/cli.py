@@ -46,7 +46,7 @@ def add_simulate_parser(subparsers) -> None:
         default=[],
         type=Path,
         metavar="PATH",
-        help="a `recover bench recovery|overhead` JSON (repeatable)",
+        help="a `recover bench recovery|overhead|coordinator` JSON (repeatable)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, default=8, help="runs averaged per sweep point")

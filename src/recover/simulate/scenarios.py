@@ -114,7 +114,24 @@ class BenchFigures:
     recovery_fixed_s: float | None = None  # kill -> commit minus the recomputed work
     step_overhead_s: float | None = None  # recover step minus plain step, absolute seconds
     cpu_microbatch_s: float | None = None  # one microbatch on one core (the bench's preset)
+    # `recover bench coordinator`: (replicas, commit median s, kill -> epoch published s) rows
+    control_plane: tuple[tuple[int, float, float], ...] = ()
     sources: tuple[str, ...] = ()
+
+    def control_plane_s(self, replicas: int) -> tuple[float, float] | None:
+        """(commit s, detect s) of the coordinator at `replicas`, interpolated linearly in R
+        between measured rows; beyond the last, extrapolated linearly from the last two (the
+        per-step work grows with R); None when not measured."""
+        rows = sorted(self.control_plane)
+        if not rows:
+            return None
+        if len(rows) == 1 or replicas <= rows[0][0]:
+            return rows[0][1], rows[0][2]
+        for (r0, c0, d0), (r1, c1, d1) in zip(rows, rows[1:], strict=False):
+            if replicas <= r1 or (r1, c1, d1) == rows[-1]:
+                f = (replicas - r0) / (r1 - r0)
+                return max(0.0, c0 + f * (c1 - c0)), max(0.0, d0 + f * (d1 - d0))
+        raise AssertionError("unreachable")
 
 
 def read_bench(paths: list[Path], *, cpu_cores: int) -> BenchFigures:
@@ -126,6 +143,7 @@ def read_bench(paths: list[Path], *, cpu_cores: int) -> BenchFigures:
     overhead: the median over pairs of recover_step_s - plain_step_s.
     """
     fixed = overhead = mb = None
+    control: list[tuple[int, float, float]] = []
     for path in paths:
         data = json.loads(Path(path).read_text())
         kind = data.get("benchmark")
@@ -138,6 +156,11 @@ def read_bench(paths: list[Path], *, cpu_cores: int) -> BenchFigures:
             mb = row["step_s"] / (q * max(1.0, r / cpu_cores))
             extra = math.ceil(q / (r - 1)) * mb * max(1.0, (r - 1) / cpu_cores)
             fixed = max(0.0, row["kill_to_commit_s"] - extra)
+        elif kind == "coordinator":  # one row per R that met its run (failed rows skipped)
+            for row in data["rows"]:
+                if row.get("commit_s_median") is not None and row.get("false_deaths") == 0:
+                    kill = row.get("kill_detect_s") or 0.0
+                    control.append((int(row["replicas"]), row["commit_s_median"], kill))
         elif kind == "overhead":
             diffs = [p["recover_step_s"] - p["plain_step_s"] for p in data["pairs"]]
             overhead = max(0.0, statistics.median(diffs))
@@ -145,7 +168,7 @@ def read_bench(paths: list[Path], *, cpu_cores: int) -> BenchFigures:
             raise ValueError(f"{path}: not a `recover bench` JSON (benchmark={kind!r})")
     return BenchFigures(
         recovery_fixed_s=fixed, step_overhead_s=overhead, cpu_microbatch_s=mb,
-        sources=tuple(str(p) for p in paths),
+        control_plane=tuple(control), sources=tuple(str(p) for p in paths),
     )  # fmt: skip
 
 
@@ -156,14 +179,24 @@ DEFAULT_DETECT_S = 0.003
 DEFAULT_STEP_OVERHEAD_S = 0.010
 
 
-def gpu_costs(a: GpuAssumptions, bench: BenchFigures | None = None) -> Costs:
+def gpu_costs(
+    a: GpuAssumptions, bench: BenchFigures | None = None, *, replicas: int | None = None
+) -> Costs:
     """Costs of the GPU job: compute from FLOPs, transfers from bytes, failure costs from the
-    bench (measured fixed part, kept as is) plus the GPU communicator rebuild (assumed)."""
+    bench (measured fixed part, kept as is) plus the GPU communicator rebuild (assumed).
+
+    With a `recover bench coordinator` JSON and `replicas`, the control plane at that R is added:
+    the commit round trip (done -> committed) to every step, and the time to publish a new epoch
+    to every survivor to every failure's detection."""
     bench = bench or BenchFigures()
     detect = bench.recovery_fixed_s if bench.recovery_fixed_s is not None else DEFAULT_DETECT_S
     overhead = (
         bench.step_overhead_s if bench.step_overhead_s is not None else DEFAULT_STEP_OVERHEAD_S
     )
+    control = bench.control_plane_s(replicas) if replicas is not None else None
+    if control is not None:
+        overhead += control[0]
+        detect += control[1]
     state = state_bytes_per_gpu(
         a.params, a.gpus_per_replica, bytes_per_param=a.state_bytes_per_param
     )
@@ -205,7 +238,7 @@ def paper_scenario(
     a = replace(a, gpus_per_replica=PAPER["gpus_per_replica"],
                 microbatches_per_replica=PAPER["microbatches"] // PAPER["replicas"],
                 repair_s=None)  # fmt: skip
-    costs = gpu_costs(a, bench)
+    costs = gpu_costs(a, bench, replicas=PAPER["replicas"])
     if restart_s is not None:
         costs = replace(costs, restart_s=restart_s)
     shape = replace(a.shape(PAPER["gpus"]), spares=0)
@@ -241,10 +274,10 @@ def scale_sweep(
     a: GpuAssumptions, bench: BenchFigures | None, *, gpus: list[int], failures: PoissonFailures,
     horizon_s: float, seeds: int, seed: int,
 ) -> list[dict]:  # fmt: skip
-    costs = gpu_costs(a, bench)
     rows = []
     for g in gpus:
         shape = a.shape(g)
+        costs = gpu_costs(a, bench, replicas=shape.replicas)
         rows.append({
             "gpus": shape.gpus, "replicas": shape.replicas, "spares": shape.spares,
             "job_mtbf_h": failures.job_mtbf_s(shape.gpus) / 3600.0,
@@ -258,8 +291,8 @@ def mtbf_sweep(
     a: GpuAssumptions, bench: BenchFigures | None, *, gpus: int, mtbf_h: list[float],
     base: PoissonFailures, horizon_s: float, seeds: int, seed: int,
 ) -> list[dict]:  # fmt: skip
-    costs = gpu_costs(a, bench)
     shape = a.shape(gpus)
+    costs = gpu_costs(a, bench, replicas=shape.replicas)
     rows = []
     for m in mtbf_h:
         failures = replace(base, gpu_rate_per_h=1.0 / (m * shape.gpus))
