@@ -357,6 +357,8 @@ class CoordinatorClient:
             if raw.get("pulse"):  # a view without its plan: the attempt's plan is the one we hold
                 if old is None or old.version > int(raw.get("version", 0)):
                     return
+                if (old.step, old.attempt_epoch) != (raw.get("step"), raw.get("attempt_epoch")):
+                    return  # not our plan's attempt: the full view comes with wait_outcome
                 raw = {**raw, "holdings": {}, "weights": {}}
                 raw.pop("holding_runs", None)
                 view = View.from_dict(raw)

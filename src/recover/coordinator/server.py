@@ -181,8 +181,12 @@ class CoordinatorServer:
         # Leases in deadline order: replica -> coordinator clock of its last heartbeat (read).
         self._leases: OrderedDict[int, float] = OrderedDict()
         self._beats: list[tuple[int, str, float]] = []  # read, not yet applied (one per tick)
-        self._waiters: set[asyncio.Future] = set()  # long-polls and held heartbeats
+        self._waiters: set[asyncio.Future] = set()  # long-polls
+        self._held: set[asyncio.Future] = set()  # held heartbeats: woken by epoch/status only
         self._wake_key: tuple = ()
+        # replica -> the newest view version a reply to it carried (on any connection), so a
+        # heartbeat does not send again what the replica's rpc connection just got
+        self._delivered: dict[int, int] = {}
         self._view_cache: tuple[int, bytes, bytes] = (-1, b"", b"")
         # view version -> its attempt (step, attempt_epoch), for the last _ATTEMPTS_KEPT versions
         self._attempts: OrderedDict[int, tuple[int, int]] = OrderedDict()
@@ -333,26 +337,36 @@ class CoordinatorServer:
                 self._attempts.popitem(last=False)
             key = self._key(new)
             if key != self._wake_key:
+                if key[:2] != self._wake_key[:2]:  # (epoch, status): push to held heartbeats
+                    self._wake(held=True)
                 self._wake_key = key
                 self._wake()
         return decisions, reason
 
     @staticmethod
     def _key(s: CoordinatorState) -> tuple:
-        """What long-polls and held heartbeats wait for: a new epoch, attempt, step or status."""
-        return (s.epoch, s.attempt_epoch, s.step, s.committed_step, s.status)
+        """What long-polls wait for: a new epoch, attempt, step or status. Held heartbeats wait
+        for the first two fields only: commits and redos reach a replica through wait_outcome
+        (a redo moves the epoch too), so a commit does not send every replica its view twice."""
+        return (s.epoch, s.status, s.attempt_epoch, s.step, s.committed_step)
 
-    def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, set()
+    def _wake(self, *, held: bool = False) -> None:
+        if held:
+            waiters, self._held = self._held, set()
+        else:
+            waiters, self._waiters = self._waiters, set()
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
 
-    async def _until_change(self, timeout_s: float, gone: asyncio.Future | None = None) -> None:
-        """Sleep until the next wake (epoch, attempt, step or status change), timeout_s, or
-        (given `gone`) the peer closing the connection."""
+    async def _until_change(
+        self, timeout_s: float, gone: asyncio.Future | None = None, *, held: bool = False
+    ) -> None:
+        """Sleep until the next wake (epoch, attempt, step or status change; `held`: epoch or
+        status only), timeout_s, or (given `gone`) the peer closing the connection."""
         fut = self._loop.create_future()
-        self._waiters.add(fut)
+        waiters = self._held if held else self._waiters
+        waiters.add(fut)
         timer = self._loop.call_later(timeout_s, _resolve, fut)
         wake = (lambda _: _resolve(fut)) if gone is not None else None
         if wake is not None:
@@ -361,7 +375,7 @@ class CoordinatorServer:
             await fut
         finally:
             timer.cancel()
-            self._waiters.discard(fut)
+            (self._held if held else self._waiters).discard(fut)
             if wake is not None:
                 gone.remove_done_callback(wake)
 
@@ -499,6 +513,8 @@ class CoordinatorServer:
                     log.warning("closing connection from %s: %s", peer, e)
                     await self._reply_and_close(writer, "bad_request", str(e))
                     break
+                if reply.get("view") is _VIEW and isinstance(req.get("replica_id"), int):
+                    self._delivered[req["replica_id"]] = self._state.view_version
                 writer.write(self._frame(reply))
                 await writer.drain()
         except (ConnectionError, OSError):
@@ -561,26 +577,30 @@ class CoordinatorServer:
             self._touch(r, now)
             reply = {"ok": True, "reason": "heartbeat"}
         hold = req.get("hold_s")
+        known = req.get("view_version")
+        if not isinstance(known, int) or isinstance(known, bool):
+            known = -1
         if (
             reply.get("ok")
             and isinstance(hold, int | float)
             and not isinstance(hold, bool)
             and hold > 0
-            and req.get("view_version") == self._state.view_version
+            and max(known, self._delivered.get(r, -1)) == self._state.view_version
         ):
             # A held session that the replica's death closes must end now, not after the hold:
             # its EOF is what declares the death.
-            await self._until_change(min(float(hold), _MAX_HOLD_S), conn.gone)
+            await self._until_change(min(float(hold), _MAX_HOLD_S), conn.gone, held=True)
             # While we held the reply the replica could not heartbeat: its lease runs from now.
             if not check_member(self._state, r, inc)[0]:
                 now = time.monotonic()
                 self._beats.append((r, inc, now))
                 self._touch(r, now)
-        known = req.get("view_version")
-        if known != self._state.view_version or not reply.get("ok"):
+        if not reply.get("ok"):
+            reply["view"] = _VIEW
+        elif max(known, self._delivered.get(r, -1)) != self._state.view_version:
             # Pushed to every replica at each epoch change: without the plan when the replica
             # already holds this attempt's plan (O(R) bytes each instead of O(R + plan)).
-            same = reply.get("ok") and self._same_attempt(known)
+            same = self._same_attempt(known)
             reply["view"] = _PULSE if same else _VIEW
         return reply
 
