@@ -86,3 +86,45 @@ def test_the_simulator_reads_the_measured_control_plane(tmp_path):
     base, at = gpu_costs(a, bench), gpu_costs(a, bench, replicas=1024)
     assert at.step_overhead_s == pytest.approx(base.step_overhead_s + 0.5)
     assert at.detect_s == pytest.approx(base.detect_s + 0.4)
+
+
+@pytest.mark.timeout(60)
+def test_an_epoch_change_is_pushed_to_held_heartbeats_and_keeps_the_plan():
+    opts = CoordinatorOptions(expected_replicas=3, microbatches=6, lease_s=5.0)
+    with CoordinatorServer(opts, store_port=None) as server:
+        # A long heartbeat period: each heartbeat's reply is held for up to 1 s.
+        clients = [
+            CoordinatorClient(*server.address, replica_id=r, heartbeat_s=1.0) for r in range(3)
+        ]
+        try:
+            threads = [
+                threading.Thread(
+                    target=c.register, kwargs=dict(fingerprint={}, next_step=0, deadline_s=20)
+                )
+                for c in clients
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(20)
+            a = clients[0]
+            before = a.view
+            assert before.epoch == 1 and before.holdings == {0: (0, 1), 1: (2, 3), 2: (4, 5)}
+            end = time.monotonic() + 10  # the first heartbeats go 1 s after registering
+            while len(server._held) < 3 and time.monotonic() < end:
+                time.sleep(0.01)
+            assert len(server._held) == 3  # every heartbeat's reply is held, waiting for a push
+            clients[2].close()  # replica 2 exits: a new epoch without it
+            end = time.monotonic() + 10
+            while a.view.epoch == 1 and time.monotonic() < end:
+                time.sleep(0.01)
+            after = a.view
+            assert after.epoch == 2 and after.live == (0, 1)
+            # The attempt is unchanged, so the pushed view came without its plan: the client
+            # kept the attempt's plan (the dead replica's ids are reassigned by a redo, later).
+            assert after.attempt_epoch == 1 and after.holdings == before.holdings
+            dead = [d for d in server.decisions() if d["decision"] == "member_dead"]
+            assert [(d["replica_id"], d["how"]) for d in dead] == [(2, "exit")]
+        finally:
+            for c in clients:
+                c.close()

@@ -10,6 +10,13 @@ Invariants:
   partially valid message reaches the rules.
 - Every request may carry `token`; the server, not this module, checks it.
 
+Wire additions for scale (docs/coordinator.md): a view's plan travels as `holding_runs`
+(replica -> flat [start, stop, ...] runs; `from_dict` still reads plain `holdings`); a
+heartbeat may carry `hold_s` (the server holds the reply until the epoch or status changes, at
+most that long) and its reply may carry a view with `"pulse": true` and no plan, which the client
+merges into its view of the same attempt. `Heartbeats` and `Tick(due=...)` are not wire messages:
+the server builds them for the rules.
+
 This module holds no sockets and no clocks: the framing helpers take a socket or an asyncio
 stream from the caller. Costs: one json.dumps/loads per message.
 """
