@@ -576,14 +576,15 @@ def _same(a: object, b: object) -> bool:
 def _view_changed(old: CoordinatorState, new: CoordinatorState) -> bool:
     """Did the published view change? Scalars, then container identity (a container that a
     handler did not touch is the very same object, so the O(R) comparison runs only when one
-    was touched)."""
+    was touched). A registration alone is not a change: the view's `pending` list is as of the
+    last version (`recover coordinator status` shows the current one), so R registrations while
+    forming do not send R views to every waiting replica."""
     return not (
         old.epoch == new.epoch
         and old.step == new.step
         and old.status == new.status
         and old.committed_step == new.committed_step
         and old.attempt_epoch == new.attempt_epoch
-        and old.n_pending == new.n_pending
         and _same(old.live, new.live)
         and _same(old.holdings, new.holdings)
         and _same(old.weights, new.weights)

@@ -689,7 +689,7 @@ class CoordinatorServer:
         ]
         return {
             "ok": True,
-            "view": _VIEW,
+            "view": view_of(s).to_dict(),  # fresh: `pending` moves without a new version
             "members": members,
             "decisions": self.decisions(),
             "store": list(self._store_address) if self._store_address else None,
