@@ -300,7 +300,8 @@ class CoordinatorServer:
             self._stopping = True
             ticker.cancel()
             server.close()
-            self._wake()  # wake long-polls: they see _stopping and return
+            self._wake()  # wake long-polls and held heartbeats: they see _stopping and return
+            self._wake(held=True)
             for w in list(self._writers):
                 w.close()
             if self._tasks:  # let handlers end on their own (cancelling them logs noise)
