@@ -2,7 +2,8 @@
 
 - `decide.py`: the pure rules `decide(now, state, message)`; `state_store.py`: options, state,
   JSON form, stores; `protocol.py`: messages, the view, framing; `server.py`: the asyncio server
-  (also hosts the torch TCPStore); `client.py`: what a replica's training loop uses (torch-free);
+  (also hosts the torch TCPStore); `pacing.py`: its lease queue, parked waiters and peer-EOF
+  protocol; `client.py`: what a replica's training loop uses (torch-free);
   `cli.py`: `recover coordinator serve|status`.
 
 Importing this package does not import torch (the server imports it only when it starts a store).

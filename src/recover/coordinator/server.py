@@ -63,6 +63,7 @@ from recover.coordinator.decide import (
     resume_state,
     view_of,
 )
+from recover.coordinator.pacing import LeaseQueue, StreamProtocol, Waiters
 from recover.coordinator.protocol import (
     MAX_FRAME,
     MESSAGE_KINDS,
@@ -108,7 +109,7 @@ class _Conn:
     peer: str
     session: tuple[int, str] | None = None  # (replica_id, incarnation) registered here
     left: bool = False
-    gone: asyncio.Future | None = None  # resolved when the peer closes (see _Protocol)
+    gone: asyncio.Future | None = None  # resolved when the peer closes (StreamProtocol)
 
 
 def _number(req: dict[str, Any], name: str) -> float:
@@ -179,10 +180,10 @@ class CoordinatorServer:
         self._saver: threading.Thread | None = None
         self._save_stop = threading.Event()
         # Leases in deadline order: replica -> coordinator clock of its last heartbeat (read).
-        self._leases: OrderedDict[int, float] = OrderedDict()
+        self._leases = LeaseQueue(options.lease_s)
         self._beats: list[tuple[int, str, float]] = []  # read, not yet applied (one per tick)
-        self._waiters: set[asyncio.Future] = set()  # long-polls
-        self._held: set[asyncio.Future] = set()  # held heartbeats: woken by epoch/status only
+        self._waiters = Waiters()  # long-polls
+        self._held = Waiters()  # held heartbeats: woken by epoch or status changes only
         self._wake_key: tuple = ()
         # replica -> the newest view version a reply to it carried (on any connection), so a
         # heartbeat does not send again what the replica's rpc connection just got
@@ -206,8 +207,9 @@ class CoordinatorServer:
         )
         self._wake_key = self._key(self._state)
         alive = [m for m in self._state.members.values() if m.state in (PENDING, LIVE)]
-        for m in sorted(alive, key=lambda m: m.last_seen):
-            self._leases[m.replica_id] = m.last_seen
+        self._leases = LeaseQueue(
+            self._options.lease_s, [(m.replica_id, m.last_seen) for m in alive]
+        )
         if self._store_port is not None:
             from torch.distributed import TCPStore  # the only torch use; clients stay torch-free
 
@@ -287,8 +289,8 @@ class CoordinatorServer:
         self._stop_event = asyncio.Event()
         loop = self._loop
 
-        def protocol() -> _Protocol:  # what asyncio.start_server builds, plus `gone`
-            return _Protocol(asyncio.StreamReader(loop=loop), self._handle, loop=loop)
+        def protocol() -> StreamProtocol:  # what asyncio.start_server builds, plus `gone`
+            return StreamProtocol(asyncio.StreamReader(loop=loop), self._handle, loop=loop)
 
         server = await loop.create_server(protocol, self._host, self._port)
         self._address = tuple(server.sockets[0].getsockname()[:2])
@@ -300,8 +302,8 @@ class CoordinatorServer:
             self._stopping = True
             ticker.cancel()
             server.close()
-            self._wake()  # wake long-polls and held heartbeats: they see _stopping and return
-            self._wake(held=True)
+            self._waiters.wake()  # long-polls and held heartbeats see _stopping and return
+            self._held.wake()
             for w in list(self._writers):
                 w.close()
             if self._tasks:  # let handlers end on their own (cancelling them logs noise)
@@ -315,7 +317,7 @@ class CoordinatorServer:
             try:
                 self._flush_beats()
                 now = time.monotonic()
-                due = self._due(now)
+                due = self._leases.due(now)
                 st = self._state
                 if due or st.accusations or st.status == "forming":
                     self._apply(Tick(due=tuple(due)), now)
@@ -339,9 +341,9 @@ class CoordinatorServer:
             key = self._key(new)
             if key != self._wake_key:
                 if key[:2] != self._wake_key[:2]:  # (epoch, status): push to held heartbeats
-                    self._wake(held=True)
+                    self._held.wake()
                 self._wake_key = key
-                self._wake()
+                self._waiters.wake()
         return decisions, reason
 
     @staticmethod
@@ -351,63 +353,20 @@ class CoordinatorServer:
         (a redo moves the epoch too), so a commit does not send every replica its view twice."""
         return (s.epoch, s.status, s.attempt_epoch, s.step, s.committed_step)
 
-    def _wake(self, *, held: bool = False) -> None:
-        if held:
-            waiters, self._held = self._held, set()
-        else:
-            waiters, self._waiters = self._waiters, set()
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
-    async def _until_change(
-        self, timeout_s: float, gone: asyncio.Future | None = None, *, held: bool = False
-    ) -> None:
-        """Sleep until the next wake (epoch, attempt, step or status change; `held`: epoch or
-        status only), timeout_s, or (given `gone`) the peer closing the connection."""
-        fut = self._loop.create_future()
-        waiters = self._held if held else self._waiters
-        waiters.add(fut)
-        timer = self._loop.call_later(timeout_s, _resolve, fut)
-        wake = (lambda _: _resolve(fut)) if gone is not None else None
-        if wake is not None:
-            gone.add_done_callback(wake)
-        try:
-            await fut
-        finally:
-            timer.cancel()
-            (self._held if held else self._waiters).discard(fut)
-            if wake is not None:
-                gone.remove_done_callback(wake)
-
     # ------------------------------------------------------------ leases and saving
-
-    def _touch(self, r: int, at: float) -> None:
-        self._leases[r] = at
-        self._leases.move_to_end(r)
 
     def _flush_beats(self) -> None:
         if self._beats:
             beats, self._beats = tuple(self._beats), []
             self._apply(Heartbeats(seen=beats))
 
-    def _due(self, now: float) -> list[int]:
-        """Replicas whose lease ran out by `now`: the front of the deadline-ordered map."""
-        lease, due = self._options.lease_s, []
-        for r, at in self._leases.items():
-            if now - at <= lease:
-                break
-            due.append(r)
-        return due
-
     def _requeue(self, due: list[int]) -> None:
         members = self._state.members
+        alive = {}
         for r in due:
             m = members.get(r)
-            if m is None or m.state not in (PENDING, LIVE):
-                self._leases.pop(r, None)
-            else:  # the rules saw a newer heartbeat than this map (it cannot happen; be safe)
-                self._touch(r, m.last_seen)
+            alive[r] = m.last_seen if m is not None and m.state in (PENDING, LIVE) else None
+        self._leases.settle(due, alive)
 
     def _save_loop(self) -> None:
         """Save the newest revision at most every save_interval_s, and once more at stop."""
@@ -487,7 +446,7 @@ class CoordinatorServer:
             remaining = end - time.monotonic()
             if remaining <= 0 or self._stopping:
                 return None
-            await self._until_change(remaining)
+            await self._waiters.park(remaining)
 
     # ------------------------------------------------------------ connections
 
@@ -575,7 +534,7 @@ class CoordinatorServer:
             reply = self._handle_message(req, conn, msg)  # a refusal, or it answers an accusation
         else:  # the common case: O(1) now, applied with the tick's batch
             self._beats.append((r, inc, now))
-            self._touch(r, now)
+            self._leases.touch(r, now)
             reply = {"ok": True, "reason": "heartbeat"}
         hold = req.get("hold_s")
         known = req.get("view_version")
@@ -590,12 +549,12 @@ class CoordinatorServer:
         ):
             # A held session that the replica's death closes must end now, not after the hold:
             # its EOF is what declares the death.
-            await self._until_change(min(float(hold), _MAX_HOLD_S), conn.gone, held=True)
+            await self._held.park(min(float(hold), _MAX_HOLD_S), conn.gone)
             # While we held the reply the replica could not heartbeat: its lease runs from now.
             if not check_member(self._state, r, inc)[0]:
                 now = time.monotonic()
                 self._beats.append((r, inc, now))
-                self._touch(r, now)
+                self._leases.touch(r, now)
         if not reply.get("ok"):
             reply["view"] = _VIEW
         elif max(known, self._delivered.get(r, -1)) != self._state.view_version:
@@ -614,7 +573,7 @@ class CoordinatorServer:
                 return {"ok": False, "code": d.code, "reason": d.reason, "view": _VIEW}
         reply: dict[str, Any] = {"ok": True, "reason": reason}
         if isinstance(msg, Register | Heartbeat):
-            self._touch(msg.replica_id, now)
+            self._leases.touch(msg.replica_id, now)
         if isinstance(msg, Register):
             conn.session = (msg.replica_id, msg.incarnation)
             self._sessions[conn.session] = conn.id
@@ -696,28 +655,6 @@ class CoordinatorServer:
             "store": list(self._store_address) if self._store_address else None,
             "options": vars(s.options),
         }
-
-
-class _Protocol(asyncio.StreamReaderProtocol):
-    """asyncio's stream protocol, with `gone`: a future resolved at the peer's EOF or at the
-    connection's loss, even while no one reads (a held heartbeat reply)."""
-
-    def __init__(self, reader: asyncio.StreamReader, cb: Any, *, loop: Any) -> None:
-        super().__init__(reader, cb, loop=loop)
-        self.gone: asyncio.Future = loop.create_future()
-
-    def eof_received(self) -> bool:
-        _resolve(self.gone)
-        return super().eof_received()
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        _resolve(self.gone)
-        super().connection_lost(exc)
-
-
-def _resolve(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 # Re-exported: the process main lives with the CLI that also calls it.
