@@ -110,7 +110,11 @@ def test_hand_started_joiners_refused_killed_in_transfer_and_scale_up(
     out = tmp_path / "join"
     env = child_env() | {"RECOVER_TOKEN": "test-token-123"}
     data = ["--data", str(tiny_dataset), "--out", str(out)]
-    run = cli("train", *FLAGS, *data, "--replicas", "3", env=env)
+    # Paced: replica 0 computes its (equal) share 10x slower, so the run is still going when the
+    # joiners, each importing torch on a busy machine, register (unpaced, the 300 tiny steps can
+    # end first). A straggler changes no committed value: the trajectory is the reference's.
+    pace = ["--balance", "equal", "--fault", "slow:replica=0,step=0,factor=10"]
+    run = cli("train", *FLAGS, *data, "--replicas", "3", *pace, env=env)
     joiners: list[subprocess.Popen] = []
     try:
         wait_for(lambda: (out / "metrics.jsonl").exists() and committed_steps(out / "metrics.jsonl"),
@@ -122,8 +126,7 @@ def test_hand_started_joiners_refused_killed_in_transfer_and_scale_up(
         bad = cli("worker", *FLAGS, "--lr", "1e-2", *where, "--replica-id", "3", env=env)
         doomed = cli("worker", *FLAGS, *where, "--replica-id", "4",
                      "--fault", "kill:replica=4,step=0,phase=transfer", env=env)  # fmt: skip
-        # Scale-up: a good joiner is admitted at a step boundary and trains to the end. It starts
-        # with the others, so it registers long before the run's last step on a slow machine too.
+        # Scale-up: a good joiner is admitted at a step boundary and trains to the end.
         good = cli("worker", *FLAGS, *where, "--replica-id", "5", env=env)
         joiners += [bad, doomed, good]
         refused = finish(bad, 60)
