@@ -102,7 +102,10 @@ def test_a_frozen_rank_stops_its_replica_through_the_stall_guard(reference, tiny
         "--fault", "freeze:replica=1,rank=1,step=2,phase=forward",
     )  # fmt: skip
     assert_invariants(reference, out, r)
-    assert 1 in {(e["rank"]) for e in events(out, "stalled") if e["replica"] == 1}
+    # Which of the two ranks' guards fires first is a race: the mate's last tick (its own forward
+    # phase, just before the all-gather that then waits) can come before or after rank 1 froze.
+    # Either way it is the stall guard that stopped replica 1.
+    assert {e["rank"] for e in events(out, "stalled") if e["replica"] == 1}, "no stall caught"
     assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [1]
     assert {e["replica"] for e in events(out, "replica_finished")} == {0}
 
