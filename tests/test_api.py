@@ -31,6 +31,20 @@ def recover_run(out: Path, script: str, *flags: str, script_args=(), timeout: fl
     return r
 
 
+def custom_with_replica_1(path: Path, change: str) -> Path:
+    """A script that runs examples/train_custom.py, with the one-line `change` made in replica 1
+    only (another flag, other data): what a misconfigured replica of a real job looks like."""
+    path.write_text(
+        "import os, runpy, sys\n"
+        "import recover\n"
+        "if os.environ['RECOVER_REPLICA_ID'] == '1':\n"
+        f"    {change}\n"
+        f"sys.argv[0] = {str(EXAMPLES / 'train_custom.py')!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    return path
+
+
 def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "result" / "losses.jsonl").read_text().splitlines()]
 
@@ -103,15 +117,8 @@ def test_a_script_of_its_own_survives_kills_and_its_respawns_get_its_state(
 def test_a_replica_with_other_settings_is_refused_with_the_field_named(token_file, tmp_path):
     """The script's `config` is part of the fingerprint: a replica with another learning rate is
     refused at registration, naming the field, instead of silently diverging."""
-    script = tmp_path / "lr_by_replica.py"
     # Replica 1 runs with a 10x learning rate: the same script, one flag different.
-    script.write_text(
-        "import os, runpy, sys\n"
-        "if os.environ['RECOVER_REPLICA_ID'] == '1':\n"
-        "    sys.argv += ['--lr', '0.5']\n"
-        f"sys.argv[0] = {str(EXAMPLES / 'train_custom.py')!r}\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-    )
+    script = custom_with_replica_1(tmp_path / "lr_by_replica.py", "sys.argv += ['--lr', '0.5']")
     cmd = [sys.executable, "-m", "recover.cli", "run", "--out", str(tmp_path / "job")]
     cmd += ["--replicas", "2", "--", sys.executable, str(script), *custom_args(token_file, 4)]
     cmd += ["--out", str(tmp_path / "result")]
@@ -167,15 +174,10 @@ def test_data_that_depends_on_the_replica_is_caught_by_the_opt_in_check(token_fi
     """The contract broken on purpose: replica 1 reads other tokens for (step, j) than replica 0
     (as a data loader keyed by rank would). The example's check (check_data, every 5 steps)
     replays a microbatch on every replica; the run stops at step 0 saying the data differs."""
-    script = tmp_path / "impure_data.py"
-    script.write_text(
-        "import os, runpy, sys\n"
-        "import recover\n"
-        "if os.environ['RECOVER_REPLICA_ID'] == '1':\n"
-        "    pure = recover.TokenWindows.batch\n"
-        "    recover.TokenWindows.batch = lambda self, step, j: pure(self, step + 1, j)\n"
-        f"sys.argv[0] = {str(EXAMPLES / 'train_custom.py')!r}\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    script = custom_with_replica_1(
+        tmp_path / "impure_data.py",
+        "pure = recover.TokenWindows.batch; "
+        "recover.TokenWindows.batch = lambda self, step, j: pure(self, step + 1, j)",
     )
     cmd = [sys.executable, "-m", "recover.cli", "run", "--out", str(tmp_path / "job")]
     cmd += ["--replicas", "2", "--", sys.executable, str(script), *custom_args(token_file, 6)]

@@ -191,6 +191,17 @@ def add_supervision_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def supervision(args: argparse.Namespace) -> dict:
+    """The supervision flags (add_supervision_flags) as LaunchConfig takes them."""
+    return dict(
+        min_replicas=args.min_replicas,
+        lease_s=args.lease,
+        respawn_s=args.respawn,
+        max_restarts=args.max_restarts,
+        balance=args.balance,
+    )
+
+
 def replica_inside(args: argparse.Namespace) -> dict:
     """What a replica is inside, as LaunchConfig and WorkerConfig both take it."""
     return dict(
@@ -463,15 +474,11 @@ def run_train(args: argparse.Namespace) -> int:
         cfg = train_config_from_args(args)
         lcfg = LaunchConfig(
             replicas=args.replicas,
-            min_replicas=args.min_replicas,
-            lease_s=args.lease,
             heartbeat_s=args.heartbeat,
             check_every=args.check_every,
             faults=parse_faults(args.fault),
-            respawn_s=args.respawn,
-            max_restarts=args.max_restarts,
-            balance=args.balance,
             mode=args.mode,
+            **supervision(args),
             **replica_inside(args),
         )
         check_faults_fit(lcfg.faults, steps=cfg.steps, microbatches=cfg.microbatches)
@@ -539,12 +546,8 @@ def run_script(args: argparse.Namespace) -> int:
     try:
         lcfg = LaunchConfig(
             replicas=args.replicas,
-            min_replicas=args.min_replicas,
-            lease_s=args.lease,
             faults=parse_faults(args.fault),
-            respawn_s=args.respawn,
-            max_restarts=args.max_restarts,
-            balance=args.balance,
+            **supervision(args),
             shard=args.ranks_per_replica,  # the launcher only counts the ranks
             watchdog_s=args.watchdog,
             stall_s=args.stall_timeout,
