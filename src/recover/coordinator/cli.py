@@ -1,7 +1,8 @@
-"""`recover coordinator serve|status`, and the coordinator's process main.
+"""`recover coordinator serve|relay|status`, and the coordinator's and the relay's process mains.
 
 Job: parse flags into `CoordinatorOptions` and serve with `run_coordinator_process` (also usable
-directly as a multiprocessing target or subprocess main); `status` prints members, epoch, step,
+directly as a multiprocessing target or subprocess main); `relay` runs a `RelayServer` in front
+of a coordinator (`run_relay_process`); `status` prints members, epoch, step,
 lease ages and the last decisions with their reasons. The token comes from --token or, read once
 here, the environment variable RECOVER_TOKEN; nothing below the CLI reads the environment.
 Binding anything other than 127.0.0.1 must be asked for with --host (and warns without a token).
@@ -21,7 +22,12 @@ from typing import Any
 from recover.coordinator.client import CoordinatorUnreachable, request_once
 from recover.coordinator.state_store import CoordinatorOptions
 
-__all__ = ["add_coordinator_parser", "run_coordinator_cli", "run_coordinator_process"]
+__all__ = [
+    "add_coordinator_parser",
+    "run_coordinator_cli",
+    "run_coordinator_process",
+    "run_relay_process",
+]
 
 log = logging.getLogger("recover.coordinator")
 
@@ -70,6 +76,37 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--events", default=None, metavar="PATH", help="append decisions here")
     serve.add_argument("--address-file", default=None, help="write host/ports here when up")
 
+    relay = sub.add_parser(
+        "relay",
+        help="hold the sessions, leases and long-polls of a node's or a rack's replicas",
+        description="A relay speaks to replicas exactly as the coordinator does (point "
+        "--coordinator of a replica at it) and sends the coordinator only membership changes "
+        "and batched done reports. If it dies, the coordinator declares its replicas dead.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    relay.add_argument(
+        "--upstream", required=True, metavar="HOST:PORT", help="the coordinator's address"
+    )
+    relay.add_argument("--host", default="127.0.0.1", help="bind address for replicas")
+    relay.add_argument("--port", type=int, default=29401, help="port for replicas (0: any)")
+    relay.add_argument(
+        "--beat",
+        type=float,
+        default=0.25,
+        help="seconds the coordinator may hold the relay's beat (its lease runs from each reply)",
+    )
+    relay.add_argument(
+        "--batch",
+        type=float,
+        default=0.01,
+        help="seconds a done report may wait for the relay's other replicas' reports",
+    )
+    relay.add_argument(
+        "--relay-id", default=None, help="name in the coordinator's logs (None: a random one)"
+    )
+    relay.add_argument("--token", default=None, help=f"shared secret (None: ${TOKEN_ENV})")
+    relay.add_argument("--address-file", default=None, help="write host/port here when up")
+
     status = sub.add_parser("status", help="print members, epoch, step and recent decisions")
     status.add_argument("--addr", required=True, metavar="HOST:PORT")
     status.add_argument("--token", default=None, help=f"shared secret (default: ${TOKEN_ENV})")
@@ -78,10 +115,10 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _parse_addr(addr: str) -> tuple[str, int]:
+def _parse_addr(addr: str, flag: str = "--addr") -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise ValueError(f"--addr must be HOST:PORT, got {addr!r}")
+        raise ValueError(f"{flag} must be HOST:PORT, got {addr!r}")
     return host, int(port)
 
 
@@ -135,6 +172,25 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             store_port=None if args.no_store else args.store_port,
             token=token,
             events_path=args.events,
+            address_file=args.address_file,
+        )
+    if args.coordinator_command == "relay":
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s.%(msecs)03d %(message)s", datefmt="%H:%M:%S"
+        )
+        try:
+            upstream = _parse_addr(args.upstream, "--upstream")
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return run_relay_process(
+            upstream,
+            host=args.host,
+            port=args.port,
+            token=token,
+            relay_id=args.relay_id,
+            beat_s=args.beat,
+            batch_s=args.batch,
             address_file=args.address_file,
         )
     host, port = _parse_addr(args.addr)
@@ -194,10 +250,7 @@ def run_coordinator_process(
                 "store_port": store[1],
                 "pid": os.getpid(),
             }
-            tmp = f"{address_file}.tmp{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(info, f)
-            os.replace(tmp, address_file)
+            _write_address(address_file, info)
         log.info("coordinator listening on %s:%s", *server.address)
         while not stop.wait(0.2):
             if server.failed is not None:
@@ -205,6 +258,57 @@ def run_coordinator_process(
         return 0
     finally:
         server.stop()
+
+
+def _write_address(path: str, info: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
+
+
+def run_relay_process(
+    upstream: tuple[str, int],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    relay_id: str | None = None,
+    beat_s: float = 0.25,
+    batch_s: float = 0.01,
+    address_file: str | None = None,
+) -> int:
+    """Relay until SIGTERM/SIGINT, or until the coordinator is lost (exit code 1). Writes
+    {"host", "port", "relay_id", "pid"} to `address_file` when listening."""
+    from recover.coordinator.relay import RelayServer
+
+    relay = RelayServer(
+        upstream,
+        host=host,
+        port=port,
+        token=token,
+        relay_id=relay_id,
+        beat_s=beat_s,
+        batch_s=batch_s,
+    )
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    relay.start()
+    try:
+        if address_file is not None:
+            info = {"host": relay.address[0], "port": relay.address[1]}
+            _write_address(address_file, {**info, "relay_id": relay.relay_id, "pid": os.getpid()})
+        log.info(
+            "relay %s listening on %s:%s, upstream %s:%s", relay.relay_id, *relay.address, *upstream
+        )
+        while not stop.wait(0.2):
+            if relay.failed is not None:
+                return 1
+        return 0
+    finally:
+        relay.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,9 @@ Job: give each replica's training loop a small blocking API over two TCP connect
 leave; closing it without `leave()` tells the coordinator this process is gone. The *rpc*
 connection carries reports and long-polls from the training thread.
 
-Each heartbeat asks the coordinator to hold its reply for up to `heartbeat_s` (`hold_s`): a new
+Every request says which view version it holds (`view_version`), and the view in the reply is
+relative to it (protocol.merge_view): a commit or an epoch change costs O(change) bytes, not
+O(R + plan). Each heartbeat asks the coordinator to hold its reply for up to `heartbeat_s` (`hold_s`): a new
 epoch (or step, or status) is then pushed to the replica the moment it is decided, not at its
 next heartbeat. The next heartbeat goes `heartbeat_s` after the previous one was sent, or at once
 when a held reply came back (an older coordinator that does not hold gets one per heartbeat_s).
@@ -27,10 +29,16 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from recover.coordinator.protocol import ProtocolError, View, recv_frame, send_frame
+from recover.coordinator.protocol import (
+    ProtocolError,
+    View,
+    merge_view,
+    recv_frame,
+    send_frame,
+)
 
 __all__ = [
     "Committed",
@@ -323,6 +331,8 @@ class CoordinatorClient:
 
     def _member(self, req: dict[str, Any]) -> dict[str, Any]:
         req = {**req, "replica_id": self.replica_id, "incarnation": self.incarnation}
+        view = self.view
+        req.setdefault("view_version", view.version if view is not None else -1)
         if self._token is not None:
             req["token"] = self._token
         return req
@@ -353,19 +363,10 @@ class CoordinatorClient:
         if raw is None:
             return
         with self._lock:
-            old = self._view
-            if raw.get("pulse"):  # a view without its plan: the attempt's plan is the one we hold
-                if old is None or old.version > int(raw.get("version", 0)):
-                    return
-                if (old.step, old.attempt_epoch) != (raw.get("step"), raw.get("attempt_epoch")):
-                    return  # not our plan's attempt: the full view comes with wait_outcome
-                raw = {**raw, "holdings": {}, "weights": {}}
-                raw.pop("holding_runs", None)
-                view = View.from_dict(raw)
-                view = replace(view, holdings=old.holdings, weights=old.weights)
-            else:
-                view = View.from_dict(raw)
-            if old is None or view.version >= old.version:
+            # Relative to the view we held when asking (a delta of the live set, no plan when
+            # ours is the same): dropped if our view moved to one it does not complete.
+            view = merge_view(self._view, raw)
+            if view is not None:
                 self._view = view
 
     def _check(self) -> None:

@@ -45,6 +45,7 @@ from recover.coordinator.protocol import (
     Finished,
     Heartbeat,
     Heartbeats,
+    LeaseExpired,
     Leave,
     MemberDead,
     Message,
@@ -56,6 +57,7 @@ from recover.coordinator.protocol import (
     Registered,
     ReportDone,
     ReportFailed,
+    ReportsDone,
     Tick,
 )
 from recover.coordinator.state_store import (
@@ -103,6 +105,8 @@ def decide(
     view_changed = _view_changed(state, s)
     if view_changed:
         s.view_version += 1
+        if not (_same(state.holdings, s.holdings) and _same(state.weights, s.weights)):
+            s.plan_version = s.view_version
         s.reason = "; ".join(d.reason for d in out if not isinstance(d, Refused)) or note
     if view_changed or _durable_changed(state, s, msg):
         s.revision += 1
@@ -268,6 +272,41 @@ def _on_done(s: CoordinatorState, now: float, m: ReportDone, out: list) -> str:
     return f"replica {m.replica_id} reported done ({m.step}, {m.epoch})"
 
 
+def _on_done_batch(s: CoordinatorState, now: float, m: ReportsDone, out: list) -> str:
+    """Each report as `_on_done` takes it (refusals per report), the attempt judged once."""
+    taken = 0
+    for d in m.reports:
+        if not _check_report(s, d, out):
+            continue
+        taken += 1
+        if s.reports.get(d.replica_id) != "failed":
+            s.own("reports")[d.replica_id] = "done"
+        if d.param_hash is not None:
+            s.own("param_hashes")[d.replica_id] = d.param_hash
+        _record_throughput(s, d.replica_id, d.throughput)
+    if taken:
+        _evaluate_attempt(s, out)
+    first = m.reports[0] if m.reports else None
+    at = f" ({first.step}, {first.epoch})" if first else ""
+    return f"{taken} of {len(m.reports)} batched done reports taken{at}"
+
+
+def _on_lease_expired(s: CoordinatorState, now: float, m: LeaseExpired, out: list) -> str:
+    """A relay judged the lease (its replicas heartbeat the relay, not us): as a Tick would."""
+    member, code, why = _lookup(s, m.replica_id, m.incarnation)
+    if member is None:
+        return _refuse(out, m, code, why)
+    lease = s.options.lease_s
+    _kill(
+        s,
+        m.replica_id,
+        "lease",
+        f"replica {m.replica_id} lease expired at its relay: no heartbeat for > lease_s={lease}",
+        out,
+    )
+    return ""
+
+
 def _on_failed(s: CoordinatorState, now: float, m: ReportFailed, out: list) -> str:
     if not _check_report(s, m, out):
         return ""
@@ -333,6 +372,8 @@ _HANDLERS = {
     Heartbeats: _on_heartbeats,
     ProcessExit: _on_process_exit,
     ReportDone: _on_done,
+    ReportsDone: _on_done_batch,
+    LeaseExpired: _on_lease_expired,
     ReportFailed: _on_failed,
     Leave: _on_leave,
     Tick: _on_tick,
@@ -488,12 +529,18 @@ def _redo(s: CoordinatorState, out: list, survivors: list[int]) -> None:
 
 
 def _new_attempt(s: CoordinatorState) -> None:
-    s.weights = _weights(s, s.live)
+    weights = _weights(s, s.live)
+    if weights != s.weights:
+        s.weights = weights
     if s.options.mode == "shrink":  # baseline: fixed slots of a full job; dead slots are dropped
         slots = assign(s.options.microbatches, range(s.options.expected_replicas))
-        s.holdings = {r: slots.get(r, ()) for r in s.live}
+        holdings = {r: slots.get(r, ()) for r in s.live}
     else:
-        s.holdings = assign(s.options.microbatches, s.live, s.weights)
+        holdings = assign(s.options.microbatches, s.live, s.weights)
+    # The same plan keeps its object (and plan_version): replies then leave it out (O(R) once
+    # per attempt, against O(R + plan) bytes to every replica at every commit).
+    if holdings != s.holdings:
+        s.holdings = holdings
     s.attempt_epoch = s.epoch
     s.attempt_members = s.live
     s.reports, s.param_hashes = {}, {}

@@ -13,9 +13,13 @@ Invariants:
 Wire additions for scale (docs/coordinator.md): a view's plan travels as `holding_runs`
 (replica -> flat [start, stop, ...] runs; `from_dict` still reads plain `holdings`); a
 heartbeat may carry `hold_s` (the server holds the reply until the epoch or status changes, at
-most that long) and its reply may carry a view with `"pulse": true` and no plan, which the client
-merges into its view of the same attempt. `Heartbeats` and `Tick(due=...)` are not wire messages:
-the server builds them for the rules.
+most that long). Every request may carry `view_version`, the view its sender holds; the view in
+the reply is then relative to it (`merge_view`): without the plan (`"pulse": true`) when the
+plan is the one of that version (`plan_version`), and with `live_from` (the ids gone and new since
+that version's epoch) instead of `live`. `Heartbeats` and `Tick(due=...)` are not wire messages:
+the server builds them for the rules. Relays (relay.py) add `done_batch` (`ReportsDone`: the done
+reports of several replicas in one message) and `lease_expired` (`LeaseExpired`: a lease judged
+at the relay).
 
 This module holds no sockets and no clocks: the framing helpers take a socket or an asyncio
 stream from the caller. Costs: one json.dumps/loads per message.
@@ -27,7 +31,7 @@ import asyncio
 import json
 import socket
 import struct
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any, ClassVar
 
 __all__ = [
@@ -41,6 +45,8 @@ __all__ = [
     "ReportDone",
     "ReportFailed",
     "Leave",
+    "LeaseExpired",
+    "ReportsDone",
     "Tick",
     "Message",
     "View",
@@ -56,6 +62,8 @@ __all__ = [
     "Refused",
     "Registered",
     "decode_message",
+    "decode_done_batch",
+    "merge_view",
     "encode_message",
     "read_frame_async",
     "write_frame_async",
@@ -128,6 +136,23 @@ class Leave:
     step: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class LeaseExpired:
+    """A relay judged this replica's lease (no heartbeat for lease_s at the relay)."""
+
+    replica_id: int
+    incarnation: str
+
+
+@dataclass(frozen=True)
+class ReportsDone:
+    """Done reports of several replicas, as one message (a relay batches its replicas' reports
+    of one attempt). The rules treat each report as if it came alone, then judge the attempt
+    once: a batch changes the cost, never what a commit means."""
+
+    reports: tuple[ReportDone, ...]
+
+
 @dataclass(frozen=True)
 class Heartbeats:
     """Heartbeats the transport read since its last batch: (replica_id, incarnation, read at).
@@ -148,7 +173,18 @@ class Tick:
     due: tuple[int, ...] | None = None
 
 
-Message = Register | Heartbeat | Heartbeats | ProcessExit | ReportDone | ReportFailed | Leave | Tick
+Message = (
+    Register
+    | Heartbeat
+    | Heartbeats
+    | ProcessExit
+    | LeaseExpired
+    | ReportDone
+    | ReportsDone
+    | ReportFailed
+    | Leave
+    | Tick
+)
 
 MESSAGE_KINDS: dict[str, type] = {
     "register": Register,
@@ -157,6 +193,7 @@ MESSAGE_KINDS: dict[str, type] = {
     "done": ReportDone,
     "failed": ReportFailed,
     "leave": Leave,
+    "lease_expired": LeaseExpired,
 }
 _KIND_OF = {cls: kind for kind, cls in MESSAGE_KINDS.items()}
 
@@ -210,6 +247,31 @@ def decode_message(req: dict[str, Any]) -> Message:
     return cls(**args)
 
 
+def decode_done_batch(req: dict[str, Any]) -> ReportsDone:
+    """{"kind": "done_batch", "step", "epoch", "reports": [[replica_id, incarnation, param_hash,
+    throughput], ...]} -> ReportsDone, or ProtocolError naming the bad field."""
+    step, epoch = check_field("step", req.get("step")), check_field("epoch", req.get("epoch"))
+    rows = req.get("reports")
+    if not isinstance(rows, list) or not all(isinstance(x, list) and len(x) == 4 for x in rows):
+        raise ProtocolError(
+            "field 'reports' must be a list of [replica_id, incarnation, param_hash, throughput]"
+        )
+    out = []
+    for r, inc, h, tp in rows:
+        tp = check_field("throughput", tp)
+        out.append(
+            ReportDone(
+                replica_id=check_field("replica_id", r),
+                incarnation=check_field("incarnation", inc),
+                step=step,
+                epoch=epoch,
+                param_hash=check_field("param_hash", h),
+                throughput=float(tp) if tp is not None else None,
+            )
+        )
+    return ReportsDone(tuple(out))
+
+
 def encode_message(msg: Message) -> dict[str, Any]:
     d = asdict(msg)
     if "suspects" in d:
@@ -246,6 +308,9 @@ class View:
     # The replica that writes committed_step's records, named by the commit decision (the lowest
     # attempt member alive then): one writer per step, the same on every replica. -1: none yet.
     writer: int = -1
+    # The view version at which this plan (holdings, weights) was made: a replica that holds a
+    # view with the same plan_version holds this plan, so replies may leave it out.
+    plan_version: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form. Holdings travel as runs ("holding_runs": replica -> flat [start, stop,
@@ -265,6 +330,7 @@ class View:
             "version": self.version,
             "reason": self.reason,
             "writer": self.writer,
+            "plan_version": self.plan_version,
         }
 
     @classmethod
@@ -284,9 +350,40 @@ class View:
                 version=int(d.get("version", 0)),
                 reason=str(d.get("reason", "")),
                 writer=int(d.get("writer", -1)),
+                plan_version=int(d.get("plan_version", 0)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ProtocolError(f"malformed view: {e!r}") from e
+
+
+def merge_view(old: View | None, raw: dict[str, Any]) -> View | None:
+    """The view that `raw` (a reply's view, relative to `old`) describes, or None when it is
+    older than `old` or leaves out a part that `old` cannot fill.
+
+    A reply leaves out the plan (`"pulse": true`) when the requester's view has the same
+    `plan_version`, and gives `live_from` {"epoch", "gone", "new"} instead of `live` when the
+    requester's view is of that epoch. Both are checked against `old` here, so a view that was
+    meant for an older one of our views is dropped, never merged wrongly."""
+    try:
+        if old is not None and int(raw.get("version", 0)) < old.version:
+            return None
+        d = raw
+        if "live" not in d:
+            delta = d.get("live_from")
+            if old is None or not isinstance(delta, dict) or delta.get("epoch") != old.epoch:
+                return None
+            gone = set(delta.get("gone", ()))
+            live = [r for r in old.live if r not in gone]
+            live = sorted(live + [int(r) for r in delta.get("new", ())])
+            d = {**d, "live": live}
+        if d.get("pulse"):
+            if old is None or old.plan_version != int(d.get("plan_version", -1)):
+                return None
+            view = View.from_dict({**d, "holdings": {}, "weights": {}})
+            return replace(view, holdings=old.holdings, weights=old.weights)
+        return View.from_dict(d)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ProtocolError(f"malformed view: {e!r}") from e
 
 
 def _runs(ids: tuple[int, ...]) -> list[int]:

@@ -164,6 +164,7 @@ class CoordinatorState:
     joined: tuple[int, ...] = ()
     n_pending: int = 0  # members in state pending (kept by decide: no O(R) count per register)
     view_version: int = 0
+    plan_version: int = 0  # the view_version at which holdings or weights last changed
     revision: int = 0
     reason: str = "waiting for registrations"  # why the view last changed
 
@@ -222,6 +223,7 @@ def state_from_json(text: str) -> CoordinatorState:
     d["live"] = tuple(d["live"])
     d["attempt_members"] = tuple(d["attempt_members"])
     d["joined"] = tuple(d.get("joined", ()))
+    d.setdefault("plan_version", 0)
     d.setdefault("n_pending", sum(m.state == PENDING for m in d["members"].values()))
     return CoordinatorState(**d)
 
@@ -313,4 +315,5 @@ def view_of(state: CoordinatorState) -> View:
         version=state.view_version,
         reason=state.reason,
         writer=state.committed_writer,
+        plan_version=state.plan_version,
     )

@@ -1,0 +1,572 @@
+"""A relay: holds the sessions, leases and long-polls of 64-128 replicas for the coordinator.
+
+Job: downstream, speak to replicas exactly as the coordinator does (the same frames, requests and
+replies: `CoordinatorClient` and the load test point at a relay unchanged); upstream, send the
+coordinator only what changes membership or the attempt, and fan its views out.
+- Sessions and leases are held here. A replica's session EOF (its process exit) goes up as
+  `process_exit` within milliseconds; a lease that runs out here goes up as `lease_expired`.
+  Heartbeats stop here: the coordinator sees one held `relay_beat` per relay instead of R.
+- Done reports of one attempt are batched (`done_batch`): sent when every live replica of this
+  relay reported, or `batch_s` after the first report, whichever comes first. The coordinator
+  judges every report as if it came alone: a batch never changes what a commit means.
+- Registrations, failed reports, leave and status go up as they are, and their replies come back
+  as they are.
+- Views: the relay's `relay_beat` is held by the coordinator until the view changes, so the
+  relay's copy follows each version within a round trip; `wait_view`, `wait_outcome` and held
+  heartbeats are answered from that copy, encoded once per version (views.py).
+- Accusations: the coordinator lists accused replicas in its beat replies; the relay's next
+  beat carries those of its replicas it heard since (`seen`), which answers them.
+
+Invariants: the coordinator declares every replica of a relay dead when the relay's upstream
+connection ends or its beat lease runs out: a dead relay takes its replicas with it, and a hung
+one finds them fenced. If the upstream connection breaks, the relay stops and closes its
+replicas' connections (they see EOF; a replica restarts as a new incarnation).
+Costs: per heartbeat O(1) here and nothing upstream; per step one done_batch per relay; per
+view version one beat reply (O(change) bytes) per relay, then one encoding per distinct version
+its replicas hold. Limits: forwarded requests share one upstream connection (in order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import logging
+import struct
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from recover.coordinator.decide import attempt_outcome
+from recover.coordinator.pacing import LeaseQueue, StreamProtocol, Waiters
+from recover.coordinator.protocol import (
+    MAX_FRAME,
+    ProtocolError,
+    View,
+    check_field,
+    merge_view,
+    read_frame_async,
+)
+from recover.coordinator.views import ViewCache, frame, split_plan
+
+__all__ = ["RelayServer"]
+
+log = logging.getLogger("recover.coordinator.relay")
+
+_HEADER = struct.Struct(">I")
+_VIEW_AT = b',"view":'
+_DRAIN_ROUNDS = 4
+_MAX_HOLD_S = 1.0
+_FORWARDED = ("register", "failed", "leave", "process_exit", "status")
+
+
+@dataclass
+class _Member:
+    incarnation: str
+    state: str = "pending"  # pending | live | dead | left | expired
+    why: str = ""
+
+
+@dataclass
+class _Conn:
+    gone: asyncio.Future | None
+    session: tuple[int, str] | None = None
+    left: bool = False
+
+
+class _Upstream:
+    """One connection to the coordinator: a request, then its reply (head dict, view bytes)."""
+
+    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+        self.host, self.port, self.timeout_s = host, port, timeout_s
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.lock = asyncio.Lock()
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.wait_for(
+            asyncio.open_connection(self.host, self.port, limit=MAX_FRAME + 8), self.timeout_s
+        )
+
+    async def call(self, req: dict[str, Any], wait_s: float = 0.0) -> tuple[dict, bytes | None]:
+        async with self.lock:
+            self.writer.write(frame(req))
+            async with asyncio.timeout(wait_s + self.timeout_s):
+                (n,) = _HEADER.unpack(await self.reader.readexactly(4))
+                body = await self.reader.readexactly(n)
+        at = body.find(_VIEW_AT)  # the view is spliced in last; quotes in strings are escaped
+        if at < 0:
+            return json.loads(body), None
+        return json.loads(body[:at] + b"}"), body[at + len(_VIEW_AT) : -1]
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class RelayServer:
+    """`RelayServer((host, port)).start()`; `.address`; `.stop()`. See the module docstring."""
+
+    def __init__(
+        self,
+        upstream: tuple[str, int],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        relay_id: str | None = None,
+        beat_s: float = 0.25,
+        batch_s: float = 0.01,
+        tick_s: float = 0.02,
+        max_wait_s: float = 60.0,
+        body_timeout_s: float = 10.0,
+        upstream_timeout_s: float = 10.0,
+    ) -> None:
+        for name, v in (("beat_s", beat_s), ("batch_s", batch_s), ("tick_s", tick_s)):
+            if not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+        self._upstream_addr = upstream
+        self._host, self._port = host, port
+        self._token = token
+        self.relay_id = relay_id or uuid.uuid4().hex[:12]
+        self._beat_s, self._batch_s, self._tick_s = beat_s, batch_s, tick_s
+        self._max_wait_s, self._body_timeout_s = max_wait_s, body_timeout_s
+        self._up_timeout_s = upstream_timeout_s
+        self._address: tuple[str, int] | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._stopping = False
+        self._members: dict[int, _Member] = {}
+        self._leases = LeaseQueue(1.0)
+        self._heard: dict[int, float] = {}  # replica -> when its last heartbeat was read
+        self._accused: set[int] = set()
+        self._last_beat = 0.0
+        self._view: View | None = None  # the coordinator's view, without its plan
+        self._views = ViewCache()
+        self._plan = b""
+        self._waiters = Waiters()  # long-polls: any change of epoch, attempt, step, status
+        self._held = Waiters()  # held heartbeats: epoch or status changes
+        self._batches: dict[tuple[int, int], list[tuple[dict, asyncio.Future]]] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        if self._thread is not None:
+            raise RuntimeError("RelayServer.start() called twice")
+        self._thread = threading.Thread(target=self._run, name="relay", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"relay did not start within {timeout_s} s")
+        if self._error is not None:
+            self.stop()
+            raise RuntimeError(f"relay failed to start: {self._error!r}") from self._error
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._loop is not None and self._stop_event is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop_event.set)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def __enter__(self) -> RelayServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        if self._address is None:
+            raise RuntimeError("relay not started")
+        return self._address
+
+    @property
+    def failed(self) -> BaseException | None:
+        """Set when the relay stopped on its own (its upstream connection broke)."""
+        return self._error
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # recorded; start() or the owner reads self.failed
+            log.exception("relay loop failed")
+            self._error = e
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop = loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        host, port = self._upstream_addr
+        self._beat_up = _Upstream(host, port, self._up_timeout_s)
+        self._rpc_up = _Upstream(host, port, self._up_timeout_s)
+        await self._beat_up.open()
+        await self._rpc_up.open()
+        await self._beat(hold=False)  # the lease and the view before any replica is served
+
+        def protocol() -> StreamProtocol:
+            return StreamProtocol(asyncio.StreamReader(loop=loop), self._handle, loop=loop)
+
+        server = await loop.create_server(protocol, self._host, self._port)
+        self._address = tuple(server.sockets[0].getsockname()[:2])
+        self._ready.set()
+        background = [
+            asyncio.create_task(self._beat_loop()),
+            asyncio.create_task(self._tick_loop()),
+        ]
+        try:
+            await self._stop_event.wait()
+        finally:
+            self._stopping = True
+            for t in background:
+                t.cancel()
+            server.close()
+            self._waiters.wake()
+            self._held.wake()
+            for w in list(self._writers):
+                w.close()
+            self._beat_up.close()
+            self._rpc_up.close()
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=2.0)
+
+    # ------------------------------------------------------------ upstream
+
+    def _up(self, req: dict[str, Any]) -> dict[str, Any]:
+        req = {**req, "relay": self.relay_id}
+        if self._token is not None:
+            req["token"] = self._token
+        return req
+
+    async def _beat(self, hold: bool) -> None:
+        now, since = time.monotonic(), self._last_beat
+        self._last_beat = now
+        seen = [  # accused replicas of ours heard since the last beat: proof of life
+            [r, self._members[r].incarnation, round(now - self._heard[r], 4)]
+            for r in sorted(self._accused)
+            if r in self._members
+            and self._members[r].state in ("pending", "live")
+            and self._heard.get(r, -1.0) > since
+        ]
+        req = {"kind": "relay_beat", "view_version": self._views.version, "seen": seen}
+        if hold:
+            req["hold_s"] = self._beat_s
+        head, view = await self._beat_up.call(self._up(req), self._beat_s)
+        if not head.get("ok"):
+            raise ConnectionError(f"the coordinator refused this relay: {head.get('reason')}")
+        self._leases.lease_s = float(head.get("lease_s", self._leases.lease_s))
+        self._accused = set(head.get("accused", ()))
+        if view is not None:
+            self._absorb(view)
+
+    async def _beat_loop(self) -> None:
+        try:
+            while True:
+                await self._beat(hold=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the coordinator is gone (or refused us): stop, loudly
+            log.error("relay %s: upstream lost: %r; stopping", self.relay_id, e)
+            self._error = e
+            self._stop_event.set()
+
+    def _absorb(self, body: bytes) -> None:
+        """A view from upstream (relative to ours) -> our copy, encoded for our replicas."""
+        rest, plan = split_plan(body)
+        raw = json.loads(rest)
+        if plan is not None:
+            raw["holdings"], raw["weights"] = {}, {}  # we keep the plan as bytes only
+        view = merge_view(self._view, raw)
+        if view is None:
+            return
+        old = self._view
+        self._view = view
+        self._views.publish(view, plan if plan is not None else self._plan)
+        if plan is not None:
+            self._plan = plan
+        if old is None or old.epoch != view.epoch:
+            live = set(view.live)
+            for r, m in self._members.items():
+                if r in live and m.state == "pending":
+                    m.state = "live"
+                elif r not in live and m.state == "live":
+                    m.state, m.why = "dead", f"epoch {view.epoch} no longer holds replica {r}"
+                    self._leases.settle([r], {r: None})
+        key = lambda v: (v.epoch, v.status, v.attempt_epoch, v.step, v.committed_step)  # noqa: E731
+        if old is None or key(old) != key(view):
+            if old is None or key(old)[:2] != key(view)[:2]:
+                self._held.wake()
+            self._waiters.wake()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _tell(self, req: dict[str, Any]) -> None:
+        """A membership change upstream (process_exit, lease_expired); its reply is not needed."""
+        try:
+            head, view = await self._rpc_up.call(self._up(req))
+        except (OSError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:
+            log.error("relay %s: could not tell the coordinator %s: %r", self.relay_id, req, e)
+            self._error = e
+            self._stop_event.set()
+
+    # ------------------------------------------------------------ leases
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick_s)
+            for _ in range(_DRAIN_ROUNDS):  # read what is readable before judging any lease
+                await asyncio.sleep(0)
+            now = time.monotonic()
+            due = self._leases.due(now)
+            for r in due:
+                m = self._members.get(r)
+                if m is None or m.state not in ("pending", "live"):
+                    continue
+                silent = now - self._heard.get(r, now)
+                m.state = "expired" if m.state == "pending" else "dead"
+                m.why = f"replica {r} lease expired at relay {self.relay_id}: silent {silent:.3f} s"
+                req = {"kind": "lease_expired", "replica_id": r, "incarnation": m.incarnation}
+                self._spawn(self._tell(req))
+            self._leases.settle(due, {})
+
+    def _lost(self, conn: _Conn) -> None:
+        r, inc = conn.session
+        m = self._members.get(r)
+        if m is None or m.incarnation != inc or m.state not in ("pending", "live"):
+            return
+        m.state, m.why = "dead", f"replica {r} process exited (session EOF at its relay)"
+        self._leases.settle([r], {r: None})
+        self._spawn(self._tell({"kind": "process_exit", "replica_id": r, "incarnation": inc}))
+
+    # ------------------------------------------------------------ downstream
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _Conn(gone=getattr(writer.transport.get_protocol(), "gone", None))
+        self._writers.add(writer)
+        self._tasks.add(asyncio.current_task())
+        try:
+            while not self._stopping:
+                try:
+                    req = await read_frame_async(reader, self._body_timeout_s)
+                    if req is None:
+                        break
+                    if not self._token_ok(req):
+                        writer.write(
+                            frame(
+                                {
+                                    "ok": False,
+                                    "code": "unauthorized",
+                                    "reason": "wrong or missing token",
+                                }
+                            )
+                        )
+                        break
+                    data = await self._dispatch(req, conn)
+                except ProtocolError as e:
+                    writer.write(frame({"ok": False, "code": "bad_request", "reason": str(e)}))
+                    break
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError, TimeoutError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            self._tasks.discard(asyncio.current_task())
+            if conn.session is not None and not conn.left and not self._stopping:
+                self._lost(conn)
+            writer.close()
+
+    def _token_ok(self, req: dict[str, Any]) -> bool:
+        if self._token is None:
+            return True
+        got = req.get("token")
+        return isinstance(got, str) and hmac.compare_digest(got.encode(), self._token.encode())
+
+    def _reply(self, reply: dict[str, Any], known: Any = -1) -> bytes:
+        return frame(reply, self._views.encoded(known))
+
+    def _refusal(self, r: Any, inc: Any) -> dict[str, Any] | None:
+        m = self._members.get(r)
+        if m is None or m.incarnation != inc:
+            why = f"replica {r} incarnation {inc} is not a member (at relay {self.relay_id})"
+            return {"ok": False, "code": "unknown", "reason": f"refused (unknown): {why}"}
+        if m.state in ("pending", "live"):
+            return None
+        code = {"dead": "evicted", "left": "left", "expired": "expired"}[m.state]
+        return {"ok": False, "code": code, "reason": f"refused ({code}): {m.why}"}
+
+    async def _dispatch(self, req: dict[str, Any], conn: _Conn) -> bytes:
+        kind = req.get("kind")
+        known = req.get("view_version", -1)
+        if kind in _FORWARDED:
+            return await self._forward(req, conn)
+        if kind == "heartbeat":
+            reply = await self._heartbeat(req, conn)
+            if reply.get("ok") and known == self._views.version:
+                return frame(reply)  # it holds the current view
+            return self._reply(reply, known)
+        if kind == "done":
+            return await self._done(req)
+        if kind == "wait_view":
+            return self._reply(await self._wait_view(req), known)
+        if kind == "wait_outcome":
+            return self._reply(await self._wait_outcome(req), known)
+        if kind == "view":
+            return self._reply({"ok": True}, known)
+        raise ProtocolError(f"unknown request kind {kind!r}"[:200])
+
+    async def _forward(self, req: dict[str, Any], conn: _Conn) -> bytes:
+        head, view = await self._rpc_up.call(self._up(req))
+        kind = req.get("kind")
+        r, inc = req.get("replica_id"), req.get("incarnation")
+        if head.get("ok") and kind == "register":
+            m = self._members.get(r)
+            if m is None or m.incarnation != inc or m.state == "expired":
+                m = self._members[r] = _Member(incarnation=inc)
+            if self._view is not None and r in self._view.live and m.state == "pending":
+                m.state = "live"
+            conn.session = (r, inc)
+            now = time.monotonic()
+            self._heard[r] = now
+            self._leases.touch(r, now)
+        elif kind == "leave" and r in self._members and self._members[r].incarnation == inc:
+            conn.left = True
+            self._members[r].state, self._members[r].why = "left", "it left cleanly"
+            self._leases.settle([r], {r: None})
+        return frame(head, view)
+
+    async def _heartbeat(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
+        r = check_field("replica_id", req.get("replica_id"))
+        inc = check_field("incarnation", req.get("incarnation"))
+        known = req.get("view_version", -1)
+        refusal = self._refusal(r, inc)
+        if refusal is not None:
+            return refusal
+        now = time.monotonic()
+        self._heard[r] = now
+        self._leases.touch(r, now)
+        hold = req.get("hold_s")
+        if (
+            isinstance(hold, int | float)
+            and not isinstance(hold, bool)
+            and hold > 0
+            and known == self._views.version
+            and r not in self._accused
+        ):
+            await self._held.park(min(float(hold), _MAX_HOLD_S), conn.gone)
+            if self._refusal(r, inc) is None:  # its lease runs from the reply
+                now = time.monotonic()
+                self._heard[r] = now
+                self._leases.touch(r, now)
+        return {"ok": True, "reason": "heartbeat"}
+
+    async def _done(self, req: dict[str, Any]) -> bytes:
+        r = check_field("replica_id", req.get("replica_id"))
+        inc = check_field("incarnation", req.get("incarnation"))
+        step, epoch = check_field("step", req.get("step")), check_field("epoch", req.get("epoch"))
+        h = check_field("param_hash", req.get("param_hash"))
+        tp = check_field("throughput", req.get("throughput"))
+        known = req.get("view_version", -1)
+        refusal = self._refusal(r, inc)
+        if refusal is not None:
+            return self._reply(refusal, known)
+        fut = asyncio.get_running_loop().create_future()
+        batch = self._batches.setdefault((step, epoch), [])
+        batch.append(([r, inc, h, tp], fut))
+        if len(batch) == 1:
+            asyncio.get_running_loop().call_later(self._batch_s, self._flush, (step, epoch))
+        if len(batch) >= sum(m.state == "live" for m in self._members.values()):
+            self._flush((step, epoch))
+        head = await fut
+        refused = head.get("refused", {}).get(str(r))
+        if refused is not None:
+            return self._reply({"ok": False, "code": refused[0], "reason": refused[1]}, known)
+        return self._reply({"ok": True, "reason": head.get("reason", "")}, known)
+
+    def _flush(self, attempt: tuple[int, int]) -> None:
+        batch = self._batches.pop(attempt, None)
+        if batch:
+            self._spawn(self._send_batch(attempt, batch))
+
+    async def _send_batch(self, attempt: tuple[int, int], batch: list) -> None:
+        req = {"kind": "done_batch", "step": attempt[0], "epoch": attempt[1]}
+        req.update(reports=[row for row, _ in batch], view_version=self._views.version)
+        try:
+            head, view = await self._rpc_up.call(self._up(req))
+            if view is not None:
+                self._absorb(view)  # the commit, when this batch completed the attempt
+        except (OSError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:
+            head = {"refused": {str(row[0]): ["unreachable", repr(e)] for row, _ in batch}}
+            self._error = e
+            self._stop_event.set()
+        for _, fut in batch:
+            if not fut.done():
+                fut.set_result(head)
+
+    async def _park_until(self, ready: Any, deadline_s: float) -> dict[str, Any] | None:
+        end = time.monotonic() + min(deadline_s, self._max_wait_s)
+        while True:
+            result = ready()
+            if result is not None:
+                return result
+            remaining = end - time.monotonic()
+            if remaining <= 0 or self._stopping:
+                return None
+            await self._waiters.park(remaining)
+
+    def _deadline(self, req: dict[str, Any]) -> float:
+        v = req.get("deadline_s")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
+            raise ProtocolError(f"field 'deadline_s' must be a number >= 0, got {v!r}"[:200])
+        return float(v)
+
+    async def _wait_view(self, req: dict[str, Any]) -> dict[str, Any]:
+        after = check_field("epoch", req.get("newer_than_epoch"))
+        who = None
+        if "replica_id" in req:
+            who = (
+                check_field("replica_id", req["replica_id"]),
+                check_field("incarnation", req.get("incarnation")),
+            )
+
+        def ready() -> dict[str, Any] | None:
+            if who is not None and (refusal := self._refusal(*who)):
+                return refusal
+            v = self._view
+            if v.epoch > after or v.status in ("quorum_lost", "finished", "diverged"):
+                return {"ok": True}
+            return None
+
+        return await self._park_until(ready, self._deadline(req)) or {"ok": True, "timeout": True}
+
+    async def _wait_outcome(self, req: dict[str, Any]) -> dict[str, Any]:
+        who = (
+            check_field("replica_id", req.get("replica_id")),
+            check_field("incarnation", req.get("incarnation")),
+        )
+        step = check_field("step", req.get("step"))
+        epoch = check_field("epoch", req.get("epoch"))
+
+        def ready() -> dict[str, Any] | None:
+            if refusal := self._refusal(*who):
+                return refusal
+            out = attempt_outcome(self._view, step, epoch)  # the view has the fields it reads
+            if out is None:
+                return None
+            if out[0] == "stale":
+                return {"ok": False, "code": "stale", "reason": out[1]}
+            return {"ok": True, "outcome": out[0], "reason": out[1]}
+
+        result = await self._park_until(ready, self._deadline(req))
+        return result or {"ok": True, "outcome": "timeout", "reason": "deadline passed"}
