@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recover.collective import CollectiveAborted, CollectiveConfig, GroupCache
+from recover.runtime.collective import CollectiveAborted, CollectiveConfig, GroupCache
 
 VICTIM = 1
 NUMEL = 4 * 2**20

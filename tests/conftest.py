@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from recover.compare import compare_runs
-from recover.metrics import committed_steps, read_metrics
+from recover.record import committed_steps, read_metrics
+from recover.tooling.compare import compare_runs
 
 torch.set_num_threads(1)
 

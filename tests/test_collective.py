@@ -1,4 +1,4 @@
-"""Tests of the fault-tolerant cross-replica collective (src/recover/collective.py).
+"""Tests of the fault-tolerant cross-replica collective (src/recover/runtime/collective.py).
 
 Tiers: pure functions (config, buckets, verdict); in-process groups (two ranks on two threads,
 or one rank); real processes (multiprocessing spawn, a TCPStore hosted by the test process) that
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from recover.collective import (
+from recover.runtime.collective import (
     CollectiveAborted,
     CollectiveConfig,
     EpochGroup,

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from recover.bench_coordinator import BenchCoordinatorConfig, format_table, run_once
 from recover.coordinator import CoordinatorClient, CoordinatorOptions, CoordinatorServer
+from recover.tooling.bench.coordinator import BenchCoordinatorConfig, format_table, run_once
 
 
 @pytest.mark.timeout(90)
@@ -66,7 +66,7 @@ def test_a_stalled_event_loop_declares_no_healthy_replica_dead():
 def test_the_simulator_reads_the_measured_control_plane(tmp_path):
     import json
 
-    from recover.simulate.scenarios import GpuAssumptions, gpu_costs, read_bench
+    from recover.tooling.simulate.scenarios import GpuAssumptions, gpu_costs, read_bench
 
     rows = [
         {"replicas": 64, "commit_s_median": 0.02, "kill_detect_s": 0.01, "false_deaths": 0},

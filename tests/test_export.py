@@ -24,7 +24,7 @@ def trained(tiny_dataset, tmp_path_factory) -> Path:
 @pytest.mark.timeout(120)
 def test_the_hf_export_gives_our_logits(trained, tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-    from recover.export import load_run_model
+    from recover.tooling.export import load_run_model
 
     r = run_cli(["export", str(trained), "--format", "hf", "--out", str(tmp_path / "hf")])
     assert r.returncode == 0, r.stderr

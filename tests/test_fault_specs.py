@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from conftest import child_env, events, finish, leftover_processes
-from recover.config import TrainConfig
-from recover.faults import check_faults_fit, parse_fault
 from recover.launch import LaunchConfig, LocalLauncher
-from recover.metrics import MetricsWriter, committed_steps
+from recover.record import MetricsWriter, committed_steps
+from recover.runtime.faults import check_faults_fit, parse_fault
+from recover.training.config import TrainConfig
 
 M = 6
 FLAGS = [

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_invariants, child_env, events, finish, leftover_processes
-from recover.metrics import committed_steps
+from recover.record import committed_steps
 
 M = 4
 STEPS = 150

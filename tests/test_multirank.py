@@ -19,10 +19,10 @@ from test_multireplica import STEPS, M, failure_free_run, train
 
 from conftest import TRAJECTORY_RTOL, events
 from conftest import assert_invariants as check_invariants
-from recover.compare import compare_runs
-from recover.config import check_layout_fits
-from recover.faults import parse_fault
 from recover.launch import LaunchConfig, check_gpu_placement
+from recover.runtime.faults import parse_fault
+from recover.tooling.compare import compare_runs
+from recover.training.config import check_layout_fits
 
 
 def assert_invariants(reference: Path, out: Path, r) -> None:
@@ -300,7 +300,7 @@ def test_layout_flags_are_checked():
         check_gpu_placement(LaunchConfig(replicas=2, shard=2), gpus=1)
     check_gpu_placement(LaunchConfig(replicas=4), gpus=1)  # gloo across: replicas share a GPU
     check_gpu_placement(LaunchConfig(replicas=2, shard=2, device="cpu"), gpus=1)
-    assert LaunchConfig(replicas=2, tp=2, pp=2).dims == {"pp": 2, "tp": 2}  # mesh order
+    assert LaunchConfig(replicas=2, tp=2, pp=2).layout.dims == {"pp": 2, "tp": 2}  # mesh order
 
 
 def _gpu_case(flags: list[str], gpus: int):

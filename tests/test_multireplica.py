@@ -18,7 +18,7 @@ import pytest
 
 from conftest import assert_invariants as check_invariants
 from conftest import child_env, events, leftover_processes
-from recover.metrics import committed_steps
+from recover.record import committed_steps
 
 M = 6
 STEPS = 5

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from recover.report import build_table, format_markdown, summarize_run, write_report
+from recover.tooling.report import build_table, format_markdown, summarize_run, write_report
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -245,7 +245,11 @@ def test_write_report_files(runs, tmp_path):
 
 
 def test_torchft_harness_config_and_absence():
-    from recover.torchft_harness import TorchftHarnessConfig, TorchftUnavailable, require_torchft
+    from recover.tooling.torchft_harness import (
+        TorchftHarnessConfig,
+        TorchftUnavailable,
+        require_torchft,
+    )
 
     with pytest.raises(ValueError, match="min_replicas"):
         TorchftHarnessConfig(replicas=2, min_replicas=3)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from recover.simulate import Costs, JobShape, PoissonFailures, StepFailures, simulate
-from recover.simulate.model import young_daly_interval_s
-from recover.simulate.policies import POLICIES
-from recover.simulate.scenarios import PAPER, GpuAssumptions, paper_scenario, read_bench
-from recover.simulate.validate import validate_run
+from recover.tooling.simulate import Costs, JobShape, PoissonFailures, StepFailures, simulate
+from recover.tooling.simulate.model import young_daly_interval_s
+from recover.tooling.simulate.policies import POLICIES
+from recover.tooling.simulate.scenarios import PAPER, GpuAssumptions, paper_scenario, read_bench
+from recover.tooling.simulate.validate import validate_run
 
 pytestmark = pytest.mark.timeout(30)
 

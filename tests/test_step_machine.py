@@ -1,6 +1,6 @@
 """The step machine in-process: replicas as threads, each with its own coordinator session, gloo
 groups and model, against an in-process coordinator. No subprocess, no CLI: this tier drives
-`recover.step_machine` through its two interfaces (a Work and a Link) alone.
+`recover.runtime.step_machine` through its two interfaces (a Work and a Link) alone.
 
 The fault here is a replica that leaves mid-reduce by dropping its coordinator session (the
 coordinator sees the connection close, as it does when a process dies) and abandoning its
@@ -17,12 +17,12 @@ import threading
 import pytest
 import torch
 
-from recover.collective import CollectiveConfig, GroupCache
 from recover.coordinator import CoordinatorOptions, CoordinatorServer
 from recover.coordinator.client import CoordinatorClient
-from recover.grads import GradientSum
-from recover.intra import SoloLink
-from recover.step_machine import StepHooks, StepMachine, StepOptions
+from recover.runtime.collective import CollectiveConfig, GroupCache
+from recover.runtime.grads import GradientSum
+from recover.runtime.links import SoloLink
+from recover.runtime.step_machine import StepHooks, StepMachine, StepOptions
 
 M = 6
 STEPS = 5

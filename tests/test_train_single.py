@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import TINY_TRAIN_FLAGS, child_env, run_cli
-from recover.compare import compare_runs
-from recover.metrics import committed_steps
+from recover.record import committed_steps
+from recover.tooling.compare import compare_runs
 
 
 def train_args(data: Path, out: Path, *extra: str) -> list[str]:

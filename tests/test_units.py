@@ -10,15 +10,16 @@ import pytest
 import torch
 
 from conftest import child_env
-from recover.checkpoint import (
+from recover.record import MetricsWriter, committed_steps
+from recover.training.checkpoint import (
     CheckpointError,
     CheckpointWriter,
     list_checkpoints,
     read_checkpoint,
 )
-from recover.config import TrainConfig, compute_lr
-from recover.metrics import MetricsWriter, committed_steps, format_step_line
-from recover.model import GPT, PRESETS, GPTConfig, build_config
+from recover.training.config import TrainConfig, compute_lr
+from recover.training.console import format_step_line
+from recover.training.model import GPT, PRESETS, GPTConfig, build_config
 
 
 def test_gpt_shapes_and_loss_near_uniform_at_init():
@@ -116,7 +117,7 @@ def test_step_line_has_the_promised_fields():
 
 _GUARD_SCRIPT = """
 import sys, time
-from recover.stall import StallGuard
+from recover.runtime.stall import StallGuard
 mode = sys.argv[1]
 guard = StallGuard(0 if mode == "off" else 0.3, replica=4, rank=1)
 if mode == "idle":  # not busy: never watched
@@ -151,7 +152,7 @@ def test_stall_guard_ends_only_a_process_busy_without_progress(mode, code):
 
 
 def test_stall_timeout_is_checked():
-    from recover.stall import check_stall
+    from recover.runtime.stall import check_stall
 
     check_stall(0)
     check_stall(2.5)
@@ -166,9 +167,9 @@ def test_the_join_fingerprint_covers_every_setting_of_the_update(tiny_dataset):
     refused; the record-only settings (eval and checkpoint cadence) may differ."""
     from dataclasses import fields, replace
 
-    from recover.config import TrainConfig
     from recover.data.addressing import TokenDataset
-    from recover.worker import fingerprint
+    from recover.training.config import TrainConfig
+    from recover.training.worker import fingerprint
 
     data = TokenDataset.open(tiny_dataset)
     base = TrainConfig()

@@ -17,11 +17,11 @@ stays fast.
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Replica": "recover.api",
-    "UsageError": "recover.api",
-    "QuorumLost": "recover.api",
-    "NonFinite": "recover.api",
-    "CoordinatorLost": "recover.api",
+    "Replica": "recover.runtime.api",
+    "UsageError": "recover.runtime.api",
+    "QuorumLost": "recover.runtime.api",
+    "NonFinite": "recover.runtime.api",
+    "CoordinatorLost": "recover.runtime.api",
     "TokenWindows": "recover.data.windows",
     "write_token_file": "recover.data.windows",
 }

@@ -12,7 +12,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from recover.config import CROSS_REDUCES, DEVICES, TrainConfig
+from recover.training.config import CROSS_REDUCES, DEVICES, TrainConfig
 
 DEFAULT_DATA_ROOT = Path("data")
 
@@ -63,7 +63,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def add_replica_flags(parser: argparse.ArgumentParser) -> None:
-    from recover.faults import GRAMMAR
+    from recover.runtime.faults import GRAMMAR
 
     group = parser.add_argument_group("replicas and faults")
     group.add_argument(
@@ -216,7 +216,7 @@ def replica_inside(args: argparse.Namespace) -> dict:
 
 
 def parse_faults(specs: list[str]):
-    from recover.faults import parse_fault
+    from recover.runtime.faults import parse_fault
 
     return tuple(parse_fault(s) for s in specs)
 
@@ -442,10 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="tolerance for both the loss and the parameter distance (default: 1e-4)",
     )
 
-    from recover.bench import add_bench_parser
     from recover.coordinator.cli import add_coordinator_parser
     from recover.data.cli import add_prepare_parser
-    from recover.simulate.cli import add_simulate_parser
+    from recover.tooling.bench import add_bench_parser
+    from recover.tooling.simulate.cli import add_simulate_parser
 
     add_prepare_parser(sub)
     add_coordinator_parser(sub)
@@ -462,13 +462,14 @@ def _error(message: str) -> int:
 def run_train(args: argparse.Namespace) -> int:
     import os
 
-    # The launcher path stays torch-free: only the replica processes pay for importing torch.
-    from recover.config import check_layout_fits
     from recover.data.corpus import DataError
     from recover.data.prepare import ensure_dataset
-    from recover.faults import check_faults_fit
     from recover.launch import LaunchConfig, LocalLauncher, check_gpu_placement
-    from recover.runfolder import RunFolderError, read_dataset_info
+    from recover.runtime.faults import check_faults_fit
+
+    # The launcher path stays torch-free: only the replica processes pay for importing torch.
+    from recover.training.config import check_layout_fits
+    from recover.training.runfolder import RunFolderError, read_dataset_info
 
     try:
         cfg = train_config_from_args(args)
@@ -507,9 +508,9 @@ def run_train(args: argparse.Namespace) -> int:
             data = ensure_dataset(args.data_root, show_progress=sys.stderr.isatty())
         if lcfg.replicas == 1 and lcfg.ranks == 1 and not lcfg.faults and lcfg.mode == "recover":
             from recover import exits
-            from recover.checkpoint import CheckpointError
-            from recover.train import train_single
-            from recover.trainer import NonFiniteError
+            from recover.training.checkpoint import CheckpointError
+            from recover.training.solo import train_single
+            from recover.training.trainer import NonFiniteError
 
             try:
                 train_single(
@@ -566,8 +567,8 @@ def run_script(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from recover.checkpoint import CheckpointError
-    from recover.export import ExportError, export_hf
+    from recover.tooling.export import ExportError, export_hf
+    from recover.training.checkpoint import CheckpointError
 
     try:
         out = export_hf(args.run, args.out or args.run / "export-hf")
@@ -580,8 +581,8 @@ def run_export(args: argparse.Namespace) -> int:
 def run_sample(args: argparse.Namespace) -> int:
     import torch
 
-    from recover.checkpoint import CheckpointError
-    from recover.export import ExportError, sample
+    from recover.tooling.export import ExportError, sample
+    from recover.training.checkpoint import CheckpointError
 
     torch.set_num_threads(min(4, torch.get_num_threads()))
     try:
@@ -598,11 +599,11 @@ def run_sample(args: argparse.Namespace) -> int:
 def run_worker_cli(args: argparse.Namespace) -> int:
     import os
 
-    from recover.checkpoint import CheckpointError
-    from recover.config import check_layout_fits
     from recover.data import DataError
-    from recover.faults import check_faults_fit
-    from recover.worker import WorkerConfig, run_worker
+    from recover.runtime.faults import check_faults_fit
+    from recover.training.checkpoint import CheckpointError
+    from recover.training.config import check_layout_fits
+    from recover.training.worker import WorkerConfig, run_worker
 
     try:
         cfg = train_config_from_args(args)
@@ -629,7 +630,7 @@ def run_worker_cli(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)  # one core per replica process
-    from recover.trainer import pick_device
+    from recover.training.trainer import pick_device
 
     try:
         pick_device(wcfg.device)  # a clear error, not a traceback, when no GPU is visible
@@ -647,7 +648,7 @@ def run_worker_cli(args: argparse.Namespace) -> int:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from recover.compare import compare_runs, format_comparison
+    from recover.tooling.compare import compare_runs, format_comparison
 
     if args.rtol < 0:
         return _error(f"--rtol must be >= 0, got {args.rtol}")
@@ -657,23 +658,6 @@ def run_compare(args: argparse.Namespace) -> int:
         return _error(str(e))
     print(format_comparison(result, args.rtol, args.run_a, args.run_b))
     return 0 if result.passes(args.rtol) else 1
-
-
-def die_with_launcher() -> None:
-    """In a process started by the local launcher: die when the launcher dies, even by SIGKILL
-    (Linux parent-death signal), so that no replica or coordinator is ever left orphaned."""
-    import os
-    import signal
-
-    launcher = os.environ.get("RECOVER_LAUNCHER_PID")
-    if not launcher or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    if os.getppid() != int(launcher):  # it died before the signal was armed
-        os._exit(1)
 
 
 # command -> (module, function): handlers are imported on use, so `recover train` never pays
@@ -686,8 +670,8 @@ HANDLERS = {
     "sample": ("recover.cli", "run_sample"),
     "worker": ("recover.cli", "run_worker_cli"),
     "coordinator": ("recover.coordinator.cli", "run_coordinator_cli"),
-    "simulate": ("recover.simulate.cli", "run_simulate"),
-    "bench": ("recover.bench", "run_bench"),
+    "simulate": ("recover.tooling.simulate.cli", "run_simulate"),
+    "bench": ("recover.tooling.bench", "run_bench"),
     "prepare": ("recover.data.cli", "run_prepare"),
 }
 
@@ -698,6 +682,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("worker", "coordinator"):
+        from recover.runtime.env import die_with_launcher
+
         die_with_launcher()
     module, function = HANDLERS[args.command]
     return getattr(import_module(module), function)(args)

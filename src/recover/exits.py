@@ -13,12 +13,12 @@ QUORUM_LOST = 3  # fewer than min_replicas survive: the committed state is check
 EVICTED = 4  # fenced by the coordinator (it hung and came back): restart it to rejoin
 DIVERGED = 5  # replicas hold different parameters (or read different data)
 REFUSED = 6  # refused at registration (a fingerprint field differs, a bad token...)
-MATE_LOST = 7  # a rank of a replica of several ranks lost a replica-mate (recover.intra)
-STALLED = 8  # the training thread made no progress (recover.stall)
+MATE_LOST = 7  # a rank of a replica of several ranks lost a replica-mate (recover.runtime.links)
+STALLED = 8  # the training thread made no progress (recover.runtime.stall)
 NONFINITE = 9  # max_nonfinite consecutive steps were not finite (none was applied)
 STOPPED = 10  # left at a step boundary when asked to stop (SIGTERM or SIGINT)
 COORDINATOR_LOST = 11  # the coordinator could not be reached any more
-FAULT_EXIT = 17  # an injected `exit` fault (recover.faults)
+FAULT_EXIT = 17  # an injected `exit` fault (recover.runtime.faults)
 
 RUN_FAILURES = {
     QUORUM_LOST: "quorum lost",

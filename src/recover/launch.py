@@ -33,19 +33,17 @@ from pathlib import Path
 from typing import TextIO
 
 from recover import exits
-from recover.config import (
+from recover.record import MetricsWriter, committed_steps, read_metrics
+from recover.runtime.env import TOKEN_ENV, ReplicaEnv
+from recover.runtime.faults import FaultSpec, fault_flag, faults_for
+from recover.runtime.layout import ReplicaLayout
+from recover.runtime.stall import check_stall
+from recover.training.config import (
     RunPaths,
     TrainConfig,
     check_replica_inside,
-    layout_flags,
-    layout_ranks,
-    replica_layout,
 )
-from recover.env import TOKEN_ENV, ReplicaEnv
-from recover.faults import FaultSpec, faults_for
-from recover.metrics import MetricsWriter, committed_steps, read_metrics
-from recover.runfolder import open_run_folder
-from recover.stall import check_stall
+from recover.training.runfolder import open_run_folder
 
 # How the launcher starts its own commands (coordinator, built-in worker): this Python, this package.
 _RECOVER = (sys.executable, "-m", "recover.cli")
@@ -110,14 +108,14 @@ class LaunchConfig:
                 )
 
     @property
-    def dims(self) -> dict[str, int]:
-        """What a replica is inside (recover.config.replica_layout)."""
-        return replica_layout(self.shard, self.tp, self.pp)
+    def layout(self) -> ReplicaLayout:
+        """What a replica is inside."""
+        return ReplicaLayout(pp=self.pp, shard=self.shard, tp=self.tp)
 
     @property
     def ranks(self) -> int:
         """Processes per replica."""
-        return layout_ranks(self.dims)
+        return self.layout.ranks
 
 
 def check_gpu_placement(lc: LaunchConfig, gpus: int | None = None) -> None:
@@ -152,21 +150,6 @@ def train_flags(cfg: TrainConfig) -> list[str]:
     for f in fields(TrainConfig):
         out += ["--" + f.name.replace("_", "-"), str(getattr(cfg, f.name))]
     return out
-
-
-def fault_flag(spec: FaultSpec) -> str:
-    parts = [f"replica={spec.replica}", f"step={spec.step}"]
-    if spec.rank:
-        parts.append(f"rank={spec.rank}")
-    if spec.kind == "slow":
-        parts.append(f"factor={spec.factor}")
-    else:
-        parts.append(f"phase={spec.phase}")
-        if spec.phase in ("forward", "backward"):
-            parts.append(f"microbatch={spec.microbatch}")
-        if spec.wake_after is not None:
-            parts.append(f"wake_after={spec.wake_after}")
-    return f"{spec.kind}:" + ",".join(parts)
 
 
 def _pump(stream, prefix: str, console: TextIO | None) -> None:
@@ -275,7 +258,7 @@ class LocalLauncher:
             text=True,
             env=env,
             # Its own session: a terminal's Ctrl-C reaches the launcher only, which then stops the
-            # replicas in order (they die with the launcher anyway: recover.cli.die_with_launcher).
+            # replicas in order (they die with the launcher anyway: recover.runtime.env.die_with_launcher).
             start_new_session=True,
         )
         self.children[name] = proc
@@ -333,7 +316,7 @@ class LocalLauncher:
         for spec in self._pending_faults(r):
             argv += ["--fault", fault_flag(spec)]
         if self.lcfg.ranks > 1:
-            argv += [*layout_flags(self.lcfg.dims), "--watchdog", str(self.lcfg.watchdog_s)]
+            argv += [*self.lcfg.layout.flags(), "--watchdog", str(self.lcfg.watchdog_s)]
         return argv
 
     def _replica_env(self, r: int, host: str, port: int) -> dict[str, str]:
@@ -631,7 +614,7 @@ class LocalLauncher:
 class ScriptLauncher(LocalLauncher):
     """`recover run`: the same supervision over any training script that uses `recover.Replica`.
 
-    Each process of replica r runs `command` with the job's variables (recover.env): the
+    Each process of replica r runs `command` with the job's variables (recover.runtime.env): the
     coordinator's address, its replica id, the token, its faults that have not fired yet, and
     the events file (the run folder's metrics.jsonl, where the coordinator writes too)."""
 

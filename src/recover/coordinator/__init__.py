@@ -9,6 +9,7 @@
 Importing this package does not import torch (the server imports it only when it starts a store).
 """
 
+from recover.coordinator.cli import run_coordinator_process
 from recover.coordinator.client import (
     Committed,
     CoordinatorClient,
@@ -23,7 +24,7 @@ from recover.coordinator.client import (
     Stopped,
 )
 from recover.coordinator.protocol import View
-from recover.coordinator.server import CoordinatorServer, run_coordinator_process
+from recover.coordinator.server import CoordinatorServer
 from recover.coordinator.state_store import CoordinatorOptions, InMemoryStateStore, StateStore
 
 __all__ = [

@@ -91,7 +91,7 @@ from recover.coordinator.state_store import (
     StateStore,
 )
 
-__all__ = ["CoordinatorServer", "run_coordinator_process"]
+__all__ = ["CoordinatorServer"]
 
 log = logging.getLogger("recover.coordinator")
 
@@ -655,7 +655,3 @@ class CoordinatorServer:
             "store": list(self._store_address) if self._store_address else None,
             "options": vars(s.options),
         }
-
-
-# Re-exported: the process main lives with the CLI that also calls it.
-from recover.coordinator.cli import run_coordinator_process  # noqa: E402

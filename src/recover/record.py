@@ -1,0 +1,80 @@
+"""The run's record: the JSONL stream `metrics.jsonl` that every part of a run appends to.
+
+Job: append one JSON object per line (the schema in docs/metrics.md is the contract for every
+later tool) and read it back. Replicas (steps, evals, checkpoints, the library's events), the
+launcher and the tools share this one module; the terminal lines are `recover.training.console`.
+
+Invariants: every record is written as one whole line in one `write` on a file opened in append
+mode, so several writers (the coordinator and the replica that holds the pen) never interleave
+within a line. Records are never rewritten; a reader takes the last record of a step when a step
+appears twice (a resumed run re-commits the steps after its checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    """Appends records to a metrics.jsonl file; each record is one line, one write."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # O_APPEND: every write lands at the current end, atomically for one short line.
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # Records come from the training thread and the checkpoint thread (checkpoint_saved); the
+        # lock keeps a write from racing close() onto a descriptor number reused by another file.
+        self._lock = threading.Lock()
+
+    def write(self, kind: str, **fields: Any) -> dict:
+        record = {"kind": kind, "t_wall": round(time.time(), 6), **fields}
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            if self._fd < 0:
+                raise ValueError(f"{self.path}: the metrics writer is closed")
+            os.write(self._fd, line)
+        return record
+
+    def step(self, **fields: Any) -> dict:
+        return self.write("step", **fields)
+
+    def eval(self, **fields: Any) -> dict:
+        return self.write("eval", **fields)
+
+    def event(self, name: str, **fields: Any) -> dict:
+        return self.write("event", name=name, **fields)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def read_metrics(path: Path) -> Iterator[dict]:
+    """Records of a metrics.jsonl file; a torn last line (a writer killed mid-line) is skipped."""
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def committed_steps(path: Path) -> dict[int, dict]:
+    """step -> the last `step` record of that step (a resumed run may have committed it twice)."""
+    steps: dict[int, dict] = {}
+    for record in read_metrics(path):
+        if record.get("kind") == "step":
+            steps[int(record["step"])] = record
+    return steps

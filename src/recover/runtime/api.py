@@ -1,0 +1,531 @@
+"""ReCoVer as a library: your own model, optimizer, data and loop, kept training through failures.
+
+Job: the replica side of a job, for any training script. A script makes a `Replica`, attaches its
+model and optimizer, and writes its loop as usual, with the microbatches of each step taken from
+`replica.microbatches()`:
+
+    replica = recover.Replica(microbatches=M)            # the job named by `recover run`'s env
+    replica.attach(model, optimizer, extra_state={"scheduler": scheduler})
+    for step in replica.steps(total_steps):
+        for j in replica.microbatches():                 # own ids, then reassigned ones
+            x, y = data.batch(step, j)                   # a pure function of (step, j)
+            replica.backward(loss_fn(model(x), y))
+        # p.grad holds the committed mean over the step's M microbatches, as under DDP
+        clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+The boundary (docs/design.md, "the library boundary"): the library owns the plan, the snapshot, the
+fault-tolerant reduce, the vote and the redo loop (`recover.runtime.step_machine`); the script owns one
+microbatch's forward and backward, the optimizer, clipping and schedule. A joiner receives the
+committed model, optimizer and extra state (torch.distributed.checkpoint's state_dict helpers, so
+FSDP2/DTensor state is sent as this rank's shards) before it computes anything.
+
+Contract the script keeps: the tokens (and any randomness) of microbatch `(step, j)` are a pure
+function of `(step, j)`; `recover.TokenWindows` gives that over a token file. `check_data=` makes
+the replicas compare a hash of a replayed microbatch every `check_every` steps.
+
+Misuse fails with `UsageError` naming what to change: gradients left in `.grad` when a step
+begins, an optimizer step inside `microbatches()`, a microbatch without `backward()`, a step left
+before it committed, calls out of order.
+
+Replicas of several ranks (`recover run --ranks-per-replica N`): `Replica(shard=S, tp=T)` builds
+the replica's own group and a device mesh (`replica.mesh`, dims "shard" and "tp"); the script
+applies FSDP2 (`fully_shard(..., mesh=replica.mesh["shard"])`) and/or tensor parallelism over it.
+The ids of the replica are dealt over the shard dimension (a rank with one fewer runs a padding
+pass whose gradient `backward()` scales by 0); the ranks along tp compute the same ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from recover import exits
+from recover.coordinator.client import (
+    CoordinatorClient,
+    CoordinatorUnreachable,
+    Evicted,
+    RequestRefused,
+)
+from recover.coordinator.client import QuorumLost as _ClientQuorumLost
+from recover.runtime.collective import CollectiveConfig, GroupCache
+from recover.runtime.env import ReplicaEnv
+from recover.runtime.faults import FaultInjector, check_faults_fit
+from recover.runtime.layout import ReplicaLayout
+from recover.policy import deal_round_robin
+from recover.runtime.script_work import ScriptWork
+from recover.runtime.stall import StallGuard
+from recover.runtime.step_machine import (
+    DivergedError,
+    QuorumLostError,
+    StepHooks,
+    StepMachine,
+    StepOptions,
+)
+
+
+class UsageError(RuntimeError):
+    """The script used the API out of its contract; the message says what to change."""
+
+
+class NonFinite(RuntimeError):
+    """Too many consecutive steps were not finite; the model holds the last finite state."""
+
+
+class CoordinatorLost(RuntimeError):
+    """No coordinator can be reached; the model holds the last committed state (save it)."""
+
+
+class QuorumLost(QuorumLostError):
+    """Too few replicas survive; the model holds the last committed state (save it, resume)."""
+
+
+class Replica:
+    """This process's part of a replica of a ReCoVer job (see the module docstring).
+
+    Arguments:
+    - microbatches: M, the microbatches every step sums (the same on every replica);
+    - shard, tp: the replica's layout when it is several ranks (their product = ranks per replica);
+    - config: settings that must be the same on every replica (lr, schedule, clip, seed...): a
+      replica whose config differs is refused when it joins, with the field named;
+    - check_every: compare parameter hashes across replicas every N steps (0: never);
+    - check_data: optional `(step, j) -> tensors`; with it the check also compares a replayed
+      microbatch, which catches data that is not a pure function of (step, j);
+    - max_nonfinite: a step whose summed gradient or loss is not finite is never applied (every
+      .grad is None, `skipped` is True); after this many in a row `NonFinite` is raised (0: never);
+    - env: the launcher's variables (default: this process's environment; see recover.runtime.env).
+    """
+
+    def __init__(
+        self,
+        *,
+        microbatches: int,
+        shard: int = 1,
+        tp: int = 1,
+        config: Mapping[str, Any] | None = None,
+        check_every: int = 50,
+        check_data: Callable[[int, int], Any] | None = None,
+        max_nonfinite: int = 3,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+        if (
+            isinstance(max_nonfinite, bool)
+            or not isinstance(max_nonfinite, int)
+            or max_nonfinite < 0
+        ):
+            raise ValueError(f"max_nonfinite must be an int >= 0, got {max_nonfinite!r}")
+        self.spec = ReplicaEnv.from_environ(os.environ if env is None else env)
+        if env is None:  # this process's own environment: it is the script's entry point
+            from recover.runtime.env import die_with_launcher
+
+            die_with_launcher()  # started by the local launcher: die with it, never orphaned
+        self._own_signals = env is None  # SIGTERM/SIGINT become stop requests once it trains
+        self.microbatches_per_step = microbatches
+        self.layout = ReplicaLayout(shard=shard, tp=tp)
+        self.config = dict(config or {})
+        self.check_every, self.check_data = check_every, check_data
+        self.replica_id = self.spec.replica_id
+        self._writer = None
+        if self.spec.events is not None:
+            from recover.record import MetricsWriter
+
+            self._writer = MetricsWriter(self.spec.events)
+        self.intra = None
+        if self.layout.ranks > 1:
+            from recover.runtime.links import IntraReplica
+
+            self.intra = IntraReplica(
+                replica_id=self.replica_id,
+                layout=self.layout,
+                timeout_s=180.0,
+                watchdog_s=self.spec.watchdog_s,
+                emit=self.event,
+            )
+            # A mate's death surfaces as an error of a collective inside the replica, often in the
+            # script's own code (an FSDP2 all-gather in its forward): end with the watchdog's
+            # status and one line, not a traceback, wherever it is raised.
+            _stop_on_lost_mate(self.intra)
+        self.rank = self.intra.rank if self.intra is not None else 0
+        self.mesh = self.intra.mesh if self.intra is not None else None
+        self.step: int | None = None  # the step in progress (or the last one handed out)
+        self.loss: float | None = None  # the committed mean loss of the last committed step
+        self.is_writer = False  # this rank writes the records of the last committed step
+        self.committed_microbatches = 0  # microbatches summed in the last committed step (M)
+        self.skipped = False  # the last step's sum was not finite: .grad is None, not applied
+        self.stopped = False  # steps() ended early: a stop was asked for (SIGTERM, SIGINT)
+        self._stop_requested = threading.Event()
+        self.max_nonfinite = max_nonfinite
+        self._skips = 0
+        self._machine: StepMachine | None = None
+        self._work: ScriptWork | None = None
+        self._committed = -1
+        self._pending: tuple | None = None  # (step, j, index, weight) awaiting backward()
+        self._in_step = False
+        self._internal_step = False
+        self._closed = False
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def event(self, name: str, **fields) -> None:
+        """Record a library event in RECOVER_EVENTS (when the launcher named a file)."""
+        if self._writer is not None:
+            self._writer.event(name, **fields)
+
+    def attach(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        extra_state: Mapping[str, Any] | None = None,
+    ) -> None:
+        """The model (wrapped as the script likes) and optimizer whose gradients and state the
+        library manages; `extra_state` objects (LR schedulers...) with state_dict() and
+        load_state_dict() travel to joiners too."""
+        if self._work is not None:
+            raise UsageError("attach() was called already: one model and optimizer per Replica")
+        extra = dict(extra_state or {})
+        for name, obj in extra.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise UsageError(f"extra_state[{name!r}] has no state_dict()/load_state_dict()")
+        _sum_inside_fsdp(model)
+        self._work = ScriptWork(model, optimizer, extra, self.check_data, self)
+        self._faults = FaultInjector(
+            [f for f in self.spec.faults if f.replica == self.replica_id and f.rank == self.rank],
+            emit=self.event,
+        )
+        self._guard = StallGuard(
+            self.spec.stall_s, replica=self.replica_id, rank=self.rank, emit=self.event
+        )
+        optimizer.register_step_pre_hook(self._before_optimizer_step)
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._internal_step:  # the library's own (loading a joiner's optimizer state)
+            return
+        if self._in_step:
+            raise UsageError(
+                "optimizer.step() was called inside replica.microbatches(): step the optimizer "
+                "after the loop over microbatches has ended (the step has committed then)"
+            )
+        if self._committed >= 0:
+            self._guard.tick()
+            self._faults("optimizer", self._committed, None)
+
+    def _fingerprint(self, total_steps: int) -> dict:
+        model = self._work.model
+        shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in model.named_parameters())
+        return {
+            "microbatches": self.microbatches_per_step,
+            "steps": total_steps,
+            "model": hashlib.sha256(shapes.encode()).hexdigest()[:16],
+            "optimizer": type(self._work.optimizer).__name__,
+            "layout": self.layout.describe(),
+            "cross_reduce": "gloo",
+            **{f"config.{k}": v for k, v in sorted(self.config.items())},
+        }
+
+    def _join(self, total_steps: int, start_step: int) -> int:
+        from recover.runtime.links import ReplicaLink, SoloLink
+
+        spec = self.spec
+        host, port = spec.coordinator
+        client = None
+        if self.intra is None or self.intra.leader:
+            client = CoordinatorClient(
+                host, port, replica_id=self.replica_id, token=spec.token, heartbeat_s=0.1
+            )
+        if self.intra is None:
+            self._link = SoloLink(client)
+        else:
+            self._link = ReplicaLink(
+                self.intra, client=client, host=host, port=port, token=spec.token
+            )
+        view = self._link.register(
+            fingerprint=self._fingerprint(total_steps), next_step=start_step, deadline_s=180.0
+        )
+        joining = self.replica_id in view.joined
+        if joining:
+            self.event("replica_joining", replica=self.replica_id, step=view.step, epoch=view.epoch)
+        elif view.step != start_step:
+            raise UsageError(
+                f"this replica starts at step {start_step}, the job is at step {view.step}: "
+                "give every replica the same start_step (the step its checkpoint holds)"
+            )
+        store_host, store_port = self._link.store_address
+        store = torch.distributed.TCPStore(
+            store_host, store_port, is_master=False, timeout=datetime.timedelta(seconds=180)
+        )
+        scope = f"position{self.rank}/" if self.intra is not None else ""
+        self._machine = StepMachine(
+            work=self._work,
+            link=self._link,
+            groups=GroupCache(store, config=CollectiveConfig(), scope=scope, device="cpu"),
+            options=StepOptions(replica_id=self.replica_id, check_every=self.check_every),
+            hooks=StepHooks(phase=self._faults, event=self.event, guard=self._guard),
+            has_state=not joining,
+        )
+        if self._own_signals:  # leave at the next step boundary (before now: nothing to save)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda signum, frame: self._stop_requested.set())
+        return view.step
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def steps(self, total_steps: int, *, start_step: int = 0) -> Iterator[int]:
+        """The steps this replica takes part in, from the job's current step (`start_step` on a
+        fresh or resumed job: the step your checkpoint holds; a joiner starts where the job is)
+        to `total_steps - 1`. Leaves the job cleanly at the end."""
+        if self._work is None:
+            raise UsageError("call replica.attach(model, optimizer) before replica.steps()")
+        if self._machine is not None:
+            raise UsageError("steps() can be iterated once per Replica")
+        if not 0 <= start_step <= total_steps:
+            raise ValueError(f"start_step must be in 0..{total_steps}, got {start_step}")
+        # A fault the launcher passed that could never fire (its step or microbatch beyond this
+        # run) is refused now, naming the field (the launcher does not know M or the steps).
+        check_faults_fit(
+            self.spec.faults, steps=total_steps, microbatches=self.microbatches_per_step
+        )
+        try:
+            with self._stops():
+                step = self._join(total_steps, start_step)
+            while step < total_steps:
+                self.step = step
+                yield step
+                if self._committed != step:
+                    raise UsageError(
+                        f"step {step} ended before it committed: iterate replica.microbatches() "
+                        "to its end in every step"
+                    )
+                step += 1
+                # A stop request (SIGTERM/SIGINT to any rank of the replica) is served here, at
+                # the step boundary: the loop ends early with `stopped` set; save after it.
+                if step < total_steps and not self._link.agree(not self._stop_requested.is_set()):
+                    self.stopped = True
+                    self.event(
+                        "replica_stopped", replica=self.replica_id, rank=self.rank, step=step
+                    )
+                    self._say(f"stopped as asked at the boundary of step {step}", 0)
+                    break
+            with self._stops():
+                self._link.leave(step=step)
+        finally:
+            self.close()
+
+    def microbatches(self) -> Iterator[int]:
+        """The microbatch ids of the current step this rank computes: its share of the plan,
+        then (after a failure) the ids of dead replicas reassigned to it. Call `backward(loss)`
+        once per id. When the loop ends the step has committed and every `p.grad` holds the
+        mean gradient over the step's M microbatches; `replica.loss` its mean loss."""
+        step = self.step
+        if self._machine is None or step is None:
+            raise UsageError("call replica.microbatches() inside `for step in replica.steps(N)`")
+        if self._committed == step:
+            raise UsageError(f"step {step} has committed already: go on to the next step")
+        if self._in_step:
+            raise UsageError("replica.microbatches() is already being iterated")
+        work = self._work
+        leftover = work.grads.leftover()
+        if leftover:
+            names = [n for n, p in work.model.named_parameters() if p.requires_grad]
+            raise UsageError(
+                f"step {step} begins with gradients in .grad (e.g. {names[leftover[0]]}): call "
+                "optimizer.zero_grad() after optimizer.step(), and compute nothing outside "
+                "replica.microbatches(); the step would add them to its sum"
+            )
+        work.grads.clear()
+        ways = self.layout.shard  # the ranks along tp compute the same ids
+        mine = self.intra.coordinate("shard") if self.intra is not None else 0
+        self._in_step = True
+        try:
+            attempts = self._machine.run_step(step)
+            with self._stops():
+                todo = next(attempts)
+            index = 0
+            while True:
+                for j, real in deal_round_robin(todo.ids, ways, mine):
+                    if real:
+                        self._faults("forward", step, index)
+                    self._pending = (step, j, index if real else None, 1.0 if real else 0.0)
+                    yield j
+                    if self._pending is not None:
+                        raise UsageError(
+                            f"microbatch ({step}, {j}) had no replica.backward(loss): call it "
+                            "once per microbatch instead of loss.backward()"
+                        )
+                    index += real
+                try:
+                    with self._stops():
+                        todo = attempts.send(None)
+                except StopIteration as done:
+                    commit = done.value
+                    break
+        finally:
+            self._in_step = False
+            self._pending = None
+        self.loss = self._replica_loss(commit.reduced) / commit.count
+        self.skipped = not commit.finite
+        if self.skipped:
+            # Never applied: every .grad is None, so the optimizer step changes no parameter
+            # (torch's optimizers pass over parameters without a gradient).
+            work.grads.clear()
+            self._skips += 1
+            self.event("step_skipped", replica=self.replica_id, step=step, reason="non-finite")
+        else:
+            self._skips = 0
+            work.grads.load(commit.reduced, divide_by=commit.count)
+        self.is_writer = commit.writer and self.rank == 0
+        self.committed_microbatches = commit.count
+        self._committed = step
+        if self.max_nonfinite and self._skips >= self.max_nonfinite:
+            raise NonFinite(
+                f"{self._skips} consecutive steps had a non-finite gradient or loss (skipped, "
+                f"never applied): the model holds the state after step {step} of the last "
+                "finite one; lower the learning rate or check the data, then resume"
+            )
+        if commit.recovered_s is not None:
+            self.event(
+                "recovered", replica=self.replica_id, step=step,
+                seconds=round(commit.recovered_s, 4), attempts=commit.attempts,
+            )  # fmt: skip
+            if self.is_writer:
+                print(
+                    f"[recover] step {step} committed with all {commit.count} microbatches, "
+                    f"{commit.recovered_s:.3f} s after this replica saw the failure",
+                    flush=True,
+                )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()` for the microbatch just handed out, counted in the step's loss (a
+        padding pass of a sharded replica is scaled by 0 here and not counted)."""
+        if self._pending is None:
+            raise UsageError("replica.backward(loss) belongs inside replica.microbatches()")
+        step, j, index, weight = self._pending
+        if index is not None:
+            self._faults("backward", step, index)
+        (loss * weight if weight != 1.0 else loss).backward()
+        if weight:
+            self._work.grads.add_loss(j, float(loss.detach()))
+            self._faults("done", step, index)
+        self._guard.tick()
+        self._pending = None
+
+    def _replica_loss(self, reduced: torch.Tensor) -> float:
+        if self.intra is None:
+            return float(reduced[-1])
+        import torch.distributed as dist
+
+        # The ranks along shard hold different ids' losses; those along tp the same ones.
+        mine = reduced[-1:].to(torch.float64, copy=True)
+        if self.intra.coordinate("tp") != 0:
+            mine.zero_()
+        dist.all_reduce(mine, group=self.intra.group)
+        return float(mine)
+
+    # ---- the end -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _stops(self) -> Iterator[None]:
+        """The ways a job stops this replica, as the script sees them: QuorumLost (the model holds
+        the last committed state: save it, then resume), or a one-line message and the exit
+        status the launcher understands (evicted 4, diverged 5, refused 6)."""
+        try:
+            yield
+        except Evicted as e:
+            raise SystemExit(
+                self._say(f"evicted by the coordinator ({e})", exits.EVICTED)
+            ) from None
+        except RequestRefused as e:
+            if e.code == "finished":
+                raise SystemExit(self._say(f"nothing to join: {e}", 0)) from None
+            raise SystemExit(self._say(f"refused by the coordinator: {e}", exits.REFUSED)) from None
+        except DivergedError as e:
+            raise SystemExit(self._say(_explain_divergence(str(e)), exits.DIVERGED)) from None
+        except CoordinatorUnreachable as e:
+            view = self._link.step_view() if getattr(self, "_link", None) else None
+            live = view.live if view is not None else ()
+            held = self._machine is not None and self._machine.has_state
+            self.is_writer = held and self.rank == 0 and (not live or self.replica_id == min(live))
+            raise CoordinatorLost(
+                f"replica {self.replica_id}: the coordinator cannot be reached ({str(e)[:120]}); "
+                f"the model holds the state after step {self._committed} (is_writer: save it), "
+                f"then resume with start_step={self._committed + 1}"
+            ) from None
+        except (QuorumLostError, _ClientQuorumLost) as e:
+            raise QuorumLost(
+                f"replica {self.replica_id}: {e}; the model holds the state after step "
+                f"{self._committed} (save it on the writer, then resume with start_step="
+                f"{self._committed + 1})"
+            ) from None
+
+    def _say(self, line: str, status: int) -> int:
+        print(f"replica {self.replica_id}: {line}", file=sys.stderr, flush=True)
+        return status
+
+    def close(self) -> None:
+        """Stop the heartbeats and watchers (called at the end of steps(); idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if getattr(self, "_link", None) is not None:
+            self._link.close()
+        elif self.intra is not None:
+            self.intra.close()
+        if self._work is not None:
+            self._guard.close()
+        # The events file stays open to the end of the process: what ends it after this (a lost
+        # replica-mate, seen by the watchdog or an error) is still recorded.
+
+
+def _explain_divergence(text: str) -> str:
+    """The coordinator's divergence message, plus which half of the hashes differs when the data
+    check was on ("PARAMS/data(step,j):BATCH", see _ScriptWork.parameter_hash)."""
+    held = re.findall(r"hold (\S+?)(?:;|\. )", text)
+    if not held or not all("/data(" in h for h in held):
+        return text
+    params = {h.split("/data(")[0] for h in held}
+    batches = {h.split("/data(")[1] for h in held}
+    if len(batches) > 1:
+        return (
+            f"{text}. The data parts differ: the replicas' microbatch of that step is not the "
+            "same, so (step, j) is not a pure function of (step, j) in this script (see the "
+            "contract in docs/api.md)"
+        )
+    if len(params) > 1:
+        return f"{text}. The data parts agree: the parameters themselves differ"
+    return text
+
+
+def _stop_on_lost_mate(intra) -> None:
+    previous = sys.excepthook
+
+    def hook(kind, error, tb) -> None:
+        if isinstance(error, Exception):
+            intra.on_error(error)  # exits (status 7) when a mate is lost; returns otherwise
+        previous(kind, error, tb)
+
+    sys.excepthook = hook
+
+
+def _sum_inside_fsdp(model: torch.nn.Module) -> None:
+    """FSDP2 averages gradients over the shard ranks by default; the step sums over microbatches
+    and divides by M once, at the commit, so every FSDP2 unit of the model must sum."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+
+
+__all__ = ["CoordinatorLost", "NonFinite", "QuorumLost", "Replica", "UsageError"]

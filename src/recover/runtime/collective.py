@@ -1,0 +1,649 @@
+"""Fault-tolerant cross-replica collective: one group per epoch, async ops, deadlines, abandon.
+
+Job: sum (or broadcast) a flat buffer across the live replicas of one epoch without ever hanging
+and without ever handing back a partially reduced buffer as if it were whole (docs/design.md,
+invariants 3 "no corruption" and 5 "bounded waits").
+
+How:
+
+* ``EpochGroup.build`` constructs a ``ProcessGroupGloo`` (host buffers; the default) or, for
+  buffers on a GPU, a ``ProcessGroupNCCL`` directly on a ``PrefixStore`` named after the epoch
+  (``recover/runtime/collective/epoch<e>``) over the coordinator's shared ``TCPStore``. There is no
+  ``init_process_group`` and no global default group, so groups of several epochs coexist in one
+  process. The rendezvous is bounded by ``build_timeout_s``. An NCCL group is torn down with
+  ``abort()`` (ncclCommAbort), which also ends its in-flight kernels.
+* ``allreduce_sum`` / ``broadcast`` split the buffer into buckets of ``bucket_bytes``, issue them
+  back to back as async gloo ops (each returns a ``Work``), then poll: ``Work.is_completed()``
+  every ``poll_interval_s``, the caller's ``should_abort()`` every ``abort_check_interval_s``
+  (it returns a reason when the coordinator announced a newer epoch), and the clock against
+  ``op_deadline_s``. A failed ``Work`` is seen without blocking: in torch 2.13 it reports
+  ``is_completed() == True`` and its ``wait()`` then raises the transport error at once
+  (``is_success()`` / ``exception()`` exist but are deprecated, so they are not used).
+* The first error, abort or deadline *poisons* the group: the in-flight ``Work`` objects and the
+  buffer go to the group's graveyard (kept referenced, never waited on again: gloo's worker threads
+  may still write into the buffer until they time out), every later op raises at once, and the
+  teardown is scheduled on a daemon thread (``abandon``). Destroying a gloo group whose op is still
+  blocked joins its worker threads, which can take until ``pg_timeout_s``; on that thread it costs
+  the trainer nothing (the destructor releases the GIL). Tearing a group down also closes its
+  connections, which wakes peers that were still blocked in the same op.
+
+Why the polling matters (measured, torch 2.13 CPU gloo): when a rank is SIGKILLed mid-reduce its
+ring neighbours get "Connection closed by peer" within milliseconds, but a rank that is not its
+neighbour stays blocked until the neighbours tear their group down or gloo's own timeout fires;
+a stopped (SIGSTOP) peer produces no error at all. So detection comes from three sources: errors,
+the epoch watch and the deadline.
+
+Invariants: the caller's buffer is either completely reduced (the call returned) or must be
+discarded (the call raised ``CollectiveAborted``); a group is used for exactly one epoch and never
+rebuilt under the same prefix; no method of this module blocks the caller longer than
+``build_timeout_s`` (build) or ``op_deadline_s`` plus one poll (ops).
+
+Costs and limits: polling costs one ``is_completed`` per in-flight bucket per ``poll_interval_s``
+(microseconds). ``should_abort`` must be cheap (a flag or one store round trip). The peer named in
+an ``error`` abort is the socket address gloo printed, not a rank. gloo has no shrink for this, so
+every membership change costs a fresh rendezvous (milliseconds on loopback). NCCL groups are
+built fresh per epoch too (see README on communicator shrink); their path has not run on GPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+AbortKind = Literal["error", "deadline", "epoch"]
+ShouldAbort = Callable[[], str | None]
+
+_ABORT_KINDS = ("error", "deadline", "epoch")
+_STORE_PREFIX = "recover/runtime/collective/epoch"
+_PEER_PATTERN = re.compile(r"\[([0-9A-Za-z.:_-]+)\]:(\d+)")
+
+
+class CollectiveAborted(RuntimeError):
+    """A collective (or a group build) gave up; the buffer it touched must be discarded.
+
+    ``kind`` is ``"error"`` (the transport failed: ``detail`` holds gloo's text and ``peer`` the
+    remote address gloo named, if any), ``"deadline"`` (no completion within the deadline) or
+    ``"epoch"`` (the caller's ``should_abort`` returned a reason, e.g. a newer epoch was announced).
+    What to do next: restore the snapshot, wait for the coordinator's next view, build its group.
+    """
+
+    def __init__(
+        self, kind: AbortKind, detail: str, *, epoch: int | None = None, peer: str | None = None
+    ) -> None:
+        if kind not in _ABORT_KINDS:
+            raise ValueError(f"kind must be one of {_ABORT_KINDS}, got {kind!r}")
+        where = f" (epoch {epoch})" if epoch is not None else ""
+        super().__init__(f"collective aborted{where}: {kind}: {detail}")
+        self.kind: AbortKind = kind
+        self.detail = detail
+        self.epoch = epoch
+        self.peer = peer
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveConfig:
+    """Deadlines and bucketing of the cross-replica collective (all times in seconds)."""
+
+    build_timeout_s: float = 10.0  # rendezvous of a new epoch's group: peers must show up by then
+    op_deadline_s: float = 30.0  # an op not complete by then is abandoned
+    # gloo's own timeout: a backstop that bounds how long an abandoned op keeps its worker threads
+    # (and so the background teardown) busy. Must be >= op_deadline_s so our deadline fires first.
+    pg_timeout_s: float = 60.0
+    poll_interval_s: float = 0.0005  # sleep between two looks at the in-flight Work objects
+    abort_check_interval_s: float = 0.005  # how often should_abort() is asked (it may be an RPC)
+    bucket_bytes: int = 25 * 2**20  # bytes per async op; 0 = the whole buffer in one op
+    # Address gloo binds to; None lets gloo resolve this host's name (the usual multi-node case).
+    gloo_hostname: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "build_timeout_s",
+            "op_deadline_s",
+            "pg_timeout_s",
+            "poll_interval_s",
+            "abort_check_interval_s",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if self.pg_timeout_s < self.op_deadline_s:
+            raise ValueError(
+                f"pg_timeout_s must be >= op_deadline_s ({self.op_deadline_s}), "
+                f"got {self.pg_timeout_s}"
+            )
+        if (
+            isinstance(self.bucket_bytes, bool)
+            or not isinstance(self.bucket_bytes, int)
+            or self.bucket_bytes < 0
+        ):
+            raise ValueError(f"bucket_bytes must be an int >= 0, got {self.bucket_bytes!r}")
+        if self.gloo_hostname is not None and (
+            not isinstance(self.gloo_hostname, str) or not self.gloo_hostname
+        ):
+            raise ValueError(
+                f"gloo_hostname must be None or a non-empty str, got {self.gloo_hostname!r}"
+            )
+
+
+def _as_device(device: torch.device | str | None) -> torch.device:
+    """Where a group's buffers live: the CPU when None (gloo), else the given device."""
+    return torch.device("cpu") if device is None else torch.device(device)
+
+
+def compute_buckets(numel: int, element_size: int, bucket_bytes: int) -> list[tuple[int, int]]:
+    """Pure: ``(start, stop)`` element ranges covering ``0..numel`` in buckets of ``bucket_bytes``."""
+    if numel < 0 or element_size < 1 or bucket_bytes < 0:
+        raise ValueError(f"bad bucket request: {numel=}, {element_size=}, {bucket_bytes=}")
+    if numel == 0:
+        return []
+    per_bucket = numel if bucket_bytes == 0 else max(1, bucket_bytes // element_size)
+    return [(start, min(start + per_bucket, numel)) for start in range(0, numel, per_bucket)]
+
+
+def compute_verdict(
+    *,
+    elapsed_s: float,
+    deadline_s: float,
+    error_text: str | None,
+    abort_reason: str | None,
+    epoch: int | None = None,
+) -> CollectiveAborted | None:
+    """Pure: whether an in-flight op must be abandoned, and why.
+
+    Precedence: a transport error (most specific), then the caller's abort reason, then the deadline.
+    """
+    if error_text is not None:
+        match = _PEER_PATTERN.search(error_text)
+        peer = f"{match.group(1)}:{match.group(2)}" if match else None
+        return CollectiveAborted("error", error_text, epoch=epoch, peer=peer)
+    if abort_reason:
+        return CollectiveAborted("epoch", abort_reason, epoch=epoch)
+    if elapsed_s >= deadline_s:
+        return CollectiveAborted(
+            "deadline",
+            f"not complete after {elapsed_s:.3f} s (deadline {deadline_s} s)",
+            epoch=epoch,
+        )
+    return None
+
+
+def _teardown(epoch: int, holder: list[Any], on_done: Callable[[float], None]) -> None:
+    """Runs on a daemon thread: drop the group and its dead ops here, never on the trainer's thread.
+
+    ``holder`` is ``[(pg, graveyard)]``; it is emptied here so that this frame holds the only
+    references and the destructors run at the points chosen below.
+    """
+    started = time.monotonic()
+    pg, graveyard = holder.pop()
+    try:
+        pg.abort()
+    except Exception as exc:  # gloo may refuse abort; the destructor below still runs
+        logger.debug("epoch %d: gloo abort failed: %r", epoch, exc)
+    try:
+        # Work objects first, then the group (its destructor joins gloo's worker threads, which
+        # may be blocked until pg_timeout_s), then the buffers those threads may still write into.
+        graveyard[:] = [item for item in graveyard if not isinstance(item, dist.Work)]
+        del pg
+        graveyard.clear()
+    except Exception as exc:  # a teardown error must never reach the trainer
+        logger.debug("epoch %d: teardown error: %r", epoch, exc)
+    seconds = time.monotonic() - started
+    logger.debug("epoch %d: group torn down in %.3f s", epoch, seconds)
+    on_done(seconds)
+
+
+def _gloo(prefixed, rank: int, world_size: int, config: CollectiveConfig) -> Callable[[], Any]:
+    """The maker of one epoch's gloo group (host buffers)."""
+    options = dist.ProcessGroupGloo._Options()
+    # The constructor's timeout bounds the rendezvous (full-mesh connect); ops get pg_timeout_s.
+    options._timeout = datetime.timedelta(seconds=config.build_timeout_s)
+    if config.gloo_hostname is not None:
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=config.gloo_hostname)]
+    else:
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return lambda: dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+
+
+_ENV_LOCK = threading.Lock()
+_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def _nccl(
+    prefixed, rank: int, world_size: int, config: CollectiveConfig, device: torch.device
+) -> Callable[[], Any]:
+    """The maker of one epoch's NCCL group (buffers on this rank's GPU).
+
+    The communicator is made here, eagerly on `device`, so that its rendezvous (the NCCL unique
+    id travels through the epoch's store prefix) falls under the build's deadline rather than
+    inside the first reduce. torch's own NCCL error handling would end the process when a peer
+    dies (TORCH_NCCL_ASYNC_ERROR_HANDLING, default 3: abort and crash): for these groups it is
+    off (0, read by the constructor), so an error only marks the op failed and this module's
+    polling, abandon and ncclCommAbort (the group's ``abort()``) handle it like gloo's errors.
+    Not yet run on GPUs in this project (see README, "Replicas of several ranks").
+    """
+    if not dist.is_nccl_available():
+        raise RuntimeError("the cross-replica reduce over NCCL needs a torch built with NCCL")
+
+    def make() -> Any:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = datetime.timedelta(seconds=config.pg_timeout_s)
+        with _ENV_LOCK:
+            saved = os.environ.get(_NCCL_ERROR_HANDLING)
+            os.environ[_NCCL_ERROR_HANDLING] = "0"
+            try:
+                pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+            finally:
+                if saved is None:
+                    del os.environ[_NCCL_ERROR_HANDLING]
+                else:
+                    os.environ[_NCCL_ERROR_HANDLING] = saved
+        pg.eager_connect_single_device(device)
+        return pg
+
+    return make
+
+
+def _construct(
+    make: Callable[[], Any],
+    config: CollectiveConfig,
+    epoch: int,
+    should_abort: ShouldAbort | None,
+    *,
+    bounded: bool,
+) -> Any:
+    """make(), on a helper thread when it must be abandoned early: when should_abort fires, or
+    after build_timeout_s if the maker does not bound itself (`bounded`: gloo's rendezvous has
+    its own timeout; NCCL's waits on the store). An abandoned build ends on its thread."""
+    if should_abort is None and bounded:
+        return make()
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["pg"] = make()
+        except BaseException as exc:  # handed to the caller below, or dropped if it gave up
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"group-build-epoch{epoch}", daemon=True).start()
+    give_up = time.monotonic() + config.build_timeout_s
+    while not done.wait(config.abort_check_interval_s):
+        reason = should_abort() if should_abort is not None else None
+        if reason is not None:
+            raise CollectiveAborted("epoch", f"group build abandoned: {reason}", epoch=epoch)
+        if not bounded and time.monotonic() > give_up:
+            raise CollectiveAborted(
+                "deadline",
+                f"group build not complete after build_timeout_s {config.build_timeout_s}",
+                epoch=epoch,
+            )
+    if "error" in box:
+        raise box["error"]
+    return box["pg"]
+
+
+class EpochGroup:
+    """The cross-replica process group of one epoch. Build with ``EpochGroup.build``."""
+
+    def __init__(
+        self,
+        *,
+        pg: Any,
+        epoch: int,
+        rank: int,
+        world_size: int,
+        config: CollectiveConfig,
+        device: torch.device | None = None,
+    ) -> None:
+        self._pg: Any = pg
+        self.device = _as_device(device)
+        self.epoch = epoch
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config
+        self._poison: CollectiveAborted | None = None
+        self._in_flight: list[Any] = []
+        self._graveyard: list[Any] = []
+        self._teardown_thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.teardown_s: float | None = None  # set by the teardown thread when it finishes
+
+    @classmethod
+    def build(
+        cls,
+        store: dist.Store,
+        *,
+        epoch: int,
+        rank: int,
+        world_size: int,
+        config: CollectiveConfig | None = None,
+        should_abort: ShouldAbort | None = None,
+        scope: str = "",
+        device: torch.device | str | None = None,
+    ) -> EpochGroup:
+        """Rendezvous with the ``world_size`` ranks of ``epoch`` on ``store``; bounded by build_timeout_s.
+
+        ``device`` is where the group's buffers live: the CPU (None, the default) gives a gloo
+        group; a CUDA device an NCCL group on that GPU (each rank of the group on its own GPU).
+
+        ``scope`` separates groups of the same epoch on one store: in replicas of several ranks,
+        the ranks at one position of every replica form their own group of each epoch.
+
+        With ``should_abort``, the rendezvous runs on a helper thread and the caller gives up
+        (``CollectiveAborted("epoch")``) as soon as the callback returns a reason: a peer that died
+        after the epoch was announced never shows up, and the coordinator's next epoch says so
+        long before build_timeout_s. The abandoned rendezvous ends on its thread by its timeout.
+
+        Raises ``CollectiveAborted("deadline")`` if the peers do not all show up in time and
+        ``CollectiveAborted("error")`` if the rendezvous fails otherwise. Each epoch may be built
+        once per store: a failed build means the epoch is dead and the coordinator must declare a
+        new one. The group talks to the store through its own ``store.clone()`` (when the store
+        supports it), so a blocked rendezvous never holds up other users of ``store``. The call
+        releases the GIL while it waits.
+        """
+        config = config if config is not None else CollectiveConfig()
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+        # A store client serialises its calls: a rendezvous blocked in wait() on the trainer's own
+        # client would stall every other thread using it (heartbeats) until build_timeout_s. So
+        # the group gets its own connection when the store can clone itself.
+        try:
+            own_client = store.clone()
+        except (RuntimeError, NotImplementedError):
+            own_client = store
+        prefixed = dist.PrefixStore(f"{scope}{_STORE_PREFIX}{epoch}", own_client)
+        device = _as_device(device)
+        if device.type == "cuda":
+            make, bounded = _nccl(prefixed, rank, world_size, config, device), False
+        elif device.type == "cpu":
+            make, bounded = _gloo(prefixed, rank, world_size, config), True
+        else:
+            raise ValueError(f"device must be the CPU or a CUDA device, got {device}")
+        started = time.monotonic()
+        try:
+            pg = _construct(make, config, epoch, should_abort, bounded=bounded)
+        except dist.DistStoreError as exc:
+            raise CollectiveAborted(
+                "deadline",
+                f"group build not complete after {time.monotonic() - started:.3f} s "
+                f"(build_timeout_s {config.build_timeout_s}): {exc}",
+                epoch=epoch,
+            ) from None
+        except RuntimeError as exc:
+            raise CollectiveAborted("error", f"group build failed: {exc}", epoch=epoch) from None
+        pg.set_timeout(datetime.timedelta(seconds=config.pg_timeout_s))
+        logger.debug(
+            "epoch %d: rank %d/%d built in %.3f s",
+            epoch,
+            rank,
+            world_size,
+            time.monotonic() - started,
+        )
+        return cls(
+            pg=pg, epoch=epoch, rank=rank, world_size=world_size, config=config, device=device
+        )
+
+    @property
+    def poisoned(self) -> CollectiveAborted | None:
+        """The abort that poisoned this group, or None while it is usable."""
+        return self._poison
+
+    def allreduce_sum(self, flat: torch.Tensor, *, should_abort: ShouldAbort) -> None:
+        """Sum ``flat`` in place across the group, or raise ``CollectiveAborted``.
+
+        ``flat`` is a contiguous 1-D buffer on the group's device, made for this attempt only:
+        after a raise it is partially reduced, belongs to the graveyard, and must never be read
+        again.
+        ``should_abort`` is first called right after the buckets are issued (unless they have
+        already completed), then every ``abort_check_interval_s``; a non-empty return aborts with
+        kind ``"epoch"``. A raise poisons the group and schedules its teardown (``abandon``).
+        One op at a time per group, from one thread.
+        """
+        self._check_buffer(flat, name="flat", one_dim=True)
+        opts_factory = self._allreduce_options
+        self._run(flat, lambda chunk: self._pg.allreduce([chunk], opts_factory()), should_abort)
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, should_abort: ShouldAbort) -> None:
+        """Copy rank ``src``'s ``tensor`` into every rank's ``tensor`` in place, same abort rules."""
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise ValueError(f"src must be an int in [0, {self.world_size}), got {src!r}")
+        self._check_buffer(tensor, name="tensor", one_dim=False)
+
+        def issue(chunk: torch.Tensor) -> Any:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = src
+            opts.rootTensor = 0
+            opts.timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
+            return self._pg.broadcast([chunk], opts)
+
+        self._run(tensor.view(-1), issue, should_abort)
+
+    def abandon(self) -> threading.Thread | None:
+        """Poison the group and tear it down on a daemon thread; never blocks. Idempotent.
+
+        Returns the teardown thread (join it with a timeout to measure or wait), or None when
+        the group was already torn down by an earlier call.
+        """
+        with self._lock:
+            if self._poison is None:
+                self._poison = CollectiveAborted("epoch", "group abandoned", epoch=self.epoch)
+            if self._pg is None:
+                return self._teardown_thread
+            holder = [(self._pg, self._graveyard)]  # the thread will hold the only references
+            self._pg, self._graveyard = None, []
+            thread = threading.Thread(
+                target=_teardown,
+                args=(self.epoch, holder, self._record_teardown),
+                name=f"recover-teardown-epoch{self.epoch}",
+                daemon=True,
+            )
+            del holder
+            self._teardown_thread = thread
+        thread.start()
+        return thread
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _record_teardown(self, seconds: float) -> None:
+        self.teardown_s = seconds
+
+    def _allreduce_options(self) -> dist.AllreduceOptions:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        opts.timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
+        return opts
+
+    def _check_buffer(self, tensor: torch.Tensor, *, name: str, one_dim: bool) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if one_dim and tensor.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
+        if not tensor.is_contiguous() or tensor.device != self.device:
+            raise ValueError(f"{name} must be a contiguous tensor on {self.device}")
+
+    def _run(
+        self, flat: torch.Tensor, issue: Callable[[torch.Tensor], Any], should_abort: ShouldAbort
+    ) -> None:
+        if self._poison is not None:
+            raise CollectiveAborted(
+                self._poison.kind,
+                f"group of epoch {self.epoch} is poisoned ({self._poison.detail})",
+                epoch=self.epoch,
+                peer=self._poison.peer,
+            )
+        buckets = compute_buckets(flat.numel(), flat.element_size(), self.config.bucket_bytes)
+        verdict: CollectiveAborted | None = None
+        caller_error: BaseException | None = None
+        try:
+            for start, stop in buckets:
+                self._in_flight.append(issue(flat[start:stop]))
+            verdict = self._wait_in_flight(should_abort)
+        except RuntimeError as exc:  # gloo refused to issue (e.g. its connections are closed)
+            verdict = compute_verdict(
+                elapsed_s=0.0,
+                deadline_s=1.0,
+                error_text=str(exc),
+                abort_reason=None,
+                epoch=self.epoch,
+            )
+        except BaseException as exc:  # should_abort raised, or KeyboardInterrupt: poison, re-raise
+            caller_error = exc
+            verdict = CollectiveAborted("epoch", f"interrupted: {exc!r}", epoch=self.epoch)
+        if verdict is None:
+            self._in_flight.clear()
+            return
+        # No Work object may stay referenced by this frame or the exception: the graveyard owns them.
+        self._graveyard.extend(self._in_flight)
+        self._graveyard.append(flat)
+        self._in_flight.clear()
+        del flat
+        # A copy: the raised exception's traceback pins the caller's frames (and buffer).
+        self._poison = CollectiveAborted(
+            verdict.kind, verdict.detail, epoch=verdict.epoch, peer=verdict.peer
+        )
+        logger.debug("epoch %d: rank %d abandons op: %s", self.epoch, self.rank, verdict)
+        self.abandon()
+        if caller_error is not None:
+            raise caller_error
+        raise verdict
+
+    def _silent_error(self, work: Any) -> str | None:
+        """The error of a completed op whose wait() did not raise. gloo's wait() raises; an NCCL
+        op's does not when torch's NCCL error handling is off (as for these groups): a failed
+        one also reports is_completed(), and only its exception() tells. (Work.exception() is
+        deprecated in torch 2.13, with no replacement that does not wait for the watchdog.)"""
+        if self.device.type != "cuda":
+            return None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            error = work.exception()
+        return None if error is None else str(error)
+
+    def _wait_in_flight(self, should_abort: ShouldAbort) -> CollectiveAborted | None:
+        """Poll the in-flight ops; return None when all completed, else the verdict. Never raises."""
+        config = self.config
+        started = time.monotonic()
+        next_abort_check = started
+        pending = 0
+        while True:
+            error_text: str | None = None
+            while pending < len(self._in_flight) and self._in_flight[pending].is_completed():
+                try:
+                    self._in_flight[pending].wait()  # completed: returns or raises at once
+                except RuntimeError as exc:
+                    error_text = str(exc)
+                    break
+                error_text = self._silent_error(self._in_flight[pending])
+                if error_text is not None:
+                    break
+                pending += 1
+            if error_text is None and pending == len(self._in_flight):
+                return None
+            now = time.monotonic()
+            reason: str | None = None
+            if error_text is None and now >= next_abort_check:
+                reason = should_abort()
+                next_abort_check = now + config.abort_check_interval_s
+            verdict = compute_verdict(
+                elapsed_s=now - started,
+                deadline_s=config.op_deadline_s,
+                error_text=error_text,
+                abort_reason=reason,
+                epoch=self.epoch,
+            )
+            if verdict is not None:
+                return verdict
+            time.sleep(config.poll_interval_s)
+
+
+class GroupCache:
+    """Holds this rank's group of the newest epoch; building a newer one abandons the older ones.
+
+    Fencing: asking for an epoch older than the newest one built raises ``CollectiveAborted``
+    (kind ``"epoch"``); a rank never goes back to an old epoch.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        config: CollectiveConfig | None = None,
+        scope: str = "",
+        device: torch.device | str | None = None,
+    ) -> None:
+        self._store = store
+        self.device = _as_device(device)
+        self._scope = scope  # see EpochGroup.build
+        self._config = config if config is not None else CollectiveConfig()
+        self._current: EpochGroup | None = None
+        self._newest_epoch: int | None = None  # a failed build still burns its epoch
+        self.teardown_threads: list[threading.Thread] = []
+
+    @property
+    def current(self) -> EpochGroup | None:
+        return self._current
+
+    def get(
+        self, *, epoch: int, rank: int, world_size: int, should_abort: ShouldAbort | None = None
+    ) -> EpochGroup:
+        """The group of ``epoch`` (built on first use, bounded by build_timeout_s)."""
+        newest = self._newest_epoch
+        if newest is not None and epoch < newest:
+            raise CollectiveAborted(
+                "epoch", f"epoch {epoch} is older than epoch {newest}", epoch=epoch
+            )
+        current = self._current
+        if current is not None and current.epoch == epoch:
+            if (rank, world_size) != (current.rank, current.world_size):
+                raise ValueError(
+                    f"epoch {epoch} was built as rank {current.rank}/{current.world_size}, "
+                    f"asked for rank {rank}/{world_size}"
+                )
+            return current
+        if newest is not None and epoch == newest:
+            raise CollectiveAborted(
+                "epoch",
+                f"the build of epoch {epoch} failed earlier; wait for a newer epoch",
+                epoch=epoch,
+            )
+        self.abandon_all()
+        self._newest_epoch = epoch
+        group = EpochGroup.build(
+            self._store,
+            epoch=epoch,
+            rank=rank,
+            world_size=world_size,
+            config=self._config,
+            should_abort=should_abort,
+            scope=self._scope,
+            device=self.device,
+        )
+        self._current = group
+        return group
+
+    def abandon_all(self) -> None:
+        """Abandon the current group (teardown in the background); never blocks."""
+        if self._current is not None:
+            thread = self._current.abandon()
+            if thread is not None and thread not in self.teardown_threads:
+                self.teardown_threads.append(thread)
+            self._current = None

@@ -1,0 +1,466 @@
+"""The step of docs/design.md as a state machine: one replica's part, from plan to commit.
+
+Job: for every step, hand the caller the microbatch ids this rank must compute (the plan's share
+of this replica, then any ids reassigned to it after a failure), take the snapshot of the local
+sum, all-reduce a fresh copy of it over the epoch's group (the fault-tolerant collective), report
+the outcome to the coordinator and wait for its decision; on a Redo compute the newly held ids on
+top of the kept sum and redo the reduce in the new epoch; on a Commit hand back the sum over all
+M ids. When the view marks joiners (admitted at this step boundary), every member first takes
+part in the live state transfer to them (`recover.runtime.transfer`).
+
+The machine depends on two small interfaces only, so it runs the same under `recover train`, a
+user's script (`recover.runtime.api`) and an in-process test:
+- `Work`: the replica's local sum and state (snapshot, clear, parameter hash, transfer state).
+  Computing is the caller's: `run_step` is a generator that yields a `Todo` per attempt and
+  resumes when the caller has added those ids' gradients to the local sum.
+- `Link`: the coordinator as this rank sees it (`recover.runtime.links.SoloLink` for a replica of one
+  rank, `ReplicaLink` for one of several).
+Fault injection, the stall guard and event records plug in through `StepHooks` (no-ops by
+default); nothing here knows the CLI's configs, the run folder or the model.
+
+Invariants kept here:
+- constant batch: the committed sum covers the M ids of the step whatever failed; a survivor never
+  recomputes its own finished microbatches (it only computes `held - computed`);
+- no corruption: the reduce works on a buffer made for that attempt only; after an abort the
+  buffer is dropped and the local sum (never reduced in place) is the snapshot;
+- agreement: every `check_every` steps the parameter hash travels with the done report and the
+  coordinator stops the run on a mismatch;
+- bounded waits: every call to the coordinator and every collective has a deadline.
+
+What it must not do: decide membership or plans (the coordinator does), or apply the update (the
+caller does, from the `CommittedStep` it gets back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from recover.coordinator.client import Committed, Redo, Stopped
+from recover.coordinator.protocol import View
+from recover.runtime.collective import CollectiveAborted, GroupCache
+from recover.runtime.links import replica_hash
+from recover.runtime.transfer import transfer_state
+
+
+class QuorumLostError(RuntimeError):
+    """Fewer than min_replicas survive: the run stopped; resume it from its last checkpoint."""
+
+
+class DivergedError(RuntimeError):
+    """Replicas hold different parameters: the run stopped; investigate, then resume."""
+
+
+class Work(Protocol):
+    """What the step machine needs of the replica's model side (this rank's part of it)."""
+
+    def snapshot(self) -> torch.Tensor:
+        """A fresh flat fp32 copy of the local gradient sum, with the loss sum in its last slot."""
+
+    def clear(self) -> None:
+        """Drop the local sum (the shrink baseline discards a failed attempt's work)."""
+
+    def parameter_hash(self) -> str:
+        """An exact fingerprint of this rank's parameters."""
+
+    def nonfinite_ids(self) -> list[int]:
+        """Ids of the step (computed here) whose loss was not finite."""
+
+    def transfer_state_dict(self) -> dict:
+        """The committed state a joiner receives (this rank's part of it)."""
+
+    def load_transfer_state(self, state: dict) -> None:
+        """Load what transfer_state_dict() of a live replica gave."""
+
+
+class Link(Protocol):
+    """The coordinator as one rank of a replica sees it (see recover.runtime.links)."""
+
+    rank: int
+
+    def register(self, *, fingerprint: dict, next_step: int, deadline_s: float) -> View: ...
+    def step_view(self) -> View: ...
+    def live_view(self) -> View: ...
+    def report(self, *, step: int, epoch: int, failure, param_hash, throughput) -> bool: ...
+    def wait_outcome(self, *, step: int, epoch: int, deadline_s: float): ...
+    def agree(self, ok: bool) -> bool: ...
+    def gather(self, obj: Any) -> list[Any]: ...
+    def leave(self, *, step: int) -> None: ...
+    def close(self) -> None: ...
+
+    @property
+    def evicted(self) -> bool: ...
+
+    @property
+    def store_address(self) -> tuple[str, int]: ...
+
+
+def _no_phase(phase: str, step: int, index: int | None) -> None:
+    return None
+
+
+def _no_event(name: str, **fields) -> None:
+    return None
+
+
+class _Unwatched:
+    """A stall guard that watches nothing (the default)."""
+
+    def tick(self) -> None:
+        return None
+
+    @contextlib.contextmanager
+    def busy(self, what: str) -> Iterator[None]:
+        yield
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """Where the rest of the system plugs in. `phase(name, step, index)` is called at the declared
+    points "transfer", "reduce" (while the collective is in flight) and "commit" (after reporting
+    done); `event(name, **fields)` records what happened; `guard` (recover.runtime.stall.StallGuard)
+    watches the stretches that must make progress."""
+
+    phase: Callable[[str, int, int | None], None] = _no_phase
+    event: Callable[..., None] = _no_event
+    guard: Any = field(default_factory=_Unwatched)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOptions:
+    replica_id: int
+    check_every: int = 50  # compare parameter hashes across replicas every N steps (0: never)
+    outcome_timeout_s: float = 120.0  # longest wait for the coordinator's decision on a step
+    # The shrink baseline (torchft's semantics): a redo discards the local sum, and the committed
+    # step averages what was computed. Never for real training.
+    discard_on_redo: bool = False
+
+    def __post_init__(self) -> None:
+        if self.replica_id < 0:
+            raise ValueError(f"replica_id must be >= 0, got {self.replica_id}")
+        if self.check_every < 0:
+            raise ValueError(f"check_every must be >= 0, got {self.check_every}")
+        if not self.outcome_timeout_s > 0:
+            raise ValueError(f"outcome_timeout_s must be > 0, got {self.outcome_timeout_s}")
+
+
+@dataclass(frozen=True)
+class Todo:
+    """What the caller computes in one attempt: `ids` of `step`, numbered from `first_index` among
+    the ids this rank computed in the step (a fault may target "the K-th microbatch")."""
+
+    step: int
+    ids: tuple[int, ...]
+    first_index: int
+
+
+@dataclass(frozen=True)
+class CommittedStep:
+    """A step the coordinator committed, as this rank hands it to the optimizer."""
+
+    step: int
+    reduced: (
+        torch.Tensor
+    )  # the flat sum over the step's ids of every replica (Work.snapshot layout)
+    count: int  # microbatches in the sum: M (fewer only in the shrink baseline)
+    epoch: int
+    shares: dict[int, int]  # microbatches each replica held in the committing attempt
+    attempts: int
+    recovered_s: float | None  # seconds from this rank's first sight of a failure, if any
+    writer: bool  # this replica writes the step's records (the lowest live one at the commit)
+    # Every value of the sum is finite (the same answer on every rank of every replica: they
+    # hold the same sums). A non-finite step must not be applied: its update would poison the
+    # parameters of every replica at once.
+    finite: bool = True
+
+
+@dataclass
+class StepAttempt:
+    """The record of one step in progress: which ids are in the local sum, and its timings."""
+
+    step: int
+    computed: set[int] = field(default_factory=set)
+    redos: int = 0
+    t_first_fault: float | None = None
+    failure: str | None = None  # why this rank's part of the current attempt failed
+    compute_s: float = 0.0  # seconds spent computing this replica's microbatches of the step
+
+    def throughput(self) -> float | None:
+        """Microbatches per second over the step so far; None before any was computed."""
+        return len(self.computed) / self.compute_s if self.computed and self.compute_s > 0 else None
+
+
+class StepMachine:
+    """The step state machine of one rank of a replica (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        work: Work,
+        link: Link,
+        groups: GroupCache,
+        options: StepOptions,
+        hooks: StepHooks | None = None,
+        has_state: bool = True,
+    ) -> None:
+        self.work, self.link, self.groups, self.options = work, link, groups, options
+        self.hooks = hooks or StepHooks()
+        self.has_state = has_state  # False for a joiner until the state transfer has reached it
+        self._transferred_epoch = -1
+
+    @property
+    def me(self) -> int:
+        return self.options.replica_id
+
+    def replica_hash(self) -> str:
+        """The parameter fingerprint of the whole replica (a collective with several ranks)."""
+        return replica_hash(self.link.gather(self.work.parameter_hash()))
+
+    def run(self, step: int, compute: Callable[[Todo], None]) -> CommittedStep:
+        """Run step `step` to its commit, computing each attempt's ids with `compute`."""
+        attempts = self.run_step(step)
+        todo = next(attempts)
+        while True:
+            compute(todo)
+            try:
+                todo = attempts.send(None)
+            except StopIteration as done:
+                return done.value
+
+    def run_step(self, step: int) -> Generator[Todo, None, CommittedStep]:
+        """Run step `step` until it commits: yields one `Todo` per attempt (possibly with no ids)
+        and resumes when the caller has added their gradients to the local sum; returns the
+        commit. The recovery loop lives here."""
+        attempt = StepAttempt(step=step)
+        view = self.link.step_view()
+        hooks = self.hooks
+        while True:
+            if view.status in ("quorum_lost", "diverged", "finished"):
+                _stop(view.status, view.reason)
+            epoch = view.attempt_epoch
+            reduced = snapshot = None
+            attempt.failure = None
+            transferred = self._transfer_if_needed(view, step, attempt)
+            if view.joined:  # every rank of the replica goes on only if all of them got it
+                transferred = self.link.agree(transferred)
+            if transferred:
+                todo = [j for j in view.holdings.get(self.me, ()) if j not in attempt.computed]
+                t0 = time.perf_counter()
+                with hooks.guard.busy("computing microbatches"):
+                    yield Todo(step=step, ids=tuple(todo), first_index=len(attempt.computed))
+                attempt.computed.update(todo)
+                if todo:  # reported with `done`: feeds the coordinator's throughput-aware plans
+                    attempt.compute_s += time.perf_counter() - t0
+                snapshot = self.work.snapshot()  # the local sum; never reduced in place
+                reduced = self._reduce(snapshot, view, step, attempt)
+            check = reduced is not None and self.options.check_every
+            check = check and step % self.options.check_every == 0
+            phash = self.work.parameter_hash() if check else None
+            failure = None if reduced is not None else attempt.failure or "a replica-mate failed"
+            if not self.link.report(
+                step=step, epoch=epoch, failure=failure, param_hash=phash,
+                throughput=attempt.throughput(),
+            ):  # fmt: skip
+                reduced = None  # some rank of this replica failed: nobody's result counts
+            if reduced is not None:
+                hooks.phase("commit", step, None)
+            outcome = self.link.wait_outcome(
+                step=step, epoch=epoch, deadline_s=self.options.outcome_timeout_s
+            )
+            if isinstance(outcome, Committed):
+                if reduced is None:
+                    raise RuntimeError(
+                        f"step {step} committed although this replica's reduce failed"
+                    )
+                finite = self._check_finite(step, reduced, snapshot, attempt)
+                return self._committed(step, view, epoch, reduced, attempt, finite)
+            if isinstance(outcome, Redo):
+                # The local sum (p.grad) was never touched by the reduce: it is the snapshot.
+                if self.options.discard_on_redo:  # shrink baseline: the in-flight step is dropped
+                    self.work.clear()
+                    attempt.computed.clear()
+                    attempt.compute_s = 0.0
+                if attempt.t_first_fault is None:
+                    attempt.t_first_fault = time.perf_counter()
+                attempt.redos += 1
+                view = outcome.view
+                continue
+            if isinstance(outcome, Stopped):
+                _stop(outcome.status, outcome.reason)
+            raise RuntimeError(f"unexpected outcome {outcome!r}")
+
+    def _check_finite(self, step: int, reduced, snapshot, attempt: StepAttempt) -> bool:
+        """Whether the committed sum is finite, agreed by the replica's ranks (each holds its
+        part). When it is not, name what this rank contributed: the ids whose loss was not finite,
+        or, when every loss was finite, that its local gradient sum of `computed` was not."""
+        mine = bool(torch.isfinite(reduced).all())
+        if not mine:
+            local_ok = bool(torch.isfinite(snapshot).all())
+            bad = self.work.nonfinite_ids()
+            if bad or not local_ok:
+                self.hooks.event(
+                    "nonfinite_microbatches", replica=self.me, rank=self.link.rank, step=step,
+                    ids=sorted(bad) if bad else sorted(attempt.computed),
+                    what="loss" if bad else "gradient",
+                )  # fmt: skip
+        return self.link.agree(mine)
+
+    def _committed(
+        self, step: int, view: View, epoch: int, reduced, attempt, finite: bool
+    ) -> CommittedStep:
+        recovered = None
+        if attempt.t_first_fault is not None:
+            recovered = time.perf_counter() - attempt.t_first_fault
+        return CommittedStep(
+            step=step,
+            reduced=reduced,
+            count=sum(len(ids) for ids in view.holdings.values()),
+            epoch=epoch,
+            shares={r: len(ids) for r, ids in sorted(view.holdings.items())},
+            attempts=attempt.redos + 1,
+            recovered_s=recovered,
+            writer=self.me == _writer(step, view, self.link.step_view()),
+            finite=finite,
+        )
+
+    def _with_fault(self, phase: str, step: int, should_abort):
+        """`should_abort`, plus the `phase` hook fired at its first call: while the collective
+        of that phase is in flight (the callback is polled during it)."""
+        fired = False
+
+        def wrapped() -> str | None:
+            nonlocal fired
+            if not fired:
+                fired = True
+                self.hooks.phase(phase, step, None)
+            return should_abort()
+
+        return wrapped
+
+    def _should_abort(self, epoch: int):
+        link, guard = self.link, self.hooks.guard
+
+        def should_abort() -> str | None:
+            guard.tick()  # polled all along an in-flight collective: progress
+            if link.evicted:
+                return "this replica was evicted"
+            newer = link.live_view()
+            if newer.epoch > epoch or newer.status != "running":
+                return f"epoch {newer.epoch} announced ({newer.reason})"
+            return None
+
+        return should_abort
+
+    def _group(self, view: View, should_abort):
+        # The attempt's members are the replicas holding ids of it (the view's live set can
+        # already lack one that died during the attempt).
+        members = sorted(view.holdings)
+        group = self.groups.get(
+            epoch=view.attempt_epoch,
+            rank=members.index(self.me),
+            world_size=len(members),
+            should_abort=should_abort,
+        )
+        return group, members
+
+    def _failed(
+        self, step: int, epoch: int, error: CollectiveAborted, t0: float, what: str, attempt
+    ) -> None:
+        if attempt.t_first_fault is None:
+            attempt.t_first_fault = t0
+        self.hooks.event(
+            "failure_detected", replica=self.me, step=step, epoch=epoch, how=error.kind,
+            during=what, detail=str(error.detail)[:200],
+            after_s=round(time.perf_counter() - t0, 4),
+        )  # fmt: skip
+        # gloo's text ends in advice for its own users; the first sentence is the fact.
+        detail = str(error.detail).split(". This is typically")[0]
+        attempt.failure = f"{what}: {error.kind}: {detail}"[:200]  # reported by run_step
+
+    def _transfer_if_needed(self, view: View, step: int, attempt: StepAttempt) -> bool:
+        """Take part in the state transfer to this epoch's joiners; False if it failed."""
+        epoch = view.attempt_epoch
+        joined = [r for r in view.joined if r in view.holdings]
+        if not self.has_state and self.me not in joined:
+            raise RuntimeError(f"replica {self.me} joined but the view no longer offers it state")
+        if not joined or self._transferred_epoch == epoch:
+            return True
+        t0 = time.perf_counter()
+        should_abort = self._should_abort(epoch)
+        try:
+            group, members = self._group(view, should_abort)
+            stats = transfer_state(
+                group, self.work, members=members, joined=joined, me=self.me,
+                should_abort=self._with_fault("transfer", step, should_abort),
+            )  # fmt: skip
+        except CollectiveAborted as e:
+            self._failed(step, epoch, e, t0, "state transfer", attempt)
+            return False
+        self._transferred_epoch = epoch
+        self.has_state = True
+        if self.me in joined:
+            self.hooks.event(
+                "state_transfer", replica=self.me, rank=self.link.rank, step=step, epoch=epoch,
+                source=stats.source,
+                bytes=stats.bytes, seconds=round(stats.seconds, 4),
+            )  # fmt: skip
+        return True
+
+    def _reduce(self, snapshot: torch.Tensor, view: View, step: int, attempt: StepAttempt):
+        """All-reduce a fresh copy of the snapshot in the attempt's epoch; None if it aborted."""
+        epoch = view.attempt_epoch
+        should_abort = self._should_abort(epoch)
+        should_abort_reduce = self._with_fault("reduce", step, should_abort)
+        # For this attempt only; dropped on abort. Where the cross-replica group reduces: in
+        # host memory for gloo (whatever device the replica computes on), on the GPU for NCCL.
+        buffer = snapshot.to(self.groups.device, copy=True)
+        t0 = time.perf_counter()
+        try:
+            with self.hooks.guard.busy("in the cross-replica reduce"):  # its polls are the ticks
+                group, members = self._group(view, should_abort)
+                if len(members) > 1:
+                    group.allreduce_sum(buffer, should_abort=should_abort_reduce)
+                else:
+                    should_abort_reduce()
+            return buffer
+        except CollectiveAborted as e:
+            self._failed(step, epoch, e, t0, "reduce", attempt)
+            return None
+
+
+def _writer(step: int, attempt: View, latest: View) -> int:
+    """The replica that writes a committed step's records: the one the coordinator named with the
+    commit (the lowest attempt member alive at the decision; every replica reads the same name
+    from its view, which is at least as new as the commit). Only a coordinator that names none
+    (an older one) leaves it to the replica: then the lowest member of the committing attempt,
+    the same on every committing replica, since they all reduced in that attempt's group."""
+    if latest.committed_step == step and latest.writer >= 0:
+        return latest.writer
+    return min(attempt.holdings)
+
+
+def _stop(status: str, reason: str) -> None:
+    if status == "quorum_lost":
+        raise QuorumLostError(f"quorum lost: {reason}. Resume from the last checkpoint")
+    if status == "diverged":
+        raise DivergedError(f"REPLICAS DIVERGED, training stopped: {reason}")
+    raise RuntimeError(f"the run stopped ({status}): {reason}")
+
+
+__all__ = [
+    "CommittedStep",
+    "DivergedError",
+    "Link",
+    "QuorumLostError",
+    "StepAttempt",
+    "StepHooks",
+    "StepMachine",
+    "StepOptions",
+    "Todo",
+    "Work",
+]

@@ -1,0 +1,185 @@
+"""`recover bench recovery` and `recover bench rejoin`: what a failure costs.
+
+- `recovery` kills one replica at each phase of a step and prints, per phase, the median seconds
+  from the kill (`failure_injected`) to the next commit (`coordinator.committed`) beside the
+  median failure-free step time of the same runs;
+- `rejoin` kills a replica, respawns it, and measures the state transfer and the time to the
+  joiner's first commit, per preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+from recover.record import committed_steps, read_metrics
+from recover.tooling.bench.common import WARMUP_STEPS, bench_setup, machine_info, run_recover
+
+# ---- recovery -------------------------------------------------------------------------------
+
+PHASES = ("forward", "backward", "reduce", "commit", "optimizer")
+
+
+def kill_to_commit_s(out: Path) -> tuple[float, float]:
+    """Seconds from the injected kill to the first commit after it, and to the first commit
+    after the coordinator declared the replica dead (the run going on without it). They differ
+    when the kill comes after the replica's part of the step was reduced (phase commit): that
+    step commits at once, and the next step pays the recovery."""
+    records = list(read_metrics(out / "metrics.jsonl"))
+    kill = next(r for r in records if r.get("name") == "failure_injected")
+    dead = next(
+        r for r in records
+        if r.get("name") == "coordinator.member_dead" and r["t_wall"] >= kill["t_wall"]
+    )  # fmt: skip
+    commits = [r["t_wall"] for r in records if r.get("name") == "coordinator.committed"]
+    after_kill = min(t for t in commits if t > kill["t_wall"])
+    after_dead = min(t for t in commits if t > dead["t_wall"])
+    return after_kill - kill["t_wall"], after_dead - kill["t_wall"]
+
+
+def bench_recovery(args: argparse.Namespace) -> dict:
+    _, _, base = bench_setup(args)
+    kill_step = args.steps // 2
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for phase in PHASES:
+            recov, without, steps = [], [], []
+            for i in range(args.repeats):
+                spec = f"kill:replica={args.replicas - 1},step={kill_step},phase={phase}"
+                if phase in ("forward", "backward"):
+                    spec += ",microbatch=0"
+                out = run_recover([*base, "--fault", spec], Path(tmp) / f"{phase}-{i}",
+                                  timeout_s=args.timeout)  # fmt: skip
+                next_commit, commit_without = kill_to_commit_s(out)
+                recov.append(next_commit)
+                without.append(commit_without)
+                step_times = committed_steps(out / "metrics.jsonl")
+                steps.append(statistics.median(
+                    s["step_s"] for k, s in step_times.items() if k >= WARMUP_STEPS and k != kill_step
+                ))  # fmt: skip
+            row = {
+                "phase": phase,
+                "kill_to_commit_s": statistics.median(recov),
+                "kill_to_commit_without_s": statistics.median(without),
+                "step_s": statistics.median(steps),
+                "raw_kill_to_commit_s": recov,
+                "raw_kill_to_commit_without_s": without,
+            }
+            rows.append(row)
+            print(f"  {phase:<10} kill -> next commit {row['kill_to_commit_s']:.3f} s, "
+                  f"-> first commit without it {row['kill_to_commit_without_s']:.3f} s "
+                  f"(median step {row['step_s']:.3f} s)", flush=True)  # fmt: skip
+    result = {
+        "benchmark": "recovery",
+        "method": f"{args.replicas} replicas, replica {args.replicas - 1} SIGKILLed at step "
+        f"{kill_step}; seconds from its failure_injected event to the next coordinator commit, "
+        "and to the first commit after the coordinator declared it dead; "
+        f"median of {args.repeats} runs per phase",
+        "config": vars(args) | {"func": None},
+        "machine": machine_info(),
+        "rows": rows,
+    }
+    print(format_recovery_table(rows))
+    return result
+
+
+def format_recovery_table(rows: list[dict]) -> str:
+    lines = [
+        "| phase | kill -> next commit (s) | kill -> first commit without it (s) "
+        "| failure-free step (s) |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        without = r.get("kill_to_commit_without_s", r["kill_to_commit_s"])
+        lines.append(
+            f"| {r['phase']} | {r['kill_to_commit_s']:.3f} | {without:.3f} | {r['step_s']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+# ---- rejoin ---------------------------------------------------------------------------------
+
+# Per preset: (M, B, T, steps) sized so that the run outlives a respawned joiner's start-up on
+# 2 CPU cores (a joiner imports torch and builds its model before it can join).
+REJOIN_SHAPES = {
+    "tiny": (6, 2, 32, 300),
+    "small": (6, 4, 64, 120),
+    "medium": (3, 2, 64, 40),
+    "gpt2-124m": (3, 1, 64, 16),
+}
+REJOIN_KILL_STEP = 2
+
+
+def rejoin_figures(out: Path) -> dict:
+    """Transfer size and time, and seconds from the respawn to the joiner's first commit."""
+    records = list(read_metrics(out / "metrics.jsonl"))
+    respawned = next(r for r in records if r.get("name") == "launcher.respawned")
+    transfer = next(r for r in records if r.get("name") == "state_transfer")
+    first_commit = min(
+        r["t_wall"]
+        for r in records
+        if r.get("name") == "coordinator.committed" and r["t_wall"] > transfer["t_wall"]
+    )
+    return {
+        "transfer_bytes": transfer["bytes"],
+        "transfer_s": transfer["seconds"],
+        "start_to_first_commit_s": first_commit - respawned["t_wall"],
+    }
+
+
+def bench_rejoin(args: argparse.Namespace) -> dict:
+    from recover.data.prepare import ensure_dataset
+    from recover.launch import train_flags
+    from recover.training.config import TrainConfig
+
+    data = (
+        Path(args.data) if args.data else ensure_dataset(Path(args.data_root), show_progress=False)
+    )
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in args.preset.split(","):
+            if preset not in REJOIN_SHAPES:
+                raise ValueError(f"--preset {preset!r}: rejoin knows {', '.join(REJOIN_SHAPES)}")
+            M, B, T, steps = REJOIN_SHAPES[preset]
+            cfg = TrainConfig(preset=preset, steps=args.steps or steps, microbatches=M,
+                              microbatch_size=B, seq_len=T, eval_every=0, ckpt_every=0,
+                              warmup_steps=1)  # fmt: skip
+            flags = [*train_flags(cfg), "--replicas", str(args.replicas), "--data", str(data),
+                     "--respawn", "0", "--fault",
+                     f"kill:replica={args.replicas - 1},step={REJOIN_KILL_STEP},phase=backward"]  # fmt: skip
+            figures = []
+            for i in range(args.repeats):
+                out = run_recover(flags, Path(tmp) / f"{preset}-{i}", timeout_s=args.timeout)
+                figures.append(rejoin_figures(out))
+            row = {"preset": preset, "microbatches": M, "microbatch_size": B, "seq_len": T}
+            for key in figures[0]:
+                row[key] = statistics.median(f[key] for f in figures)
+            rows.append(row)
+            print(f"  {preset:<10} state {row['transfer_bytes'] / 2**20:.1f} MiB in "
+                  f"{row['transfer_s']:.3f} s; joiner start -> first commit "
+                  f"{row['start_to_first_commit_s']:.2f} s", flush=True)  # fmt: skip
+    print(format_rejoin_table(rows))
+    return {
+        "benchmark": "rejoin",
+        "method": f"{args.replicas} replicas; the last is SIGKILLed at step {REJOIN_KILL_STEP} and "
+        "respawned at once (--respawn 0); transfer = the joiner's state_transfer event; start -> "
+        "first commit = from the launcher's respawn to the first commit after the transfer "
+        f"(includes process start and torch import); median of {args.repeats}",
+        "machine": machine_info(),
+        "rows": rows,
+    }
+
+
+def format_rejoin_table(rows: list[dict]) -> str:
+    lines = [
+        "| preset | state transferred | transfer time (s) | joiner start -> first commit (s) |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['preset']} | {r['transfer_bytes'] / 2**20:.1f} MiB | {r['transfer_s']:.3f} | "
+            f"{r['start_to_first_commit_s']:.2f} |"
+        )
+    return "\n".join(lines)

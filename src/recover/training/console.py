@@ -1,0 +1,39 @@
+"""The terminal side of a run: one human line per committed step and the end-of-run summary.
+
+The durable record is `recover.record` (metrics.jsonl); these lines are for people watching.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    if h:
+        return f"{h}h{m:02d}m"
+    if m:
+        return f"{m}m{s:02d}s"
+    return f"{s}s"
+
+
+def format_rate(value: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:.0f}"
+
+
+def format_step_line(
+    *, step: int, steps: int, loss: float, lr: float, tok_per_s: float, step_s: float, eta_s: float
+) -> str:
+    """The one human line per step: step | loss | lr | tok/s | dt | eta."""
+    width = len(str(steps))
+    return (
+        f"step {step + 1:>{width}}/{steps} | loss {loss:.4f} | lr {lr:.2e} | "
+        f"{format_rate(tok_per_s)} tok/s | {step_s * 1000:.0f} ms | eta {format_duration(eta_s)}"
+    )

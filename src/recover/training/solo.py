@@ -1,0 +1,170 @@
+"""Training with one replica: the failure-free step of docs/design.md with nobody to reduce with.
+
+Job: open the run folder, build the replica's trainer, resume from the newest checkpoint when
+asked, and run steps `start..steps-1`: compute microbatch ids 0..M-1, take the snapshot, commit
+from it. With R replicas the same step goes through the coordinator and the fault-tolerant
+all-reduce (see `recover.training.worker`); the trajectory is the same.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+from recover.data.addressing import TokenDataset
+from recover.record import MetricsWriter
+from recover.training.checkpoint import CheckpointError, ResumePoint
+from recover.training.config import RunPaths, TrainConfig
+from recover.training.recorder import (
+    RunRecorder,
+    check_resume_state,
+    load_resume_state,
+    unigram_loss,
+)
+from recover.training.runfolder import open_run_folder, read_dataset_info
+from recover.training.trainer import NonFiniteError, ReplicaTrainer, pick_device
+
+
+def announce_resume(
+    point: ResumePoint | None,
+    start: int,
+    *,
+    emit: Callable[..., object],
+    console: TextIO | None,
+) -> None:
+    """Say where a resumed run starts: a `resumed` event (and one `checkpoint_corrupt` event per
+    corrupt newer checkpoint it skipped) and a console line. A skipped checkpoint is also a loud
+    warning on stderr: steps after the older checkpoint are recomputed (same trajectory)."""
+    skipped = point.skipped if point is not None else ()
+    for path, why in skipped:
+        emit("checkpoint_corrupt", path=str(path), error=why)
+        print(
+            f"WARNING: {why}; skipping it and resuming from the older {point.path}",
+            file=sys.stderr,
+            flush=True,
+        )
+    emit(
+        "resumed",
+        step=start,
+        path=str(point.path) if point is not None else None,
+        skipped=[str(p) for p, _ in skipped],
+    )
+    if console is not None:
+        where = f"from {point.path}" if point is not None else "(no checkpoint: from the start)"
+        print(f"resuming at step {start + 1} {where}", file=console, flush=True)
+
+
+def build_trainer_for_run(
+    cfg: TrainConfig,
+    *,
+    paths: RunPaths,
+    dataset: TokenDataset,
+    resume: bool,
+    intra=None,
+    device: str = "cpu",
+    emit: Callable[..., object] | None = None,
+    console: TextIO | None = sys.stdout,
+) -> tuple[ReplicaTrainer, int]:
+    """The trainer, loaded from the newest valid checkpoint when resuming; and the next step to
+    run. With `intra` (a recover.runtime.links.IntraReplica), the model is split over the replica's ranks
+    as its layout `intra.layout` says.
+
+    Resuming is announced (announce_resume) by the first rank of the replica: through `emit`
+    (an event writer), or when none is given, through a writer of the run's metrics.jsonl opened
+    for it; and on `console`."""
+    if intra is None:
+        trainer = ReplicaTrainer(cfg, dataset, device=device)
+    else:
+        from recover.training.parallel import trainer_class
+
+        trainer = trainer_class(intra.layout)(cfg, dataset, intra=intra, device=device)
+    start = 0
+    if resume:
+        point = load_resume_state(paths)
+        if point is not None:
+            start = check_resume_state(
+                point.state, cfg=cfg, data_hash=dataset.content_hash, path=point.path
+            )
+            try:
+                trainer.load_state_dict(point.state)
+            except ValueError as e:  # a checkpoint of another layout
+                raise CheckpointError(f"{point.path}: {e}") from None
+        if intra is None or intra.rank == 0:
+            if emit is not None:
+                announce_resume(point, start, emit=emit, console=console)
+            else:
+                writer = MetricsWriter(paths.metrics)
+                try:
+                    announce_resume(point, start, emit=writer.event, console=console)
+                finally:
+                    writer.close()
+    return trainer, start
+
+
+def train_single(
+    cfg: TrainConfig,
+    *,
+    out: Path,
+    data_path: Path,
+    resume: bool = False,
+    console: TextIO | None = sys.stdout,
+    device: str = "cpu",
+) -> dict:
+    """Train one replica; return the run summary. Raises RunFolderError / CheckpointError."""
+    dataset = TokenDataset.open(data_path)
+    paths = RunPaths(out=out)
+    info = read_dataset_info(data_path)
+    device = pick_device(device)  # before the run folder: a bad --device leaves nothing behind
+    open_run_folder(paths, cfg, data_info=info, resume=resume, launch={"replicas": 1})
+    writer = MetricsWriter(paths.metrics)
+    try:
+        trainer, start = build_trainer_for_run(
+            cfg, paths=paths, dataset=dataset, resume=resume, device=device,
+            emit=writer.event, console=console,
+        )  # fmt: skip
+    except BaseException:
+        writer.close()
+        raise
+    recorder = RunRecorder(
+        cfg=cfg,
+        paths=paths,
+        trainer=trainer,
+        data_hash=dataset.content_hash,
+        writer=writer,
+        console=console,
+        start_step=start,
+    )
+    if console is not None:
+        n = trainer.model.num_params()
+        print(
+            f"training {cfg.preset} ({n / 1e6:.2f}M parameters) for {cfg.steps} steps of "
+            f"{cfg.microbatches} x {cfg.microbatch_size} x {cfg.seq_len} tokens; run folder {out}; "
+            "steps counted from 1 here, from 0 in metrics.jsonl",
+            file=console,
+            flush=True,
+        )
+    all_ids = range(cfg.microbatches)
+    try:
+        for step in range(start, cfg.steps):
+            trainer.compute_microbatches(step, all_ids)
+            snapshot = trainer.snapshot()
+            stats = trainer.apply_commit(step, snapshot)
+            recorder.on_commit(stats, microbatches=cfg.microbatches)
+            try:
+                trainer.stop_if_diverging()
+            except NonFiniteError:  # the parameters are those of the last finite step: keep them
+                recorder.checkpoint(step + 1, block=True)
+                raise
+        summary = recorder.finish(
+            unigram_loss=unigram_loss(
+                dataset.shards("train"), dataset.shards("val"), dataset.vocab_size
+            )
+        )
+    finally:
+        writer.close()
+    return summary
+
+
+__all__ = ["train_single", "CheckpointError"]

@@ -1,0 +1,294 @@
+"""The work of one replica: compute microbatches into a gradient sum, and apply a committed step.
+
+Job: hold one model copy and its optimizer; `compute_microbatches(step, ids)` adds the gradients
+of those microbatch ids to the local sum; `snapshot()` hands out that sum as one flat
+buffer (the snapshot); `apply_commit(step, flat_sum)` turns the sum of all M microbatches into an
+optimizer update. How the sum over replicas is formed (alone, or through the fault-tolerant
+all-reduce) is not this module's business: it never talks to other processes.
+
+Invariants:
+- the update of step t is `AdamW(clip(sum_{j<M} g(t, j) / M))` at lr(t), whoever computed which j;
+- microbatch (t, j) reads the tokens of `microbatch_tokens(seed, t, j)` and seeds torch's RNG
+  (dropout) from `microbatch_seed(seed, t, j)` right before its forward pass;
+- the flat layout is the model's parameter order, followed by one slot holding the sum of the
+  microbatch losses (so the committed loss travels with the gradient through one reduce).
+
+Cost: one forward/backward per microbatch; one flat copy of the gradients per snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from recover.data.addressing import (
+    TokenDataset,
+    microbatch_seed,
+    microbatch_tokens,
+    validation_batches,
+)
+from recover.runtime.grads import GradientSum
+from recover.runtime.layout import ReplicaLayout
+from recover.training.config import DEVICES, TrainConfig, compute_lr
+from recover.training.model import GPT, build_config
+
+# A hook called at declared points of the step: (phase, step, index of the microbatch in this
+# call's list or None); phases "forward", "backward", "done" (microbatch finished) and
+# "optimizer". Fault injection plugs in here; it is a no-op by default.
+PhaseHook = Callable[[str, int, int | None], None]
+
+
+def _no_hook(phase: str, step: int, index: int | None) -> None:
+    return None
+
+
+def pick_device(name: str) -> str:
+    """`--device` (auto, cpu, cuda) -> a torch device string for this process. A CUDA process
+    takes GPU RECOVER_DEVICE_INDEX (set by the local launcher), else LOCAL_RANK (torchrun), modulo
+    the visible GPUs, and makes it the current device."""
+    import os
+
+    if name not in DEVICES:
+        raise ValueError(f"--device must be auto, cpu or cuda, got {name!r}")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to this process")
+    index = int(os.environ.get("RECOVER_DEVICE_INDEX", os.environ.get("LOCAL_RANK", "0")))
+    index %= torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
+@dataclass(frozen=True)
+class CommitStats:
+    step: int
+    loss: float  # mean loss over the M microbatches of the step
+    lr: float
+    grad_norm: float  # global norm of the averaged gradient, before clipping
+    skipped: bool = False  # the sum was not finite: no update was applied (see apply_commit)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had a non-finite gradient or loss: the run stopped, with the
+    parameters of the last finite step (lower the learning rate, or check the data)."""
+
+
+class ReplicaTrainer:
+    """One model copy, its optimizer and its local gradient sum."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        dataset: TokenDataset,
+        *,
+        device: str = "cpu",
+        phase_hook: PhaseHook | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.dataset = dataset
+        self.device = torch.device(device)
+        self.phase_hook = phase_hook or _no_hook
+        # Same initial parameters on every replica: initialise from the run's seed.
+        torch.manual_seed(cfg.seed)
+        model_cfg = build_config(
+            cfg.preset, vocab_size=dataset.vocab_size, block_size=cfg.seq_len, dropout=cfg.dropout
+        )
+        self.model_config = model_cfg
+        self.consecutive_skips = 0  # steps in a row skipped as non-finite
+        model = GPT(model_cfg).to(self.device)
+        self.model_values = model.num_params()  # of the whole model, whatever this rank holds
+        self.model = self._parallelize(model)
+        self.params = list(self.model.parameters())
+        # The local sum the step machine snapshots (recover.runtime.grads): this rank's p.grad parts.
+        self.grads = GradientSum(self.params, device=self.device)
+        self.numel = self.grads.numel  # this rank's values
+        decay = [p for p in self.params if p.dim() >= 2]
+        no_decay = [p for p in self.params if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            foreach=False,  # one summation order everywhere: replicas must agree bit for bit
+        )
+        self._eval_set: list | None = None
+
+    def _parallelize(self, model: GPT) -> torch.nn.Module:
+        """What a replica is inside: one rank holding the whole model here (see parallel.py)."""
+        return model
+
+    # ---- microbatches -------------------------------------------------------------------------
+    def compute_microbatches(self, step: int, ids: Iterable[int], *, first_index: int = 0) -> None:
+        """Add the gradients and losses of microbatch ids `(step, j)` to the local sum.
+
+        `first_index` numbers the ids for the phase hook: the position of the first id among all
+        ids this replica has computed in the step (ids reassigned during recovery come after its
+        own), so a fault can target "the K-th microbatch this replica computes in step t".
+        """
+        self.model.train()
+        for index, j in enumerate(ids, start=first_index):
+            self._microbatch(step, j, index)
+
+    def _microbatch(self, step: int, j: int, index: int | None, *, weight: float = 1.0) -> None:
+        """Forward and backward of microbatch (step, j), its gradient scaled by `weight` (0 for a
+        padding pass that only keeps the ranks of a sharded replica in lockstep; index None then:
+        no phase hook fires and its loss is not counted)."""
+        x, y = self._tokens(step, j)
+        torch.manual_seed(microbatch_seed(self.cfg.seed, step, j))  # dropout of (step, j)
+        if index is not None:
+            self.phase_hook("forward", step, index)
+        with self.autocast():
+            _, loss = self.model(x, y)
+        if index is not None:
+            self.phase_hook("backward", step, index)
+        (loss * weight if weight != 1.0 else loss).backward()  # accumulates into p.grad
+        if index is not None:
+            self.grads.add_loss(j, float(loss.detach()))
+            self.phase_hook("done", step, index)
+
+    def autocast(self):
+        """The forward pass's precision: bf16 autocast with --precision bf16 (parameters,
+        gradients and their sums stay fp32), else a no-op."""
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"
+        )
+
+    def _tokens(self, step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of microbatch (step, j), on this trainer's device."""
+        x, y = microbatch_tokens(
+            self.dataset,
+            seed=self.cfg.seed,
+            step=step,
+            j=j,
+            microbatches=self.cfg.microbatches,
+            microbatch_size=self.cfg.microbatch_size,
+            seq_len=self.cfg.seq_len,
+        )
+        return x.to(self.device), y.to(self.device)
+
+    # ---- the step machine's Work (recover.runtime.step_machine) ---------------------------------------
+    def snapshot(self) -> torch.Tensor:
+        """A fresh flat fp32 copy of the local gradient sum and loss sum (numel + 1 values)."""
+        return self.grads.snapshot()
+
+    def clear(self) -> None:
+        self.grads.clear()
+
+    def parameter_hash(self) -> str:
+        return self.grads.parameter_hash()
+
+    def nonfinite_ids(self) -> list[int]:
+        return list(self.grads.nonfinite_ids)
+
+    # ---- commit -------------------------------------------------------------------------------
+    def apply_commit(
+        self,
+        step: int,
+        flat_sum: torch.Tensor,
+        *,
+        count: int | None = None,
+        finite: bool | None = None,
+    ) -> CommitStats:
+        """Apply the update of `step` from the sum over all M microbatches (flat layout).
+
+        `count` is the number of microbatches in the sum: M always, except in the `shrink`
+        baseline, whose global batch shrinks after a failure. `finite`: whether every value of
+        the sum is finite (None: check it here). A non-finite step is skipped: no update, and
+        `stop_if_diverging` ends the run after `max_nonfinite` of them in a row.
+        """
+        M = self.cfg.microbatches if count is None else count
+        loss = self._committed_loss_sum(flat_sum) / M
+        if finite is None:  # one rank alone; the step machine agrees it over a replica's ranks
+            finite = bool(torch.isfinite(flat_sum).all())
+        lr = compute_lr(step, self.cfg)
+        if not finite:
+            # Never applied: a NaN or infinity in the update would poison every parameter of
+            # every replica at once. The step counts (the schedule moves on); the state does not.
+            self.grads.clear()
+            self.consecutive_skips += 1
+            return CommitStats(step=step, loss=loss, lr=lr, grad_norm=math.nan, skipped=True)
+        self.consecutive_skips = 0
+        self.grads.load(flat_sum, divide_by=M)
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        grad_norm = self._clip_gradients(clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.phase_hook("optimizer", step, None)
+        self.optimizer.step()
+        self.grads.clear()
+        return CommitStats(step=step, loss=loss, lr=lr, grad_norm=grad_norm)
+
+    def _committed_loss_sum(self, flat_sum: torch.Tensor) -> float:
+        return float(flat_sum[-1])
+
+    def stop_if_diverging(self) -> None:
+        """NonFiniteError after `max_nonfinite` consecutive skipped steps (0: never)."""
+        limit = self.cfg.max_nonfinite
+        if limit and self.consecutive_skips >= limit:
+            raise NonFiniteError(
+                f"{self.consecutive_skips} consecutive steps had a non-finite gradient or loss "
+                "(skipped, never applied); the parameters are those of the last finite step. "
+                "Lower --lr or enable --grad-clip, then resume"
+            )
+
+    def _clip_gradients(self, clip: float) -> float:
+        """Clip the averaged gradient to global norm `clip`; return the norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(self.params, clip, foreach=False))
+
+    # ---- evaluation and state -----------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the run's fixed validation batches."""
+        if self._eval_set is None:
+            self._eval_set = validation_batches(
+                self.dataset,
+                microbatch_size=self.cfg.microbatch_size,
+                seq_len=self.cfg.seq_len,
+                max_batches=self.cfg.eval_batches,
+            )
+        self.model.eval()
+        losses = []
+        for x, y in self._eval_set:
+            with self.autocast():
+                _, loss = self.model(x.to(self.device), y.to(self.device))
+            losses.append(float(loss))
+        self.model.train()
+        return sum(losses) / len(losses)
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        layout = state.get("layout")
+        if layout:  # saved by replicas of several ranks (recover.training.parallel)
+            flags = ReplicaLayout.from_dims(layout).describe()
+            raise ValueError(
+                f"the checkpoint was saved by replicas of {flags}; resume with {flags}"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def transfer_state_dict(self) -> dict:
+        """What the live state transfer sends to a joiner: this rank's committed state."""
+        return self.state_dict()
+
+    def load_transfer_state(self, state: dict) -> None:
+        self.load_state_dict(state)
+
+    def flat_parameters(self) -> torch.Tensor:
+        """This rank's parameter values, flat (the local shards in a sharded replica)."""
+        return self.grads.flat_parameters()
+
+    def save_model(self, path: str | None) -> None:
+        """Write the whole model as safetensors to `path` (a collective in a sharded replica,
+        whose other ranks pass None: they take part in gathering it, and write nothing)."""
+        from safetensors.torch import save_model
+
+        if path is not None:
+            save_model(self.model, path)

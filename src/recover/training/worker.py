@@ -1,0 +1,419 @@
+"""One replica of a `recover train` run: the built-in GPT trainer as a client of the step machine.
+
+Job: open the dataset and the run folder's writer, build the replica's trainer (and, for a replica
+of several ranks, its group inside), register with the coordinator, then run every step through
+`recover.runtime.step_machine.StepMachine` (compute the ids it hands out, apply the update it commits) and
+record each commit (`recover.training.recorder.RunRecorder`). On the way out: the final model and summary, a
+checkpoint of the last committed state when the quorum is lost, and an exit status that says why.
+
+What it must not do: the step's recovery logic (the step machine's), decide membership or plans
+(the coordinator's), or reach into the model (the trainer's).
+"""
+
+from __future__ import annotations
+
+import datetime
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from recover import exits
+from recover.coordinator.client import (
+    CoordinatorClient,
+    CoordinatorUnreachable,
+    Evicted,
+    RequestRefused,
+)
+from recover.coordinator.client import QuorumLost as ClientQuorumLost
+from recover.data.addressing import TokenDataset
+from recover.record import MetricsWriter, read_metrics
+from recover.runtime.collective import CollectiveConfig, GroupCache
+from recover.runtime.faults import FaultInjector, FaultSpec
+from recover.runtime.layout import ReplicaLayout
+from recover.runtime.links import IntraReplica, ReplicaLink, SoloLink
+from recover.runtime.stall import StallGuard, check_stall
+from recover.runtime.step_machine import (
+    CommittedStep,
+    DivergedError,
+    QuorumLostError,
+    StepHooks,
+    StepMachine,
+    StepOptions,
+)
+from recover.training.config import (
+    RunPaths,
+    TrainConfig,
+    check_replica_inside,
+)
+from recover.training.recorder import RunRecorder, unigram_loss
+from recover.training.solo import build_trainer_for_run
+from recover.training.trainer import NonFiniteError, pick_device
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    replica_id: int
+    coordinator_host: str
+    coordinator_port: int
+    token: str | None = None
+    data: Path
+    out: Path
+    resume: bool = False
+    faults: tuple[FaultSpec, ...] = ()
+    check_every: int = 50  # compare parameter hashes across replicas every N steps (0: never)
+    register_timeout_s: float = 60.0  # start-up: all replicas must show up by then
+    outcome_timeout_s: float = 120.0  # longest wait for the coordinator's decision on a step
+    heartbeat_s: float = 0.1
+    collective: CollectiveConfig = field(default_factory=CollectiveConfig)
+    # recover (the system), or a baseline for comparison: checkpoint-restart (the launcher
+    # restarts the job; a replica never recovers nor checkpoints on a failure) or shrink
+    # (a redo discards the local sum; the committed step averages what was computed).
+    mode: str = "recover"
+    # Ranks per replica that shard the model with FSDP2 (HSDP), split its blocks by tensor
+    # parallelism, or hold its consecutive pipeline stages (one of the three above 1; all 1:
+    # a replica is one rank).
+    shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    # A rank whose replica-mate is silent this long stops the replica (see recover.runtime.links).
+    watchdog_s: float = 5.0
+    device: str = "auto"  # auto (a GPU if one is visible), cpu or cuda
+    cross_reduce: str = "gloo"  # the cross-replica reduce: gloo over host copies, or nccl
+    # A training thread busy this long without progress ends its process (recover.runtime.stall); 0: off.
+    stall_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        check_replica_inside(
+            self.shard, self.tp, self.pp, self.watchdog_s, self.device, self.cross_reduce
+        )
+        if self.replica_id < 0:
+            raise ValueError(f"--replica-id must be >= 0, got {self.replica_id}")
+        if not 0 < self.coordinator_port < 65536:
+            raise ValueError(f"--coordinator port must be in 1..65535, got {self.coordinator_port}")
+        if self.mode not in ("recover", "checkpoint-restart", "shrink"):
+            raise ValueError(
+                f"--mode must be recover, checkpoint-restart or shrink, not {self.mode!r}"
+            )
+        if self.check_every < 0:
+            raise ValueError(f"--check-every must be >= 0, got {self.check_every}")
+        check_stall(self.stall_s)
+        for name in ("register_timeout_s", "outcome_timeout_s", "heartbeat_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+# Settings that only decide what is recorded, never the committed update: a replica may differ.
+_RECORD_ONLY = ("eval_every", "eval_batches", "ckpt_every", "keep_ckpts")
+
+
+def fingerprint(
+    cfg: TrainConfig,
+    dataset: TokenDataset,
+    layout: ReplicaLayout | None = None,
+    cross_reduce: str = "gloo",
+    mode: str = "recover",
+) -> dict:
+    """What every replica of a run must agree on; a joiner with another one is refused (naming
+    the field). Every training setting that changes the committed update is in it: the model,
+    the batch, the seed, the optimizer and schedule, clipping, dropout, precision, the layout, the
+    cross-replica backend, the mode, and the dataset's content."""
+    train = {k: v for k, v in cfg.to_dict().items() if k not in _RECORD_ONLY}
+    return {
+        **train,
+        "data_hash": dataset.content_hash,
+        "layout": (layout or ReplicaLayout()).describe(),
+        "cross_reduce": cross_reduce,  # one group of every epoch: one backend
+        "mode": mode,
+    }
+
+
+def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None = sys.stdout) -> int:
+    """Run one replica (or, with --shard S, one rank of it) to the end; return its exit status."""
+    me = wcfg.replica_id
+    dataset = TokenDataset.open(wcfg.data)
+    paths = RunPaths(out=wcfg.out)
+    writer = MetricsWriter(paths.metrics)
+    device = pick_device(wcfg.device)
+    if wcfg.cross_reduce == "nccl" and not device.startswith("cuda"):
+        raise RuntimeError("--cross-reduce nccl needs a GPU, and no CUDA device is visible")
+    # Where the cross-replica buffers live: this rank's GPU for NCCL, else host memory.
+    cross_device = device if wcfg.cross_reduce == "nccl" else "cpu"
+    intra = None
+    layout = ReplicaLayout(pp=wcfg.pp, shard=wcfg.shard, tp=wcfg.tp)
+    ranks = layout.ranks
+    if ranks > 1:
+        intra = IntraReplica(
+            replica_id=me,
+            layout=layout,
+            timeout_s=wcfg.outcome_timeout_s + wcfg.register_timeout_s,
+            watchdog_s=wcfg.watchdog_s,
+            device=device,
+            emit=writer.event,
+        )
+    rank = intra.rank if intra is not None else 0
+    injector = FaultInjector([f for f in wcfg.faults if f.rank == rank], emit=writer.event)
+    trainer, start = build_trainer_for_run(
+        cfg, paths=paths, dataset=dataset, resume=wcfg.resume, intra=intra, device=device
+    )
+    guard = StallGuard(wcfg.stall_s, replica=me, rank=rank, emit=writer.event)
+    stop = threading.Event()  # set by SIGTERM or SIGINT once training runs (see below)
+
+    def phase_hook(phase: str, step: int, index: int | None) -> None:
+        guard.tick()  # every microbatch's forward and backward is progress
+        injector(phase, step, index)
+
+    trainer.phase_hook = phase_hook
+    writer.event(
+        "rank_started", replica=me, rank=rank, ranks=ranks, layout=layout.name,
+        device=device,
+        local_values=trainer.numel,  # what this rank holds of ...
+        model_values=trainer.model_values,  # ... the whole model's values
+    )  # fmt: skip
+    client = None
+    if intra is None or intra.leader:
+        client = CoordinatorClient(
+            wcfg.coordinator_host,
+            wcfg.coordinator_port,
+            replica_id=me,
+            token=wcfg.token,
+            heartbeat_s=wcfg.heartbeat_s,
+        )
+    if intra is None:
+        link = SoloLink(client)
+    else:
+        link = ReplicaLink(
+            intra,
+            client=client,
+            host=wcfg.coordinator_host,
+            port=wcfg.coordinator_port,
+            token=wcfg.token,
+        )
+    recorder = RunRecorder(
+        cfg=cfg,
+        paths=paths,
+        trainer=trainer,
+        data_hash=dataset.content_hash,
+        writer=writer,
+        console=console,
+        start_step=start,
+        holds_pen=False,
+        writes=rank == 0,
+    )
+    machine = None
+
+    def save_last_committed() -> bool:
+        """When the run cannot go on: the lowest replica of the last view saves the committed
+        state it holds (every replica holds the same: the optimizer steps only on commits), so
+        that --resume loses nothing. A replica that never held the run's state (not admitted
+        yet, or a joiner before its transfer) saves nothing; nor does the checkpoint-restart
+        baseline, which restarts from its last periodic checkpoint. True if this rank wrote."""
+        if machine is None or not machine.has_state or wcfg.mode == "checkpoint-restart":
+            return False
+        view = link.step_view()
+        live = view.live if view is not None else ()
+        recorder.holds_pen = not live or me == min(live)
+        if recorder.holds_pen:
+            recorder.checkpoint(recorder.last_committed + 1, block=True)
+        return recorder.pen_writes
+
+    try:
+        view = link.register(
+            fingerprint=fingerprint(cfg, dataset, layout, wcfg.cross_reduce, wcfg.mode),
+            next_step=start,
+            deadline_s=wcfg.register_timeout_s,
+        )
+        joining = me in view.joined
+        if joining:
+            writer.event("replica_joining", replica=me, step=view.step, epoch=view.epoch)
+            recorder.start_step = view.step
+            recorder.last_committed = view.step - 1
+        elif view.step != start:
+            raise RuntimeError(f"replica {me} holds step {start}, the run is at step {view.step}")
+        elif console is not None and rank == 0 and me == min(view.live):  # one header per run
+            print(
+                f"training {cfg.preset} ({trainer.model_values / 1e6:.2f}M parameters) for "
+                f"{cfg.steps} steps of {cfg.microbatches} x {cfg.microbatch_size} x "
+                f"{cfg.seq_len} tokens on {len(view.live)} replicas"
+                + (f" of {ranks} ranks ({layout.name})" if ranks > 1 else "")
+                + f"; run folder {paths.out}; steps counted from 1 here, from 0 in metrics.jsonl",
+                file=console, flush=True,
+            )  # fmt: skip
+        store_host, store_port = link.store_address
+        store = torch.distributed.TCPStore(
+            store_host,
+            store_port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=wcfg.register_timeout_s),
+        )
+        # With several ranks per replica, the ranks at position k of every replica form the
+        # cross-replica group of position k (HSDP's replicate dimension), one per epoch.
+        scope = f"position{rank}/" if intra is not None else ""
+        machine = StepMachine(
+            work=trainer,
+            link=link,
+            groups=GroupCache(store, config=wcfg.collective, scope=scope, device=cross_device),
+            options=StepOptions(
+                replica_id=me,
+                check_every=wcfg.check_every,
+                outcome_timeout_s=wcfg.outcome_timeout_s,
+                discard_on_redo=wcfg.mode == "shrink",
+            ),
+            hooks=StepHooks(phase=injector, event=writer.event, guard=guard),
+            has_state=not joining,
+        )
+
+        def compute(todo) -> None:
+            trainer.compute_microbatches(todo.step, todo.ids, first_index=todo.first_index)
+
+        # From here on, SIGTERM (a preemption, `kill`, the launcher stopping the job) and SIGINT
+        # mean: leave at the next step boundary with the committed state saved, instead of dying
+        # mid-step. (Before, there is nothing committed to save: they end the process.)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stop.set())
+        step = view.step
+        while step < cfg.steps:
+            commit = machine.run(step, compute)
+            apply_commit(commit, replica=me, trainer=trainer, recorder=recorder, guard=guard)
+            step += 1
+            # A stop request (any rank of the replica got one) is served at the step boundary:
+            # the step in flight commits, the writer saves the committed state, then it leaves.
+            if step < cfg.steps and not link.agree(not stop.is_set()) and machine.has_state:
+                if recorder.holds_pen:
+                    recorder.checkpoint(step, block=True)
+                recorder.event("replica_stopped", replica=me, rank=rank, step=step)
+                print(
+                    f"replica {me}: stopped as asked at the boundary of step {step}"
+                    + (f"; the committed state is checkpointed in {paths.checkpoints}"
+                       if recorder.pen_writes else ""),
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
+                link.leave(step=step)
+                return exits.STOPPED
+        if not machine.has_state:  # admitted at the very end: it never held the run's state
+            link.leave(step=step)
+            return exits.OK
+        # The pen stays where the last commit put it (replicas that already left are not in
+        # the view any more, so recomputing it here could hand out a second pen).
+        pen = recorder.pen_writes
+        recorder.finish(
+            unigram_loss=unigram_loss(
+                dataset.shards("train"), dataset.shards("val"), dataset.vocab_size
+            )
+            if pen
+            else None,
+            extra=run_recovery_summary(paths.metrics) if pen else {},
+        )
+        phash = machine.replica_hash()
+        if rank == 0:
+            writer.event("replica_finished", replica=me, step=step, param_hash=phash)
+        link.leave(step=step)
+        return exits.OK
+    except Evicted as e:
+        print(
+            f"replica {me}: evicted by the coordinator ({e}); exiting without touching the run",
+            file=sys.stderr,
+            flush=True,
+        )
+        return exits.EVICTED
+    except (QuorumLostError, ClientQuorumLost) as e:
+        # Every survivor holds the last committed state (the optimizer steps only on commits);
+        # the lowest survivor saves it, so that --resume continues from the last committed step.
+        save_last_committed()
+        print(f"replica {me}: {e} (run it again with --resume)", file=sys.stderr, flush=True)
+        return exits.QUORUM_LOST
+    except RequestRefused as e:
+        if e.code == "finished":
+            print(f"replica {me}: nothing to join: {e}", file=sys.stderr, flush=True)
+            return exits.OK
+        print(f"replica {me}: refused by the coordinator: {e}", file=sys.stderr, flush=True)
+        return exits.REFUSED
+    except DivergedError as e:
+        print(f"replica {me}: {e}", file=sys.stderr, flush=True)
+        return exits.DIVERGED
+    except CoordinatorUnreachable as e:
+        # Nobody can commit any more. Every replica holds its last committed state; the lowest
+        # replica of the last view saves it, so that a resume loses nothing that committed.
+        saved = save_last_committed()
+        where = f"; step {recorder.last_committed + 1} is checkpointed in {paths.checkpoints}"
+        print(
+            f"replica {me}: the coordinator cannot be reached ({str(e)[:120]})"
+            + (where if saved else "")
+            + "; run the same command again with --resume to continue",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        return exits.COORDINATOR_LOST
+    except NonFiniteError as e:
+        # Every replica holds the same last finite state (no skipped step was applied); the
+        # writer of the last step saves it, so that a resume starts from it.
+        if recorder.holds_pen:
+            recorder.checkpoint(recorder.last_committed + 1, block=True)
+        print(f"replica {me}: {e}", file=sys.stderr, flush=True)
+        return exits.NONFINITE
+    except Exception:
+        # In a replica of several ranks, a collective inside it fails when a replica-mate dies;
+        # the watchdog then names the mate and exits with exits.MATE_LOST. Give it the time.
+        if intra is not None:
+            intra.on_error(sys.exc_info()[1])
+        raise
+    finally:
+        link.close()
+        writer.close()
+
+
+def run_recovery_summary(metrics_path: Path) -> dict:
+    """Failures survived, microbatches recomputed and seconds recovering, from the run's record
+    (the coordinator's decisions and every replica's events), for the end-of-run summary."""
+    dead = redo_ids = 0
+    recovering: dict[int, float] = {}
+    for record in read_metrics(metrics_path):
+        name = record.get("name")
+        if name == "coordinator.member_dead":
+            dead += 1
+        elif name == "coordinator.redo":
+            redo_ids += len(record.get("lost", ()))
+        elif name == "recovered":  # the slowest replica's view of each recovered step
+            step = int(record["step"])
+            recovering[step] = max(recovering.get(step, 0.0), float(record["seconds"]))
+    return {
+        "failures_survived": dead,
+        "microbatches_recomputed": redo_ids,
+        "recovery_s": round(sum(recovering.values()), 3),
+    }
+
+
+def apply_commit(
+    commit: CommittedStep, *, replica: int, trainer, recorder: RunRecorder, guard
+) -> None:
+    """The update of a committed step, then its records (the writer was named with the commit)."""
+    recorder.holds_pen = commit.writer
+    with guard.busy("in the optimizer step"):
+        stats = trainer.apply_commit(
+            commit.step, commit.reduced, count=commit.count, finite=commit.finite
+        )
+    recorder.on_commit(
+        stats,
+        microbatches=commit.count,  # M, but in the shrink baseline
+        epoch=commit.epoch,
+        replicas=len(commit.shares),
+        attempts=commit.attempts,
+        shares={str(r): n for r, n in commit.shares.items()},
+    )
+    trainer.stop_if_diverging()  # NonFiniteError after max_nonfinite skipped steps in a row
+    if commit.recovered_s is not None:
+        seconds = commit.recovered_s
+        recorder.event(
+            "recovered", replica=replica, step=commit.step, seconds=round(seconds, 4),
+            attempts=commit.attempts,
+        )  # fmt: skip
+        recorder.say(
+            f"recovered: step {commit.step + 1} committed with all {commit.count} "
+            f"microbatches, {seconds:.3f} s after this replica saw the failure"
+        )
+
+
+__all__ = ["run_worker", "WorkerConfig"]
