@@ -47,10 +47,9 @@ import itertools
 import json
 import logging
 import os
-import struct
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,12 +64,11 @@ from recover.coordinator.decide import (
 )
 from recover.coordinator.pacing import LeaseQueue, StreamProtocol, Waiters
 from recover.coordinator.protocol import (
-    MAX_FRAME,
     MESSAGE_KINDS,
     Decision,
-    FrameTooLarge,
     Heartbeat,
     Heartbeats,
+    LeaseExpired,
     Leave,
     ProcessExit,
     ProtocolError,
@@ -78,6 +76,7 @@ from recover.coordinator.protocol import (
     Register,
     Tick,
     check_field,
+    decode_done_batch,
     decode_message,
     read_frame_async,
 )
@@ -90,15 +89,15 @@ from recover.coordinator.state_store import (
     InMemoryStateStore,
     StateStore,
 )
+from recover.coordinator.views import ViewCache, frame
 
 __all__ = ["CoordinatorServer"]
 
 log = logging.getLogger("recover.coordinator")
 
-_HEADER = struct.Struct(">I")
-_VIEW = object()  # a reply's "view" value meaning: the current view, spliced in pre-encoded
-_PULSE = object()  # the current view without its plan (holdings, weights): see _handle_heartbeat
-_ATTEMPTS_KEPT = 64  # view versions whose attempt (step, attempt_epoch) the server remembers
+# A reply's "view" value meaning: the current view, pre-encoded and spliced in, relative to the
+# version the request says it holds (`view_version`; views.py)
+_VIEW = object()
 _MAX_HOLD_S = 1.0  # the longest a heartbeat reply may be held (a lease is >= this in practice)
 _DRAIN_ROUNDS = 4  # zero sleeps before a tick: readable sockets are read and their frames handled
 
@@ -107,9 +106,20 @@ _DRAIN_ROUNDS = 4  # zero sleeps before a tick: readable sockets are read and th
 class _Conn:
     id: int
     peer: str
+    writer: asyncio.StreamWriter | None = None
     session: tuple[int, str] | None = None  # (replica_id, incarnation) registered here
     left: bool = False
     gone: asyncio.Future | None = None  # resolved when the peer closes (StreamProtocol)
+    relay: str | None = None  # the relay that speaks on this connection (relay.py)
+
+
+@dataclass
+class _Relay:
+    """A relay's replicas (registered through it) and its connections: they live and die with it
+    in our view (a relay's replicas heartbeat the relay, which holds their leases)."""
+
+    sessions: set[tuple[int, str]]
+    writers: set[asyncio.StreamWriter]
 
 
 def _number(req: dict[str, Any], name: str) -> float:
@@ -188,9 +198,12 @@ class CoordinatorServer:
         # replica -> the newest view version a reply to it carried (on any connection), so a
         # heartbeat does not send again what the replica's rpc connection just got
         self._delivered: dict[int, int] = {}
-        self._view_cache: tuple[int, bytes, bytes] = (-1, b"", b"")
-        # view version -> its attempt (step, attempt_epoch), for the last _ATTEMPTS_KEPT versions
-        self._attempts: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._views = ViewCache()
+        # Relays: their replicas, their leases (one per relay, kept by its held relay_beat) and
+        # their held beats (woken at every view change and every new accusation).
+        self._relays: dict[str, _Relay] = {}
+        self._relay_leases = LeaseQueue(options.lease_s)
+        self._relay_held = Waiters()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -304,6 +317,7 @@ class CoordinatorServer:
             server.close()
             self._waiters.wake()  # long-polls and held heartbeats see _stopping and return
             self._held.wake()
+            self._relay_held.wake()
             for w in list(self._writers):
                 w.close()
             if self._tasks:  # let handlers end on their own (cancelling them logs noise)
@@ -322,6 +336,8 @@ class CoordinatorServer:
                 if due or st.accusations or st.status == "forming":
                     self._apply(Tick(due=tuple(due)), now)
                     self._requeue(due)
+                for relay in self._relay_leases.due(now):
+                    self._relay_lost(relay, "lease")
             except Exception as e:  # a broken rule must stop the service loudly
                 log.critical("coordinator tick failed; stopping", exc_info=True)
                 self._error = e
@@ -335,15 +351,15 @@ class CoordinatorServer:
         for d in decisions:
             self._record(d)
         if new.view_version != old.view_version:
-            self._attempts[new.view_version] = (new.step, new.attempt_epoch)
-            if len(self._attempts) > _ATTEMPTS_KEPT:
-                self._attempts.popitem(last=False)
             key = self._key(new)
             if key != self._wake_key:
                 if key[:2] != self._wake_key[:2]:  # (epoch, status): push to held heartbeats
                     self._held.wake()
                 self._wake_key = key
                 self._waiters.wake()
+                self._relay_held.wake()
+        if new.accusations is not old.accusations and len(new.accusations) > len(old.accusations):
+            self._relay_held.wake()  # a relay proves its accused replicas alive (relay_beat)
         return decisions, reason
 
     @staticmethod
@@ -383,37 +399,16 @@ class CoordinatorServer:
             if stopping:
                 return
 
-    def _view_json(self, pulse: bool = False) -> bytes:
-        """The current view as JSON, encoded once per view version; `pulse`: without the plan
-        (holding_runs, weights), which a replica keeps from the view of the same attempt."""
+    def _frame(self, reply: dict[str, Any], known: Any = None) -> bytes:
+        """One reply frame; a `_VIEW` value is replaced by the current view, encoded once per
+        version and sent relative to `known`, the view version the requester holds."""
+        if reply.get("view") is not _VIEW:
+            return frame(reply)
         st = self._state
-        version, body, lite = self._view_cache
-        if version != st.view_version:
-            d = view_of(st).to_dict()
-            body = json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
-            d = {k: v for k, v in d.items() if k not in ("holding_runs", "weights")}
-            lite = json.dumps({**d, "pulse": True}, separators=(",", ":")).encode()
-            self._view_cache = (st.view_version, body, lite)
-        return lite if pulse else body
-
-    def _same_attempt(self, version: Any) -> bool:
-        """Did view `version` (a replica's) describe the current attempt? Then its plan is the
-        current one: an attempt's holdings and weights change only with a new attempt."""
-        st = self._state
-        return self._attempts.get(version) == (st.step, st.attempt_epoch)
-
-    def _frame(self, reply: dict[str, Any]) -> bytes:
-        """One reply frame; a `_VIEW` value is replaced by the pre-encoded current view."""
-        view = reply.get("view")
-        with_view = view is _VIEW or view is _PULSE
-        if with_view:
-            reply = {k: v for k, v in reply.items() if k != "view"}
-        body = json.dumps(reply, separators=(",", ":"), allow_nan=False).encode()
-        if with_view:
-            body = body[:-1] + b',"view":' + self._view_json(view is _PULSE) + b"}"
-        if len(body) > MAX_FRAME:
-            raise FrameTooLarge(f"reply of {len(body)} bytes exceeds {MAX_FRAME}")
-        return _HEADER.pack(len(body)) + body
+        if self._views.version != st.view_version:
+            self._views.publish(view_of(st))
+        reply = {k: v for k, v in reply.items() if k != "view"}
+        return frame(reply, self._views.encoded(known))
 
     def _record(self, d: Decision) -> None:
         record = d.to_dict()
@@ -452,7 +447,7 @@ class CoordinatorServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        conn = _Conn(id=next(self._conn_ids), peer=str(peer))
+        conn = _Conn(id=next(self._conn_ids), peer=str(peer), writer=writer)
         conn.gone = getattr(writer.transport.get_protocol(), "gone", None)
         self._writers.add(writer)
         self._tasks.add(asyncio.current_task())
@@ -475,7 +470,7 @@ class CoordinatorServer:
                     break
                 if reply.get("view") is _VIEW and isinstance(req.get("replica_id"), int):
                     self._delivered[req["replica_id"]] = self._state.view_version
-                writer.write(self._frame(reply))
+                writer.write(self._frame(reply, req.get("view_version")))
                 await writer.drain()
         except (ConnectionError, OSError):
             pass  # the peer went away; a session's loss is handled below
@@ -487,6 +482,8 @@ class CoordinatorServer:
             self._tasks.discard(asyncio.current_task())
             if conn.session is not None and not conn.left and not self._stopping:
                 self._session_lost(conn)
+            if conn.relay is not None and not self._stopping:
+                self._relay_lost(conn.relay, "exit")
             writer.close()
 
     def _token_ok(self, req: dict[str, Any]) -> bool:
@@ -512,6 +509,12 @@ class CoordinatorServer:
 
     async def _dispatch(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         kind = req.get("kind")
+        if "relay" in req:
+            self._bind_relay(conn, req["relay"])
+        if kind == "relay_beat":
+            return await self._handle_relay_beat(req, conn)
+        if kind == "done_batch":
+            return self._handle_done_batch(req)
         if kind == "heartbeat":
             return await self._handle_heartbeat(req, conn)
         if kind in MESSAGE_KINDS:
@@ -555,13 +558,13 @@ class CoordinatorServer:
                 now = time.monotonic()
                 self._beats.append((r, inc, now))
                 self._leases.touch(r, now)
-        if not reply.get("ok"):
+        if (
+            not reply.get("ok")
+            or max(known, self._delivered.get(r, -1)) != self._state.view_version
+        ):
+            # Pushed to every replica at each epoch change, relative to the view it holds: a
+            # delta of the live set, and no plan when it holds this plan (views.py).
             reply["view"] = _VIEW
-        elif max(known, self._delivered.get(r, -1)) != self._state.view_version:
-            # Pushed to every replica at each epoch change: without the plan when the replica
-            # already holds this attempt's plan (O(R) bytes each instead of O(R + plan)).
-            same = self._same_attempt(known)
-            reply["view"] = _PULSE if same else _VIEW
         return reply
 
     def _handle_message(self, req: dict[str, Any], conn: _Conn, msg: Any = None) -> dict[str, Any]:
@@ -572,17 +575,104 @@ class CoordinatorServer:
             if isinstance(d, Refused) and d.incarnation == getattr(msg, "incarnation", None):
                 return {"ok": False, "code": d.code, "reason": d.reason, "view": _VIEW}
         reply: dict[str, Any] = {"ok": True, "reason": reason}
-        if isinstance(msg, Register | Heartbeat):
+        relay = self._relays.get(conn.relay) if conn.relay is not None else None
+        if isinstance(msg, Register | Heartbeat) and relay is None:
             self._leases.touch(msg.replica_id, now)
         if isinstance(msg, Register):
-            conn.session = (msg.replica_id, msg.incarnation)
-            self._sessions[conn.session] = conn.id
+            if relay is not None:  # its session and lease are the relay's
+                relay.sessions.add((msg.replica_id, msg.incarnation))
+            else:
+                conn.session = (msg.replica_id, msg.incarnation)
+                self._sessions[conn.session] = conn.id
             reply["store"] = list(self._store_address) if self._store_address else None
-        if isinstance(msg, Leave):
+        elif relay is not None and isinstance(msg, Leave | ProcessExit | LeaseExpired):
+            relay.sessions.discard((msg.replica_id, msg.incarnation))
+        if isinstance(msg, Leave) and relay is None:
             conn.left = True
         if not isinstance(msg, Heartbeat) or req.get("view_version") != self._state.view_version:
             reply["view"] = _VIEW
         return reply
+
+    # ------------------------------------------------------------ relays
+
+    def _bind_relay(self, conn: _Conn, relay_id: Any) -> None:
+        if not isinstance(relay_id, str) or not 0 < len(relay_id) <= 128:
+            raise ProtocolError(f"field 'relay' must be a non-empty string, got {relay_id!r}"[:200])
+        if conn.relay == relay_id:
+            return
+        if conn.relay is not None:
+            raise ProtocolError("one connection speaks for one relay")
+        conn.relay = relay_id
+        relay = self._relays.get(relay_id)
+        if relay is None:
+            relay = self._relays[relay_id] = _Relay(sessions=set(), writers=set())
+            self._relay_leases.touch(relay_id, time.monotonic())
+            log.info("relay %s connected from %s", relay_id, conn.peer)
+        relay.writers.add(conn.writer)
+
+    def _relay_lost(self, relay_id: str, how: str) -> None:
+        """A relay's connection ended (how="exit") or its lease ran out ("lease"): every replica
+        registered through it is gone with it (the next view says so), and its connections are
+        closed (a hung relay that wakes up finds its replicas fenced)."""
+        relay = self._relays.pop(relay_id, None)
+        if relay is None:
+            return
+        self._relay_leases.settle([relay_id], {relay_id: None})
+        log.warning("relay %s lost (%s) with %d replicas", relay_id, how, len(relay.sessions))
+        for r, inc in sorted(relay.sessions):
+            if not check_member(self._state, r, inc)[0]:
+                msg = ProcessExit if how == "exit" else LeaseExpired
+                self._apply(msg(replica_id=r, incarnation=inc))
+        for w in relay.writers:
+            w.close()
+
+    async def _handle_relay_beat(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
+        """A relay's heartbeat, held like a replica's but woken by any view change (a relay
+        answers its replicas' long-polls from its copy of the view) and by new accusations.
+        `seen`: [replica_id, incarnation, seconds since the relay heard it] for accused replicas
+        (only those: the relay holds the leases), which answers an accusation as a heartbeat."""
+        relay_id = conn.relay
+        if relay_id not in self._relays:
+            return {"ok": False, "code": "unknown", "reason": f"relay {relay_id} was declared lost"}
+        now = time.monotonic()
+        self._relay_leases.touch(relay_id, now)
+        seen = req.get("seen", [])
+        if not isinstance(seen, list):
+            raise ProtocolError("field 'seen' must be a list")
+        for item in seen:
+            if not (isinstance(item, list) and len(item) == 3):
+                raise ProtocolError("field 'seen' must hold [replica_id, incarnation, age_s]")
+            r, inc = check_field("replica_id", item[0]), check_field("incarnation", item[1])
+            age = _number({"age": item[2]}, "age")
+            self._beats.append((r, inc, now - age))
+        known = req.get("view_version")
+        hold = req.get("hold_s")
+        if (
+            isinstance(hold, int | float)
+            and not isinstance(hold, bool)
+            and hold > 0
+            and known == self._state.view_version
+            and not seen
+        ):
+            await self._relay_held.park(min(float(hold), _MAX_HOLD_S), conn.gone)
+            if relay_id in self._relays:  # its lease runs from the reply
+                self._relay_leases.touch(relay_id, time.monotonic())
+        reply: dict[str, Any] = {
+            "ok": True,
+            "lease_s": self._options.lease_s,
+            "accused": sorted(self._state.accusations),
+        }
+        if known != self._state.view_version:
+            reply["view"] = _VIEW
+        return reply
+
+    def _handle_done_batch(self, req: dict[str, Any]) -> dict[str, Any]:
+        msg = decode_done_batch(req)
+        decisions, reason = self._apply(msg)
+        refused = {
+            str(d.replica_id): [d.code, d.reason] for d in decisions if isinstance(d, Refused)
+        }
+        return {"ok": True, "reason": reason, "refused": refused, "view": _VIEW}
 
     async def _handle_wait_view(self, req: dict[str, Any]) -> dict[str, Any]:
         after = check_field("epoch", req.get("newer_than_epoch"))
