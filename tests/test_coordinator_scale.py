@@ -1,7 +1,8 @@
 """The coordinator under load: the benchmark at small R, and a stalled event loop.
 
-`recover bench coordinator` at a small R runs here with a kill and a silent hang: every step ends
-with a burst of R done reports, and no healthy replica may be declared dead. A stalled event loop
+`recover bench coordinator` at a small R runs here with a kill and a silent hang, straight to the
+coordinator and through two relays: every step ends with a burst of R done reports, and no
+healthy replica may be declared dead. A stalled event loop
 (blocked for twice the lease while replicas keep heartbeating) must not turn heartbeats that wait
 in the sockets, or replies it held, into deaths. No timing is asserted: only outcomes.
 """
@@ -17,15 +18,23 @@ from recover.coordinator import CoordinatorClient, CoordinatorOptions, Coordinat
 from recover.tooling.bench.coordinator import BenchCoordinatorConfig, format_table, run_once
 
 
-@pytest.mark.timeout(90)
-def test_bench_at_small_r_has_no_false_deaths_under_bursts_of_done_reports():
-    cfg = BenchCoordinatorConfig(replicas=48, steps=3, warmup_steps=1, compute_s=0.2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("relays", [0, 2], ids=["direct", "two-relays"])
+def test_bench_at_small_r_has_no_false_deaths_under_bursts_of_done_reports(relays):
+    cfg = BenchCoordinatorConfig(
+        replicas=48, steps=3, warmup_steps=1, compute_s=0.2, relays=relays, drivers=2
+    )
     row = run_once(cfg)
     print(format_table([row]))
+    assert "failed" not in row, row.get("failed")
     assert row["errors"] == [] and row["evicted_replicas"] == []
     assert row["false_deaths"] == 0
     assert row["commit_samples"] >= cfg.replicas  # steps committed with every replica
+    # The killed replica (behind relay 0 when there are relays) and the hung one were declared
+    # dead and every survivor saw it; a step committed after both.
     assert row["kill_detect_s"] is not None and row["hang_evict_s"] is not None
+    if relays:
+        assert row["relay_cpu"] is not None
 
 
 @pytest.mark.timeout(60)

@@ -1,28 +1,36 @@
 """`recover bench coordinator`: the coordinator under R simulated replicas, with a kill and a hang.
 
 Job: measure the control plane alone. One `recover coordinator serve` subprocess (the real server,
-the real wire protocol); in this process, R lightweight replicas on one asyncio loop. Each replica
-opens a session connection (register, then a heartbeat every `heartbeat_s`) and an rpc connection
-(done reports and wait_outcome long-polls), plus K-1 view watchers (the other ranks of a replica
-of K ranks, each long-polling `wait_view`). Every step a replica "computes" for `compute_s`,
-reports done for (step, attempt epoch) and waits for the outcome.
+the real wire protocol), optionally N `recover coordinator relay` subprocesses in front of it
+(replica r speaks to relay r * N // R), and D driver subprocesses that each simulate a block of
+the R replicas on one asyncio loop. Each replica opens a session connection (register, then a
+heartbeat every `heartbeat_s` that asks for a held reply, like `CoordinatorClient`) and an rpc
+connection (done reports and wait_outcome long-polls), plus K-1 view watchers (the other ranks of
+a replica of K ranks, each long-polling `wait_view`). Every request says which view version the
+replica holds, so views come relative to it (a live-set delta, no plan when it holds the plan).
+Every step a replica "computes" for `compute_s`, reports done for (step, attempt epoch) and waits
+for the outcome, so all R done reports arrive in one burst.
 
-Faults (after `warmup_steps` commits): replica 0 is killed (both connections dropped, as a
-SIGKILL does), then, once its death has been published, replica 1 hangs silently (its sockets stay
-open; it sends nothing). Survivors keep reporting done, so the steps commit without a redo.
+Faults (after `warmup_steps` commits and the measured steps): replica 0 is killed mid-step (both
+connections dropped, as a SIGKILL does), then, once its death reached the survivors of its
+driver, replica 1 hangs silently (its sockets stay open; it sends nothing). Survivors keep
+reporting done, so the steps commit without a redo. Each driver stops when all of its survivors
+saw both deaths and one more commit.
 
-Figures (all from this process's clock, except the coordinator's CPU):
+Figures (all on CLOCK_MONOTONIC, which every process on the machine shares):
 - form_s: first register sent -> the last replica saw itself live in a running view;
 - commit_s median / p99: done sent -> Committed received, per replica and failure-free step;
 - heartbeat_rtt_s p99: heartbeat sent -> its reply (a held reply: minus the hold);
-- coordinator_cpu: (utime + stime) of the coordinator pid over the steady window / wall time, in
-  cores (1.0 = one core busy), from /proc/<pid>/stat;
+- coordinator_cpu, relay_cpu, driver_cpu: (utime + stime) of those processes over the measured
+  steps / wall time, in cores (1.0 = one core busy), sampled from /proc/<pid>/stat every 0.1 s;
+  relay and driver figures are the sum over their processes (`*_cpu_max`: the busiest one);
 - false_deaths: `coordinator.member_dead` events (its --events file) of replicas never faulted;
-- kill_detect_s: the drop -> the last survivor saw an epoch without the killed replica;
+- kill_detect_s: the drop -> the last survivor (of all drivers) saw an epoch without replica 0;
 - hang_evict_s: the hung replica's last heartbeat -> the last survivor saw an epoch without it
   (the target is lease + 1 s).
-Costs: one process drives all replicas, so at large R this process can be the bottleneck: its
-own CPU (`driver_cpu`) is reported beside the coordinator's; near 1.0 the figures are a bound.
+Costs: the drivers and relays share the machine with the coordinator: when relay_cpu +
+driver_cpu + coordinator_cpu nears the machine's cores, the figures are a bound set by the
+simulation, not by the coordinator.
 """
 
 from __future__ import annotations
@@ -31,24 +39,32 @@ import argparse
 import asyncio
 import json
 import os
-import re
-import resource
 import statistics
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from recover.coordinator.protocol import MAX_FRAME
+from recover.coordinator.views import split_plan
 
-__all__ = ["BenchCoordinatorConfig", "add_coordinator_bench_parser", "bench_coordinator"]
+__all__ = [
+    "BenchCoordinatorConfig",
+    "add_coordinator_bench_parser",
+    "format_table",
+    "message_costs",
+    "run_coordinator_bench",
+    "run_once",
+]
 
 _HEADER = struct.Struct(">I")
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_FAULTED = (0, 1)  # replica 0 is killed, replica 1 hangs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +79,8 @@ class BenchCoordinatorConfig:
     lease_s: float = 1.0
     faults: bool = True
     hold: bool = True  # heartbeats ask for held replies (pushed epochs), like CoordinatorClient
+    relays: int = 0  # 0: every replica speaks to the coordinator itself
+    drivers: int = 1  # processes that simulate the replicas (each a block of them)
     form_timeout_s: float = 120.0
     step_timeout_s: float = 30.0
 
@@ -71,11 +89,15 @@ class BenchCoordinatorConfig:
             raise ValueError(
                 f"replicas must be >= 3 with faults (>= 1 without), got {self.replicas}"
             )
-        for name in ("microbatches", "steps", "warmup_steps"):
+        for name in ("microbatches", "steps", "warmup_steps", "relays"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.ranks_per_replica < 1:
             raise ValueError(f"ranks_per_replica must be >= 1, got {self.ranks_per_replica}")
+        if not 1 <= self.drivers <= self.replicas:
+            raise ValueError(f"drivers must be in 1..replicas, got {self.drivers}")
+        if self.relays > self.replicas:
+            raise ValueError(f"relays must be <= replicas, got {self.relays}")
         for name in ("compute_s", "heartbeat_s", "lease_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -87,6 +109,10 @@ class BenchCoordinatorConfig:
 
 # ---------------------------------------------------------------- wire (asyncio, no validation)
 
+_VIEW_AT = b',"view":'
+_LIVE_AT = b',"live":['
+_HB_OK = b'{"ok":true,"reason":"heartbeat"}'
+
 
 class _Conn:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -97,50 +123,36 @@ class _Conn:
         reader, writer = await asyncio.open_connection(host, port, limit=MAX_FRAME + 8)
         return cls(reader, writer)
 
-    async def call(self, req: dict) -> dict:
+    async def call(self, req: dict) -> tuple[dict, bytes | None]:
+        """A request -> (the reply without its view, the view's bytes or None)."""
         body = json.dumps(req, separators=(",", ":")).encode()
         self.writer.write(_HEADER.pack(len(body)) + body)
         (n,) = _HEADER.unpack(await self.reader.readexactly(4))
-        return _parse_reply(await self.reader.readexactly(n))
+        body = await self.reader.readexactly(n)
+        if body == _HB_OK:
+            return {"ok": True}, None
+        at = body.find(_VIEW_AT)  # the view is spliced in last; quotes in strings are escaped
+        if at < 0:
+            return json.loads(body), None
+        return json.loads(body[:at] + b"}"), body[at + len(_VIEW_AT) : -1]
 
     def drop(self) -> None:
         self.writer.transport.abort()  # RST, like a killed process's sockets
 
 
-_VIEW_AT = b',"view":{"epoch":'
-_VIEW_HEAD = re.compile(rb'^\{"epoch":(\d+),"live":\[([0-9,]*)\],"step":(\d+),')
-_VIEW_MID = re.compile(rb'"status":"(\w+)","committed_step":(-?\d+),"attempt_epoch":(\d+),')
-_VIEW_VERSION = re.compile(rb'\],"version":(\d+),"reason":')
+def _parse_view(body: bytes) -> tuple[dict, bytes | None]:
+    """A view's bytes -> (its fields without the plan and without `live`, the bytes of `live`).
 
-
-def _parse_reply(body: bytes) -> dict:
-    """A reply, with its view reduced to what a simulated replica reads.
-
-    The server splices the view in last (`,"view":{...}}`); decoding the whole view (its plan is
-    O(R) JSON) for every reply would make this one driver process the bottleneck, so the view's
-    scalars are read with anchored patterns (JSON strings escape quotes: a reason cannot fake
-    them) and `live` is decoded only when asked (`view["live"]()`)."""
-    at = body.find(_VIEW_AT)
-    if at < 0:
-        return json.loads(body)
-    reply = json.loads(body[:at] + b"}")
-    raw = body[at + 8 : -1]
-    head, mid, ver = _VIEW_HEAD.match(raw), _VIEW_MID.search(raw), _VIEW_VERSION.search(raw)
-    if head is None or mid is None or ver is None:  # an unknown layout: decode it all
-        v = json.loads(raw)
-        reply["view"] = {**v, "live": lambda v=v: tuple(v["live"])}
-        return reply
-    live = head.group(2)
-    reply["view"] = {
-        "epoch": int(head.group(1)),
-        "live": lambda: tuple(int(x) for x in live.split(b",")) if live else (),
-        "step": int(head.group(3)),
-        "status": mid.group(1).decode(),
-        "committed_step": int(mid.group(2)),
-        "attempt_epoch": int(mid.group(3)),
-        "version": int(ver.group(1)),
-    }
-    return reply
+    Decoding the plan and the live set of every reply would make the drivers the bottleneck:
+    the plan is cut off unread (the simulated replicas compute nothing with it) and `live` is
+    decoded once per epoch per driver (`_Driver.lives`)."""
+    rest, _ = split_plan(body)
+    live = None
+    i = rest.find(_LIVE_AT)
+    if i >= 0:
+        j = rest.index(b"]", i)
+        live, rest = rest[i + len(_LIVE_AT) : j], rest[:i] + rest[j + 1 :]
+    return json.loads(rest), live
 
 
 @dataclass
@@ -149,58 +161,81 @@ class _Replica:
     inc: str = field(default_factory=lambda: uuid.uuid4().hex)
     epoch: int = 0
     version: int = -1
-    live: tuple[int, ...] = ()
+    live: frozenset = frozenset()
     status: str = "forming"
     step: int = 0
     attempt_epoch: int = 0
     silent: bool = False
     dead: bool = False
     evicted: str | None = None
-    seen_epoch_at: dict[int, float] = field(default_factory=dict)  # epoch -> first seen
+    without: dict[int, float] = field(default_factory=dict)  # victim -> first seen without it
     admitted_at: float | None = None
     last_hb_sent: float = 0.0
     conns: list[_Conn] = field(default_factory=list)
 
-    def absorb(self, reply: dict) -> None:
-        v = reply.get("view")
-        if v is None or v.get("version", 0) < self.version:
-            return
-        self.version = v.get("version", 0)
-        self.status, self.step, self.attempt_epoch = v["status"], v["step"], v["attempt_epoch"]
-        if v["epoch"] != self.epoch or not self.live:
-            self.live = v["live"]()
-        if v["epoch"] != self.epoch:
-            self.epoch = v["epoch"]
-            self.seen_epoch_at.setdefault(self.epoch, time.monotonic())
-        if self.admitted_at is None and self.status == "running" and self.rid in self.live:
-            self.admitted_at = time.monotonic()
-
 
 class _Driver:
-    def __init__(self, cfg: BenchCoordinatorConfig, host: str, port: int) -> None:
-        self.cfg, self.host, self.port = cfg, host, port
-        self.replicas = [_Replica(rid=r) for r in range(cfg.replicas)]
+    """A block of simulated replicas on this process's loop (one driver subprocess)."""
+
+    def __init__(self, cfg: BenchCoordinatorConfig, rids: range, addrs: list[tuple[str, int]]):
+        self.cfg, self.addrs = cfg, addrs
+        self.replicas = [_Replica(rid=r) for r in rids]
+        self.lives: dict[int, frozenset] = {}  # epoch -> live set (decoded once per epoch)
         self.hb_rtt: list[float] = []
         self.commit_s: list[tuple[int, float]] = []  # (step, seconds)
         self.commits: dict[int, float] = {}  # step -> first seen committed
         self.stop = asyncio.Event()
         self.errors: list[str] = []
         self.reregistered = 0  # pending replicas that expired and registered again
+        self.first_register: float | None = None
         self.fp = {"model": "bench", "microbatches": cfg.m}
 
+    def addr(self, rid: int) -> tuple[str, int]:
+        return self.addrs[rid * len(self.addrs) // self.cfg.replicas]
+
     def member(self, rep: _Replica, req: dict) -> dict:
-        req["replica_id"], req["incarnation"] = rep.rid, rep.inc
+        req["replica_id"], req["incarnation"], req["view_version"] = rep.rid, rep.inc, rep.version
         return req
 
+    def absorb(self, rep: _Replica, body: bytes | None) -> None:
+        """A reply's view, merged as CoordinatorClient does (protocol.merge_view)."""
+        if body is None:
+            return
+        v, live_bytes = _parse_view(body)
+        if v["version"] < rep.version:
+            return
+        epoch = v["epoch"]
+        if epoch != rep.epoch or not rep.live:
+            live = self.lives.get(epoch)
+            if live is None:
+                if live_bytes is not None:
+                    live = frozenset(int(x) for x in live_bytes.split(b",") if x)
+                else:
+                    base = v["live_from"]
+                    if base["epoch"] != rep.epoch or rep.epoch not in self.lives:
+                        return  # meant for another view than ours: dropped, as the client does
+                    live = (self.lives[rep.epoch] - set(base["gone"])) | set(base["new"])
+                self.lives[epoch] = live
+            now = time.monotonic()
+            rep.live, rep.epoch = live, epoch
+            for victim in _FAULTED:
+                if victim not in live and victim not in rep.without and rep.admitted_at:
+                    rep.without[victim] = now
+        rep.version = v["version"]
+        rep.status, rep.step, rep.attempt_epoch = v["status"], v["step"], v["attempt_epoch"]
+        if rep.admitted_at is None and rep.status == "running" and rep.rid in rep.live:
+            rep.admitted_at = time.monotonic()
+
     async def session(self, rep: _Replica, started: asyncio.Event) -> None:
-        conn = await _Conn.open(self.host, self.port)
+        conn = await _Conn.open(*self.addr(rep.rid))
         rep.conns.append(conn)
         req = {"kind": "register", "fingerprint": self.fp, "next_step": 0}
-        reply = await conn.call(self.member(rep, req))
+        self.first_register = self.first_register or time.monotonic()
+        reply, view = await conn.call(self.member(rep, req))
         if not reply.get("ok"):
             self.errors.append(f"replica {rep.rid} register refused: {reply.get('reason')}")
             return
-        rep.absorb(reply)
+        self.absorb(rep, view)
         started.set()
         period = self.cfg.heartbeat_s
         # Spread the replicas' heartbeats over the period, as independent processes would be.
@@ -213,49 +248,48 @@ class _Driver:
                     return
                 continue
             req = self.member(rep, {"kind": "heartbeat", "epoch": rep.epoch})
-            req["view_version"] = rep.version
             if self.cfg.hold:  # as CoordinatorClient does: epoch changes are pushed
                 req["hold_s"] = period
             t0 = rep.last_hb_sent = time.monotonic()
             try:
-                reply = await conn.call(req)
+                reply, view = await conn.call(req)
             except (ConnectionError, asyncio.IncompleteReadError):
                 return
             rtt = time.monotonic() - t0
             if not self.cfg.hold:
                 self.hb_rtt.append(rtt)
-            elif "view" not in reply:  # held for `period`: the rest is the round trip
+            elif view is None:  # held for `period`: the rest is the round trip
                 self.hb_rtt.append(max(0.0, rtt - period))
             if not reply.get("ok") and reply.get("code") == "expired":  # as CoordinatorClient
                 self.reregistered += 1
                 req = {"kind": "register", "fingerprint": self.fp, "next_step": 0}
-                reply = await conn.call(self.member(rep, req))
+                reply, view = await conn.call(self.member(rep, req))
             if not reply.get("ok") and reply.get("code") in ("evicted", "unknown"):
                 rep.evicted = reply.get("reason", "")
                 return  # fenced: a real replica exits
-            rep.absorb(reply)
+            self.absorb(rep, view)
 
     async def watcher(self, rep: _Replica) -> None:
-        conn = await _Conn.open(self.host, self.port)
+        conn = await _Conn.open(*self.addr(rep.rid))
         rep.conns.append(conn)
         epoch = -1
         while not self.stop.is_set() and not rep.dead:
             req = {"kind": "wait_view", "newer_than_epoch": epoch, "deadline_s": 1.0}
             try:
-                reply = await conn.call(req)
+                _, view = await conn.call(req)
             except (ConnectionError, asyncio.IncompleteReadError):
                 return
-            if reply.get("view") is not None:
-                epoch = reply["view"]["epoch"]
+            if view is not None:
+                epoch = _parse_view(view)[0]["epoch"]
 
     async def worker(self, rep: _Replica, started: asyncio.Event) -> None:
         await started.wait()
-        conn = await _Conn.open(self.host, self.port)
+        conn = await _Conn.open(*self.addr(rep.rid))
         rep.conns.append(conn)
         while rep.admitted_at is None and not self.stop.is_set():  # wait until the run forms
             req = self.member(rep, {"kind": "wait_view", "newer_than_epoch": rep.epoch})
             req["deadline_s"] = 1.0
-            rep.absorb(await conn.call(req))
+            self.absorb(rep, (await conn.call(req))[1])
         while not self.stop.is_set() and not rep.dead:
             await asyncio.sleep(self.cfg.compute_s)
             if rep.dead or rep.silent:
@@ -263,14 +297,13 @@ class _Driver:
             step, epoch = rep.step, rep.attempt_epoch
             t0 = time.monotonic()
             try:
-                reply = await conn.call(
-                    self.member(rep, {"kind": "done", "step": step, "epoch": epoch})
-                )
-                rep.absorb(reply)
-                while True:
+                req = self.member(rep, {"kind": "done", "step": step, "epoch": epoch})
+                reply, view = await conn.call(req)
+                self.absorb(rep, view)
+                while reply.get("ok"):
                     req = {"kind": "wait_outcome", "step": step, "epoch": epoch, "deadline_s": 5}
-                    reply = await conn.call(self.member(rep, req))
-                    rep.absorb(reply)
+                    reply, view = await conn.call(self.member(rep, req))
+                    self.absorb(rep, view)
                     if reply.get("outcome") != "timeout":
                         break
             except (ConnectionError, asyncio.IncompleteReadError):
@@ -298,24 +331,295 @@ class _Driver:
             await asyncio.sleep(0.01)
 
     def all_saw_without(self, victim: int) -> float | None:
-        """When the last survivor first saw an epoch whose live set lacks `victim` (or None)."""
-        times = []
-        for rep in self.survivors():
-            if victim in rep.live:
-                return None
-            times.append(min(t for e, t in rep.seen_epoch_at.items() if e == rep.epoch))
-        return max(times) if times else None
+        """When the last survivor here first saw an epoch without `victim` (or None)."""
+        times = [rep.without.get(victim) for rep in self.survivors()]
+        return None if None in times else max(times, default=0.0)
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
+async def _drive_part(cfg: BenchCoordinatorConfig, rids: range, addrs: list) -> dict:
+    """Drive replicas `rids` through forming, the warm-up, the measured steps and the faults
+    (the faults only where this part holds replicas 0 and 1); returns what it measured."""
+    d = _Driver(cfg, rids, addrs)
+    tasks = []
+    for rep in d.replicas:
+        started = asyncio.Event()
+        tasks.append(asyncio.create_task(d.session(rep, started)))
+        tasks.append(asyncio.create_task(d.worker(rep, started)))
+        for _ in range(cfg.ranks_per_replica - 1):
+            tasks.append(asyncio.create_task(d.watcher(rep)))
+    out: dict = {"rids": [rids.start, rids.stop]}
+    try:
+        await d.until(
+            lambda: all(r.admitted_at is not None for r in d.replicas) or d.errors,
+            cfg.form_timeout_s,
+            "forming",
+        )
+        if d.errors:
+            raise RuntimeError("; ".join(d.errors[:5]))
+        out["first_register"] = d.first_register
+        out["admitted_last"] = max(r.admitted_at for r in d.replicas)
+        first = max(r.step for r in d.replicas)
+        warm, last = first + cfg.warmup_steps, first + cfg.warmup_steps + cfg.steps
+        await d.until(lambda: warm in d.commits, cfg.step_timeout_s, "warmup")
+        hb_from = len(d.hb_rtt)
+        await d.until(lambda: last in d.commits, cfg.step_timeout_s * (cfg.steps + 1), "steps")
+        out["window"] = [d.commits[warm], d.commits[last]]
+        out["commit_s"] = [s for step, s in d.commit_s if warm < step <= last]
+        out["hb_rtt"] = d.hb_rtt[hb_from:]
+        faulter = cfg.faults and rids.start == 0
+        if cfg.faults:
+            if faulter:  # the kill: drop both connections mid-compute, as a SIGKILL would
+                await d.until(
+                    lambda: time.monotonic() - max(d.commits.values()) > cfg.compute_s / 2,
+                    cfg.step_timeout_s,
+                    "mid-step",
+                )
+                victim = d.replicas[0]
+                victim.dead = True
+                out["t_kill"] = time.monotonic()
+                for c in victim.conns:
+                    c.drop()
+            await d.until(lambda: d.all_saw_without(0) is not None, cfg.step_timeout_s, "kill")
+            if faulter:  # the hang: replica 1 stops sending anything; its sockets stay open
+                hung = d.replicas[1]
+                hung.silent = True
+                await asyncio.sleep(cfg.heartbeat_s * 2)  # an in-flight heartbeat completes
+                out["t_hang"] = hung.last_hb_sent
+            await d.until(lambda: d.all_saw_without(1) is not None, cfg.step_timeout_s, "hang")
+            out["saw_without"] = {str(v): d.all_saw_without(v) for v in _FAULTED}
+            n = max(d.commits)
+            await d.until(lambda: n + 1 in d.commits, cfg.step_timeout_s, "commit after faults")
+        out["evicted"] = sorted(
+            r.rid for r in d.replicas if r.evicted is not None and r.rid not in _FAULTED
+        )
+        out["errors"] = d.errors[:10]
+        out["reregistered"] = d.reregistered
+        out["t_wall_end"] = time.time()  # deaths after this are the teardown's
+    finally:
+        d.stop.set()
+        for rep in d.replicas:
+            for c in rep.conns:
+                c.drop()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return out
+
+
+def _part_main(argv: list[str]) -> int:
+    """A driver subprocess: `python -m recover.tooling.bench.coordinator SPEC OUT`."""
+    spec = json.loads(Path(argv[0]).read_text())
+    cfg = BenchCoordinatorConfig(**spec["cfg"])
+    addrs = [tuple(a) for a in spec["addrs"]]
+    try:
+        out = asyncio.run(_drive_part(cfg, range(*spec["rids"]), addrs))
+    except (RuntimeError, TimeoutError, OSError) as e:
+        out = {"failed": f"{type(e).__name__}: {e}"[:500]}
+    tmp = argv[1] + ".tmp"
+    Path(tmp).write_text(json.dumps(out))
+    os.replace(tmp, argv[1])
+    return 0 if "failed" not in out else 1
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _cpu_s(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
     return (int(parts[11]) + int(parts[12])) / _CLK_TCK  # utime, stime
 
 
-def _driver_cpu_s() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
+class _CpuSampler:
+    """(t, cpu seconds) of some pids every 0.1 s, so that a window named afterwards can be read."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids, self.samples = pids, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            self.samples.append((time.monotonic(), [_cpu_s(p) for p in self.pids]))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+    def cores(self, t0: float, t1: float) -> list[float | None]:
+        """Per pid: cpu seconds over [t0, t1] / (t1 - t0), from the samples nearest the ends."""
+        if not self.samples:
+            return [None] * len(self.pids)
+        a = min(self.samples, key=lambda s: abs(s[0] - t0))
+        b = min(self.samples, key=lambda s: abs(s[0] - t1))
+        if b[0] <= a[0]:
+            return [None] * len(self.pids)
+        return [
+            None if x is None or y is None else (y - x) / (b[0] - a[0])
+            for x, y in zip(a[1], b[1], strict=True)
+        ]
+
+
+def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_file(path: Path, proc: subprocess.Popen, timeout_s: float, what: str) -> dict:
+    end = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > end:
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.02)
+    return json.loads(path.read_text())
+
+
+def _coordinator_cmd(cfg: BenchCoordinatorConfig, workdir: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "recover.coordinator.cli", "coordinator", "serve",
+        "--port", "0", "--no-store", "--replicas", str(cfg.replicas),
+        "--microbatches", str(cfg.m), "--lease", str(cfg.lease_s), "--min-replicas", "1",
+        "--start-deadline", str(cfg.form_timeout_s), "--events", str(workdir / "events.jsonl"),
+        "--address-file", str(workdir / "address.json"),
+    ]  # fmt: skip
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _false_deaths(events: Path, until: float) -> list[int]:
+    dead = []
+    for line in events.read_text().splitlines():
+        e = json.loads(line)
+        if e.get("t_wall", 0) > until:
+            break
+        if e.get("name") == "coordinator.member_dead" and e.get("replica_id") not in _FAULTED:
+            dead.append(e["replica_id"])
+    return sorted(dead)
+
+
+def run_once(cfg: BenchCoordinatorConfig) -> dict:
+    """One measurement: a fresh coordinator, its relays, R replicas in D drivers, the faults;
+    every process reaped, whatever fails."""
+    row = {
+        "replicas": cfg.replicas,
+        "microbatches": cfg.m,
+        "ranks": cfg.ranks_per_replica,
+        "heartbeat_s": cfg.heartbeat_s,
+        "relays": cfg.relays,
+        "drivers": cfg.drivers,
+    }
+    procs: list[subprocess.Popen] = []
+    sampler = None
+    with tempfile.TemporaryDirectory(prefix="recover-bench-coord-") as tmp:
+        work = Path(tmp)
+        try:
+            coord = _spawn(_coordinator_cmd(cfg, work), work / "coordinator.log")
+            procs.append(coord)
+            info = _wait_file(work / "address.json", coord, 60, "the coordinator")
+            addrs = [(info["host"], info["port"])]
+            relays = []
+            for i in range(cfg.relays):
+                cmd = [
+                    sys.executable, "-m", "recover.coordinator.cli", "coordinator", "relay",
+                    "--upstream", f"{info['host']}:{info['port']}", "--port", "0",
+                    "--relay-id", f"relay{i}", "--address-file", str(work / f"relay{i}.json"),
+                ]  # fmt: skip
+                relays.append(_spawn(cmd, work / f"relay{i}.log"))
+            procs += relays
+            if relays:
+                addrs = [
+                    (a["host"], a["port"])
+                    for a in (
+                        _wait_file(work / f"relay{i}.json", p, 120, f"relay {i}")
+                        for i, p in enumerate(relays)
+                    )
+                ]
+            drivers = []
+            for i in range(cfg.drivers):
+                rids = [i * cfg.replicas // cfg.drivers, (i + 1) * cfg.replicas // cfg.drivers]
+                spec = {"cfg": asdict(cfg), "addrs": addrs, "rids": rids}
+                (work / f"part{i}.json").write_text(json.dumps(spec))
+                cmd = [sys.executable, "-m", __spec__.name]
+                cmd += [str(work / f"part{i}.json"), str(work / f"out{i}.json")]
+                drivers.append(_spawn(cmd, work / f"driver{i}.log"))
+            procs += drivers
+            sampler = _CpuSampler([p.pid for p in procs])
+            limit = cfg.form_timeout_s + cfg.step_timeout_s * (cfg.warmup_steps + cfg.steps + 8)
+            end = time.monotonic() + limit
+            for p in drivers:
+                p.wait(max(1.0, end - time.monotonic()))
+            sampler.close()
+            parts = []
+            for i in range(cfg.drivers):
+                path = work / f"out{i}.json"
+                if not path.exists():
+                    tail = (work / f"driver{i}.log").read_text()[-1500:]
+                    raise RuntimeError(f"driver {i} wrote no result: {tail}")
+                parts.append(json.loads(path.read_text()))
+            failed = [p["failed"] for p in parts if "failed" in p]
+            if failed:
+                raise RuntimeError("; ".join(failed[:3]))
+            row.update(_merge(cfg, parts, sampler, coord, relays, drivers))
+            t_end = min(p["t_wall_end"] for p in parts)
+            _stop_all(procs)
+            row["false_deaths"] = len(_false_deaths(work / "events.jsonl", t_end))
+        except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
+            row["failed"] = str(e)[:500]
+        finally:
+            if sampler is not None:
+                sampler.close()
+            _stop_all(procs)
+    return row
+
+
+def _merge(cfg, parts: list[dict], sampler: _CpuSampler, coord, relays, drivers) -> dict:
+    commit = [s for p in parts for s in p["commit_s"]]
+    hb = [s for p in parts for s in p["hb_rtt"]]
+    t0 = max(p["window"][0] for p in parts)
+    t1 = min(p["window"][1] for p in parts)
+    cores = sampler.cores(t0, t1)
+    n_relays = len(relays)
+    relay_cores = [c for c in cores[1 : 1 + n_relays] if c is not None]
+    driver_cores = [c for c in cores[1 + n_relays :] if c is not None]
+    out = {
+        "form_s": max(p["admitted_last"] for p in parts) - min(p["first_register"] for p in parts),
+        "commit_s_median": statistics.median(commit) if commit else None,
+        "commit_s_p99": _pct(commit, 0.99),
+        "commit_samples": len(commit),
+        "steady_steps": cfg.steps,
+        "step_s_median": (t1 - t0) / max(1, cfg.steps),
+        "coordinator_cpu": cores[0],
+        "relay_cpu": sum(relay_cores) if relay_cores else None,
+        "relay_cpu_max": max(relay_cores, default=None),
+        "driver_cpu": sum(driver_cores) if driver_cores else None,
+        "driver_cpu_max": max(driver_cores, default=None),
+        "heartbeat_rtt_s_p99": _pct(hb, 0.99),
+        "heartbeat_rtt_s_median": _pct(hb, 0.5),
+        "evicted_replicas": sorted(r for p in parts for r in p["evicted"]),
+        "errors": [e for p in parts for e in p["errors"]][:10],
+        "reregistered": sum(p["reregistered"] for p in parts),
+        "loadavg": os.getloadavg()[0],
+    }
+    if cfg.faults:
+        faulter = next(p for p in parts if "t_kill" in p)
+        out["kill_detect_s"] = max(p["saw_without"]["0"] for p in parts) - faulter["t_kill"]
+        out["hang_evict_s"] = max(p["saw_without"]["1"] for p in parts) - faulter["t_hang"]
+    return out
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -325,176 +629,15 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def _drive(cfg: BenchCoordinatorConfig, host: str, port: int, pid: int) -> dict:
-    d = _Driver(cfg, host, port)
-    tasks = []
-    t_start = time.monotonic()
-    for rep in d.replicas:
-        started = asyncio.Event()
-        tasks.append(asyncio.create_task(d.session(rep, started)))
-        tasks.append(asyncio.create_task(d.worker(rep, started)))
-        for _ in range(cfg.ranks_per_replica - 1):
-            tasks.append(asyncio.create_task(d.watcher(rep)))
-    result: dict = {}
-    try:
-        await d.until(
-            lambda: all(r.admitted_at is not None for r in d.replicas) or d.errors,
-            cfg.form_timeout_s,
-            "forming",
-        )
-        if d.errors:
-            raise RuntimeError("; ".join(d.errors[:5]))
-        result["form_s"] = max(r.admitted_at for r in d.replicas) - t_start
-        first = max(r.step for r in d.replicas)
-        await d.until(lambda: first + cfg.warmup_steps in d.commits, cfg.step_timeout_s, "warmup")
-        cpu0, drv0, t0 = _cpu_s(pid), _driver_cpu_s(), time.monotonic()
-        steady_from = first + cfg.warmup_steps + 1
-        last = steady_from + cfg.steps - 1
-        await d.until(
-            lambda: last in d.commits, cfg.step_timeout_s * (cfg.steps + 1), "steady steps"
-        )
-        cpu1, drv1, t1 = _cpu_s(pid), _driver_cpu_s(), time.monotonic()
-        steady = [s for step, s in d.commit_s if steady_from <= step <= last]
-        result.update(
-            commit_s_median=statistics.median(steady) if steady else None,
-            commit_s_p99=_pct(steady, 0.99),
-            commit_samples=len(steady),
-            steady_steps=cfg.steps,
-            step_s_median=(t1 - t0) / max(1, cfg.steps),
-            coordinator_cpu=(cpu1 - cpu0) / (t1 - t0),
-            driver_cpu=(drv1 - drv0) / (t1 - t0),
-        )
-        hb_steady = list(d.hb_rtt)
-        if cfg.faults:
-            # The kill: drop both connections mid-compute, as a SIGKILL would.
-            await d.until(
-                lambda: (
-                    d.commits and time.monotonic() - max(d.commits.values()) > cfg.compute_s / 2
-                ),
-                cfg.step_timeout_s,
-                "mid-step",
-            )
-            victim = d.replicas[0]
-            victim.dead = True
-            t_kill = time.monotonic()
-            for c in victim.conns:
-                c.drop()
-            await d.until(lambda: d.all_saw_without(0) is not None, cfg.step_timeout_s, "kill")
-            result["kill_detect_s"] = d.all_saw_without(0) - t_kill
-            # The hang: replica 1 stops sending anything; its sockets stay open.
-            hung = d.replicas[1]
-            hung.silent = True
-            await asyncio.sleep(cfg.heartbeat_s * 2)  # an in-flight heartbeat completes
-            t_hang = hung.last_hb_sent
-            await d.until(lambda: d.all_saw_without(1) is not None, cfg.step_timeout_s, "hang")
-            result["hang_evict_s"] = d.all_saw_without(1) - t_hang
-            n = max(d.commits)
-            await d.until(lambda: n + 1 in d.commits, cfg.step_timeout_s, "commit after faults")
-        result["heartbeat_rtt_s_p99"] = _pct(hb_steady, 0.99)
-        result["heartbeat_rtt_s_median"] = _pct(hb_steady, 0.5)
-        result["evicted_replicas"] = sorted(
-            r.rid for r in d.replicas if r.evicted is not None and r.rid > (1 if cfg.faults else -1)
-        )
-        result["errors"] = d.errors[:10]
-        result["reregistered"] = d.reregistered
-        result["t_wall_end"] = time.time()  # deaths after this are the teardown's
-    finally:
-        d.stop.set()
-        for rep in d.replicas:
-            for c in rep.conns:
-                c.drop()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    return result
-
-
-def _false_deaths(events: Path, faulted: set[int], until: float) -> list[int]:
-    dead = []
-    for line in events.read_text().splitlines():
-        e = json.loads(line)
-        if e.get("t_wall", 0) > until:
-            break
-        if e.get("name") == "coordinator.member_dead" and e.get("replica_id") not in faulted:
-            dead.append(e["replica_id"])
-    return sorted(dead)
-
-
-def start_coordinator(cfg: BenchCoordinatorConfig, workdir: Path) -> tuple[subprocess.Popen, dict]:
-    """A `recover coordinator serve` subprocess on 127.0.0.1; returns (process, address info)."""
-    addr = workdir / "address.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "recover.coordinator.cli",
-        "coordinator",
-        "serve",
-        "--port",
-        "0",
-        "--no-store",
-        "--replicas",
-        str(cfg.replicas),
-        "--microbatches",
-        str(cfg.m),
-        "--lease",
-        str(cfg.lease_s),
-        "--min-replicas",
-        "1",
-        "--start-deadline",
-        str(cfg.form_timeout_s),
-        "--events",
-        str(workdir / "events.jsonl"),
-        "--address-file",
-        str(addr),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    log = open(workdir / "coordinator.log", "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    log.close()
-    end = time.monotonic() + 60.0
-    while not addr.exists():
-        if proc.poll() is not None or time.monotonic() > end:
-            proc.kill()
-            proc.wait()
-            tail = (workdir / "coordinator.log").read_text()[-2000:]
-            raise RuntimeError(f"coordinator did not start: {tail}")
-        time.sleep(0.02)
-    return proc, json.loads(addr.read_text())
-
-
-def run_once(cfg: BenchCoordinatorConfig) -> dict:
-    """One measurement: a fresh coordinator, R replicas, the faults; every process reaped."""
-    with tempfile.TemporaryDirectory(prefix="recover-bench-coord-") as tmp:
-        workdir = Path(tmp)
-        proc, info = start_coordinator(cfg, workdir)
-        try:
-            result = asyncio.run(_drive(cfg, info["host"], info["port"], proc.pid))
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        faulted = {0, 1} if cfg.faults else set()
-        until = result.pop("t_wall_end")
-        result["false_deaths"] = len(_false_deaths(workdir / "events.jsonl", faulted, until))
-    return {
-        "replicas": cfg.replicas,
-        "microbatches": cfg.m,
-        "ranks": cfg.ranks_per_replica,
-        "heartbeat_s": cfg.heartbeat_s,
-        **result,
-    }
-
-
 def message_costs(replicas: int, microbatches: int = 0, repeats: int = 200) -> dict:
     """Per-message cost of the rules and the encoding in this process, no sockets: a run of R
     formed replicas; seconds per heartbeat (alone, and per member of a batch of R), per done
-    report (mean over one step's burst of R), per whole-state JSON save, per view encoding."""
+    report (mean over one step's burst of R, one by one and as one batch), per whole-state JSON
+    save, per view encoding (whole, and relative to the previous version after a commit)."""
     from recover.coordinator import protocol as proto
     from recover.coordinator.decide import decide, initial_state, view_of
     from recover.coordinator.state_store import CoordinatorOptions, state_to_json
+    from recover.coordinator.views import ViewCache
 
     m = microbatches or 2 * replicas
     opts = CoordinatorOptions(expected_replicas=replicas, microbatches=m, start_deadline_s=1e9)
@@ -514,9 +657,8 @@ def message_costs(replicas: int, microbatches: int = 0, repeats: int = 200) -> d
     hb = proto.Heartbeat(replica_id=replicas // 2, incarnation=f"i{replicas // 2}", epoch=s.epoch)
     out = {"replicas": replicas, "microbatches": m}
     out["heartbeat_s"] = per_call(lambda: decide(now + 0.01, s, hb), repeats)
-    if hasattr(proto, "Heartbeats"):
-        batch = proto.Heartbeats(seen=tuple((r, f"i{r}", now + 0.01) for r in range(replicas)))
-        out["heartbeat_in_batch_s"] = per_call(lambda: decide(now + 0.01, s, batch), 5) / replicas
+    batch = proto.Heartbeats(seen=tuple((r, f"i{r}", now + 0.01) for r in range(replicas)))
+    out["heartbeat_in_batch_s"] = per_call(lambda: decide(now + 0.01, s, batch), 5) / replicas
     dones = [
         proto.ReportDone(replica_id=r, incarnation=f"i{r}", step=s.step, epoch=s.attempt_epoch)
         for r in range(replicas)
@@ -529,12 +671,28 @@ def message_costs(replicas: int, microbatches: int = 0, repeats: int = 200) -> d
         assert st.committed_step == s.step
 
     out["done_s"] = per_call(burst, max(1, repeats // 40)) / replicas
+    per_relay = 128
+    batches = [
+        proto.ReportsDone(tuple(dones[i : i + per_relay])) for i in range(0, replicas, per_relay)
+    ]
+
+    def batched():
+        st = s
+        for msg in batches:
+            st = decide(now, st, msg)[0]
+        assert st.committed_step == s.step
+
+    out["done_in_batch_s"] = per_call(batched, max(1, repeats // 40)) / replicas
     out["state_json_s"] = per_call(lambda: state_to_json(s), max(1, repeats // 20))
-    view_json = json.dumps(view_of(s).to_dict(), separators=(",", ":"))
-    out["view_bytes"] = len(view_json)
+    cache = ViewCache()
+    cache.publish(view_of(s))
+    out["view_bytes"] = len(cache.encoded(-1))
     out["view_encode_s"] = per_call(
-        lambda: json.dumps(view_of(s).to_dict(), separators=(",", ":")), max(1, repeats // 20)
+        lambda: ViewCache().publish(view_of(s)) or cache.encoded(-1), max(1, repeats // 20)
     )
+    after = decide(now, s, proto.ReportsDone(tuple(dones)))[0]  # a commit, the same plan
+    cache.publish(view_of(after))
+    out["view_after_commit_bytes"] = len(cache.encoded(s.view_version))
     return out
 
 
@@ -543,38 +701,68 @@ def format_table(rows: list[dict]) -> str:
         return "-" if x is None else format(x, spec)
 
     head = (
-        "| R | M | K | hb s | form s | commit med / p99 s | hb rtt p99 s | coord CPU | driver CPU "
-        "| false deaths | kill -> epoch s | hang evict s |\n|" + "---|" * 12
+        "| R | M | K | hb s | relays | form s | commit med / p99 s | hb rtt p99 s | coord CPU "
+        "| relay CPU | driver CPU | false deaths | kill -> epoch s | hang evict s |\n|"
+        + "---|"
+        * 14
     )
     lines = [head]
     for r in rows:
+        if "failed" in r:
+            lines.append(
+                f"| {r['replicas']} | | | | {r.get('relays', 0)} | failed: {r['failed'][:200]} |"
+            )
+            continue
         lines.append(
-            f"| {r['replicas']} | {r['microbatches']} | {r['ranks']} | {r.get('heartbeat_s', 0.1)} | "
-            f"{f(r.get('form_s'))} | "
+            f"| {r['replicas']} | {r['microbatches']} | {r['ranks']} | {r.get('heartbeat_s')} | "
+            f"{r.get('relays', 0)} | {f(r.get('form_s'))} | "
             f"{f(r.get('commit_s_median'))} / {f(r.get('commit_s_p99'))} | "
             f"{f(r.get('heartbeat_rtt_s_p99'), '.3f')} | {f(r.get('coordinator_cpu'), '.0%')} | "
-            f"{f(r.get('driver_cpu'), '.0%')} | {r.get('false_deaths', '-')} | "
+            f"{f(r.get('relay_cpu'), '.0%')} | {f(r.get('driver_cpu'), '.0%')} | "
+            f"{r.get('false_deaths', '-')} | "
             f"{f(r.get('kill_detect_s'))} | {f(r.get('hang_evict_s'))} |"
         )
     return "\n".join(lines)
 
 
 def add_coordinator_bench_parser(sub) -> None:
-    p = sub.add_parser("coordinator", help="the coordinator under R simulated replicas")
-    p.add_argument("--replicas", default="64", help="R, or a comma list (default: 64)")
-    p.add_argument("--microbatches", type=int, default=0, help="M (default: 2 x R)")
+    p = sub.add_parser(
+        "coordinator",
+        help="the coordinator under R simulated replicas",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--replicas", default="64", help="R, or a comma list")
+    p.add_argument("--microbatches", type=int, default=0, help="M (0: 2 x R)")
     p.add_argument("--ranks-per-replica", type=int, default=1, help="K: K-1 view watchers each")
     p.add_argument("--steps", type=int, default=8, help="failure-free steps measured")
     p.add_argument("--compute", type=float, default=1.0, help="seconds of 'compute' per step")
-    p.add_argument("--lease", type=float, default=1.0)
+    p.add_argument("--lease", type=float, default=1.0, help="lease in seconds")
+    p.add_argument("--heartbeat", type=float, default=0.1, help="heartbeat period = hold (s)")
     p.add_argument(
-        "--heartbeat", type=float, default=0.1, help="heartbeat period = hold (default 0.1 s)"
+        "--relays",
+        default="0",
+        help="relay processes in front of the coordinator (replica r speaks to relay "
+        "r * N // R), or a comma list matching --replicas; 0: none",
+    )
+    p.add_argument(
+        "--drivers",
+        default="1",
+        help="processes that simulate the replicas, or a comma list matching --replicas",
     )
     p.add_argument(
         "--costs", action="store_true", help="also time the rules per message in-process (no I/O)"
     )
     p.add_argument("--no-faults", action="store_true", help="skip the kill and the hang")
-    p.add_argument("--out", default="bench-coordinator.json", metavar="FILE")
+    p.add_argument("--out", default="bench-coordinator.json", metavar="FILE", help="JSON result")
+
+
+def _per_size(value: str, n: int, name: str) -> list[int]:
+    xs = [int(x) for x in str(value).split(",")]
+    if len(xs) == 1:
+        return xs * n
+    if len(xs) != n:
+        raise ValueError(f"--{name} must be one number or one per --replicas value, got {value}")
+    return xs
 
 
 def run_coordinator_bench(args: argparse.Namespace) -> int:
@@ -583,6 +771,8 @@ def run_coordinator_bench(args: argparse.Namespace) -> int:
     rows = []
     try:
         sizes = [int(x) for x in str(args.replicas).split(",")]
+        relays = _per_size(args.relays, len(sizes), "relays")
+        drivers = _per_size(args.drivers, len(sizes), "drivers")
         cfgs = [
             BenchCoordinatorConfig(
                 replicas=r,
@@ -593,18 +783,16 @@ def run_coordinator_bench(args: argparse.Namespace) -> int:
                 lease_s=args.lease,
                 heartbeat_s=args.heartbeat,
                 faults=not args.no_faults,
+                relays=n,
+                drivers=d,
             )
-            for r in sizes
+            for r, n, d in zip(sizes, relays, drivers, strict=True)
         ]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for cfg in cfgs:
-        try:
-            row = run_once(cfg)
-        except (RuntimeError, TimeoutError) as e:
-            row = {"replicas": cfg.replicas, "microbatches": cfg.m, "ranks": cfg.ranks_per_replica}
-            row["failed"] = str(e)[:500]
+        row = run_once(cfg)
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(format_table(rows))
@@ -625,3 +813,6 @@ def run_coordinator_bench(args: argparse.Namespace) -> int:
 
 
 bench_coordinator = run_coordinator_bench
+
+if __name__ == "__main__":
+    raise SystemExit(_part_main(sys.argv[1:]))
