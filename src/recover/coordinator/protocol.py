@@ -317,11 +317,17 @@ class View:
         ...] pairs of consecutive ids): a plan is a few contiguous blocks per replica, so the view
         grows with R, not with M."""
         return {
-            "epoch": self.epoch,
+            **self.scalars(),
             "live": list(self.live),
-            "step": self.step,
             "holding_runs": {str(r): _runs(ids) for r, ids in self.holdings.items()},
             "weights": {str(r): w for r, w in self.weights.items()},
+        }
+
+    def scalars(self) -> dict[str, Any]:
+        """The wire form without the live set and the plan (views.py sends those apart)."""
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
             "status": self.status,
             "committed_step": self.committed_step,
             "attempt_epoch": self.attempt_epoch,

@@ -61,6 +61,7 @@ _VIEW_AT = b',"view":'
 _DRAIN_ROUNDS = 4
 _MAX_HOLD_S = 1.0
 _FORWARDED = ("register", "failed", "leave", "process_exit", "status")
+_HEARTBEAT_OK = frame({"ok": True, "reason": "heartbeat"})  # the common reply, encoded once
 
 
 @dataclass
@@ -147,6 +148,7 @@ class RelayServer:
         self._heard: dict[int, float] = {}  # replica -> when its last heartbeat was read
         self._accused: set[int] = set()
         self._last_beat = 0.0
+        self._n_live = 0  # our replicas in the current view's live set (a done batch's size)
         self._view: View | None = None  # the coordinator's view, without its plan
         self._views = ViewCache()
         self._plan = b""
@@ -300,6 +302,7 @@ class RelayServer:
                 elif r not in live and m.state == "live":
                     m.state, m.why = "dead", f"epoch {view.epoch} no longer holds replica {r}"
                     self._leases.settle([r], {r: None})
+            self._n_live = sum(r in live for r in self._members)
         key = lambda v: (v.epoch, v.status, v.attempt_epoch, v.step, v.committed_step)  # noqa: E731
         if old is None or key(old) != key(view):
             if old is None or key(old)[:2] != key(view)[:2]:
@@ -413,6 +416,8 @@ class RelayServer:
             return await self._forward(req, conn)
         if kind == "heartbeat":
             reply = await self._heartbeat(req, conn)
+            if reply is None:
+                return _HEARTBEAT_OK
             if reply.get("ok") and known == self._views.version:
                 return frame(reply)  # it holds the current view
             return self._reply(reply, known)
@@ -446,7 +451,8 @@ class RelayServer:
             self._leases.settle([r], {r: None})
         return frame(head, view)
 
-    async def _heartbeat(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
+    async def _heartbeat(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any] | None:
+        """None: the common reply (alive, and it holds the current view)."""
         r = check_field("replica_id", req.get("replica_id"))
         inc = check_field("incarnation", req.get("incarnation"))
         known = req.get("view_version", -1)
@@ -469,6 +475,8 @@ class RelayServer:
                 now = time.monotonic()
                 self._heard[r] = now
                 self._leases.touch(r, now)
+        if known == self._views.version:
+            return None
         return {"ok": True, "reason": "heartbeat"}
 
     async def _done(self, req: dict[str, Any]) -> bytes:
@@ -486,7 +494,7 @@ class RelayServer:
         batch.append(([r, inc, h, tp], fut))
         if len(batch) == 1:
             asyncio.get_running_loop().call_later(self._batch_s, self._flush, (step, epoch))
-        if len(batch) >= sum(m.state == "live" for m in self._members.values()):
+        if len(batch) >= self._n_live:
             self._flush((step, epoch))
         head = await fut
         refused = head.get("refused", {}).get(str(r))

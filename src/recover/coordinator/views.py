@@ -41,7 +41,7 @@ def _dumps(obj: Any) -> bytes:
 
 def encode_plan(view: View) -> bytes:
     """`"holding_runs":{...},"weights":{...}` of a view (a fragment of an object, no braces)."""
-    d = view.to_dict()
+    d = view.to_dict()  # O(R + plan): once per plan
     return _dumps({"holding_runs": d["holding_runs"], "weights": d["weights"]})[1:-1]
 
 
@@ -79,10 +79,7 @@ class ViewCache:
             self._live = _dumps(list(view.live))
         self.version, self.epoch, self.plan_version = view.version, view.epoch, view.plan_version
         self.live = view.live
-        d = view.to_dict()
-        for k in ("live", "holding_runs", "weights"):
-            del d[k]
-        self._scalars = _dumps(d)[1:-1]
+        self._scalars = _dumps(view.scalars())[1:-1]
         self._history[view.version] = (view.epoch, view.plan_version, view.live)
         while len(self._history) > _KEPT:
             self._history.popitem(last=False)

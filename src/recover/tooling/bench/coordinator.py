@@ -481,7 +481,7 @@ def _wait_file(path: Path, proc: subprocess.Popen, timeout_s: float, what: str) 
 
 def _coordinator_cmd(cfg: BenchCoordinatorConfig, workdir: Path) -> list[str]:
     return [
-        sys.executable, "-m", "recover.coordinator.cli", "coordinator", "serve",
+        sys.executable, "-m", "recover.cli", "coordinator", "serve",
         "--port", "0", "--no-store", "--replicas", str(cfg.replicas),
         "--microbatches", str(cfg.m), "--lease", str(cfg.lease_s), "--min-replicas", "1",
         "--start-deadline", str(cfg.form_timeout_s), "--events", str(workdir / "events.jsonl"),
@@ -535,7 +535,7 @@ def run_once(cfg: BenchCoordinatorConfig) -> dict:
             relays = []
             for i in range(cfg.relays):
                 cmd = [
-                    sys.executable, "-m", "recover.coordinator.cli", "coordinator", "relay",
+                    sys.executable, "-m", "recover.cli", "coordinator", "relay",
                     "--upstream", f"{info['host']}:{info['port']}", "--port", "0",
                     "--relay-id", f"relay{i}", "--address-file", str(work / f"relay{i}.json"),
                 ]  # fmt: skip
