@@ -80,6 +80,15 @@ def test_the_simulator_reads_the_measured_control_plane(tmp_path):
     rows = [
         {"replicas": 64, "commit_s_median": 0.02, "kill_detect_s": 0.01, "false_deaths": 0},
         {"replicas": 1024, "commit_s_median": 0.5, "kill_detect_s": 0.4, "false_deaths": 0},
+        # the same R through relays, measured better: the one the simulator keeps
+        {"replicas": 1024, "commit_s_median": 0.6, "kill_detect_s": 0.1, "false_deaths": 0},
+        {
+            "replicas": 1024,
+            "relays": 8,
+            "commit_s_median": 0.5,
+            "kill_detect_s": 0.4,
+            "false_deaths": 0,
+        },
         {"replicas": 2048, "commit_s_median": 1.0, "kill_detect_s": 9.0, "false_deaths": 700},
         {"replicas": 4096, "failed": "forming did not happen"},
     ]
