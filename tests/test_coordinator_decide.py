@@ -650,3 +650,38 @@ def test_the_commit_names_one_writer_alive_at_the_decision():
     # The writer named at the commit stays, whatever moves later before the next commit.
     sim.send(Leave(replica_id=1, incarnation=sim.inc[1], step=2))
     assert view_of(sim.state).committed_step == 1 and view_of(sim.state).writer == 1
+
+
+def test_a_writer_lost_before_the_next_step_hands_its_records_to_the_next_one():
+    """The writer of step t writes its records before it reports step t+1. When it is not among
+    t+1's survivors (died or left after t's commit), the writer of t+1 makes sure of the records
+    from t on (records_from), and it is one that saw t's commit: not a joiner of t+1."""
+    sim = Sim().formed(4)
+    for r in range(4):
+        sim.done(r)
+    v = view_of(sim.state)
+    assert (v.committed_step, v.writer, v.records_from) == (0, 0, 0)
+    for r in range(4):  # the writer of step 0 reported step 1: step 0 is recorded
+        sim.done(r)
+    v = view_of(sim.state)
+    assert (v.committed_step, v.writer, v.records_from) == (1, 0, 1)
+    # Replica 0, the writer of step 1, dies after the commit; a new replica 0 registers and is
+    # admitted at the commit of step 2, whose writer (replica 1) owes step 1's records too.
+    sim.exit(0)
+    sim.reg(0, inc="inc0b")
+    for r in (1, 2, 3):  # (their reduce was complete before replica 0 died: no redo)
+        sim.done(r)
+    v = view_of(sim.state)
+    assert (v.committed_step, v.writer, v.records_from) == (2, 1, 1)
+    assert v.joined == (0,)
+    # Replica 1 dies too before reporting step 3: the joiner 0 is the lowest survivor of step 3
+    # but never saw the commits of steps 1 and 2, so replica 2 writes them.
+    sim.exit(1)
+    for r in (0, 2, 3):
+        sim.done(r)
+    v = view_of(sim.state)
+    assert (v.committed_step, v.writer, v.records_from) == (3, 2, 1)
+    for r in sorted(sim.state.live):  # replica 2 reported step 4: everything before is written
+        sim.done(r)
+    v = view_of(sim.state)
+    assert (v.committed_step, v.writer, v.records_from) == (4, 0, 4)

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import assert_invariants as check_invariants
 from conftest import child_env, events, leftover_processes
-from recover.record import committed_steps
+from recover.record import committed_steps, read_metrics
 
 M = 6
 STEPS = 5
@@ -78,7 +78,9 @@ FAULT_CASES = {
     "kill-backward": ["kill:replica=1,step=1,phase=backward,microbatch=0"],
     "kill-reduce": ["kill:replica=2,step=2,phase=reduce"],
     "kill-commit": ["kill:replica=1,step=3,phase=commit"],
-    "kill-optimizer": ["kill:replica=2,step=2,phase=optimizer"],
+    # The writer of step 2 (the lowest replica) dies after the commit, before its records: the
+    # writer of step 3 writes step 2's record and the checkpoint due after it.
+    "kill-optimizer": ["kill:replica=0,step=2,phase=optimizer"],
     "exit-backward": ["exit:replica=1,step=2,phase=backward,microbatch=1"],
     "kill-pen-holder": ["kill:replica=0,step=2,phase=backward,microbatch=0"],
 }
@@ -92,8 +94,10 @@ def test_a_failure_is_survived_in_step_on_the_same_microbatches(
     faults = [a for spec in FAULT_CASES[case] for a in ("--fault", spec)]
     # Equal shares: every replica holds 2 of the 6 ids, so "microbatch=1" always exists (with
     # throughput-aware shares a replica measured slower may hold only one).
-    r = train(tiny_dataset, out, "--replicas", "3", "--balance", "equal", *faults)
+    r = train(tiny_dataset, out, "--replicas", "3", "--balance", "equal", "--ckpt-every", "3",
+              *faults)  # fmt: skip
     assert_invariants(reference, out, r)
+    assert_due_checkpoint_once(out)
     assert len(events(out, "failure_injected")) == 1
     dead = events(out, "coordinator.member_dead")
     assert [d["replica_id"] for d in dead] == [int(FAULT_CASES[case][0].split("replica=")[1][0])]
@@ -138,18 +142,44 @@ def test_a_second_failure_during_recovery(reference, tiny_dataset, tmp_path):
     assert sorted(second["lost"]) == [0, 1, 4] and second["step"] == 2, second
 
 
-def test_a_hung_replica_is_evicted_and_fenced_when_it_wakes(reference, tiny_dataset, tmp_path):
+def assert_due_checkpoint_once(out: Path) -> None:
+    """The one checkpoint due in a run with --ckpt-every 3 (after step 2) is on disk, announced
+    once, and no temporary file is left."""
+    ckpts = out / "checkpoints"
+    assert [e["step"] for e in events(out, "checkpoint_saved")] == [3]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000003.ckpt"]
+
+
+def test_a_hung_writer_is_evicted_and_writes_nothing_when_it_wakes(
+    reference, tiny_dataset, tmp_path
+):
+    # Replica 0, the writer of step 2, stops (SIGSTOP) in the optimizer step after the commit,
+    # before its records; it is evicted (lease), and woken 1.5 s later. Fenced, it writes nothing
+    # more (no step record, event, checkpoint or temporary file) and exits 4; the writer of
+    # step 3 writes step 2's record and the checkpoint due after it, once.
     out = tmp_path / "hang"
     r = train(
-        tiny_dataset, out, "--replicas", "3", "--lease", "0.5",
-        "--fault", "hang:replica=1,step=2,phase=backward,microbatch=0,wake_after=1.5",
+        tiny_dataset, out, "--replicas", "3", "--lease", "0.5", "--ckpt-every", "3",
+        "--fault", "hang:replica=0,step=2,phase=optimizer,wake_after=1.5",
     )  # fmt: skip
     assert_invariants(reference, out, r)
-    dead = events(out, "coordinator.member_dead")
-    assert [(d["replica_id"], d["how"]) for d in dead] == [(1, "lease")]
-    assert "waking replica 1" in r.stdout
-    assert "evicted" in r.stdout  # the woken process was refused and exited
-    assert {e["replica"] for e in events(out, "replica_finished")} == {0, 2}
+    (dead,) = events(out, "coordinator.member_dead")
+    assert (dead["replica_id"], dead["how"]) == (0, "lease")
+    assert "waking replica 0" in r.stdout
+    assert "replica 0 was evicted by the coordinator (status 4)" in r.stdout, r.stdout[-3000:]
+    after = [  # what replica 0 wrote after its eviction (the coordinator's lines are not its)
+        rec
+        for rec in read_metrics(out / "metrics.jsonl")
+        if rec["t_wall"] > dead["t_wall"]
+        and 0 in (rec.get("writer"), rec.get("replica"))
+        and not rec.get("name", "").startswith(("coordinator.", "launcher."))
+    ]
+    assert after == [], "the evicted incarnation wrote to the run folder"
+    (filled,) = events(out, "records_filled")
+    assert filled["replica"] == 1 and filled["steps"] == [2] and filled["checkpoint"] == 3
+    assert committed_steps(out / "metrics.jsonl")[2]["writer"] == 1
+    assert_due_checkpoint_once(out)
+    assert {e["replica"] for e in events(out, "replica_finished")} == {1, 2}
 
 
 @pytest.mark.parametrize("phase", ["backward", "reduce"])

@@ -8,6 +8,11 @@ Invariants: every record is written as one whole line in one `write` on a file o
 mode, so several writers (the coordinator and the replica that holds the pen) never interleave
 within a line. Records are never rewritten; a reader takes the last record of a step when a step
 appears twice (a resumed run re-commits the steps after its checkpoint).
+
+Fencing: a writer may hold a `fence` (a callable: may this process write now?). An evicted
+incarnation's fence is closed, and every record it would write from then on is dropped, from any
+thread (the training thread, the checkpoint thread, the stall guard): it writes nothing to the
+run folder after its eviction (docs/design.md, "Fencing").
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +29,10 @@ from typing import Any
 class MetricsWriter:
     """Appends records to a metrics.jsonl file; each record is one line, one write."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, fence: Callable[[], bool] | None = None) -> None:
         self.path = path
+        self.fence = fence  # None: never fenced (a one-replica run, the launcher, the tools)
+        self.dropped = 0  # records not written because the fence was closed
         path.parent.mkdir(parents=True, exist_ok=True)
         # O_APPEND: every write lands at the current end, atomically for one short line.
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -33,7 +40,15 @@ class MetricsWriter:
         # lock keeps a write from racing close() onto a descriptor number reused by another file.
         self._lock = threading.Lock()
 
-    def write(self, kind: str, **fields: Any) -> dict:
+    def allowed(self) -> bool:
+        """Whether this process may write to the run folder now (its fence is open)."""
+        return self.fence is None or self.fence()
+
+    def write(self, kind: str, **fields: Any) -> dict | None:
+        """Append one record; None (nothing written) when the fence is closed."""
+        if not self.allowed():  # checked outside the lock: it may wait for a confirmation
+            self.dropped += 1
+            return None
         record = {"kind": kind, "t_wall": round(time.time(), 6), **fields}
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
         with self._lock:
@@ -42,13 +57,13 @@ class MetricsWriter:
             os.write(self._fd, line)
         return record
 
-    def step(self, **fields: Any) -> dict:
+    def step(self, **fields: Any) -> dict | None:
         return self.write("step", **fields)
 
-    def eval(self, **fields: Any) -> dict:
+    def eval(self, **fields: Any) -> dict | None:
         return self.write("eval", **fields)
 
-    def event(self, name: str, **fields: Any) -> dict:
+    def event(self, name: str, **fields: Any) -> dict | None:
         return self.write("event", name=name, **fields)
 
     def close(self) -> None:

@@ -20,6 +20,14 @@ Invariants:
   the last checkpoint), `RequestRefused` (e.g. code "stale").
 - when the heartbeat thread learns that this incarnation was evicted, the next call of the
   training thread raises `Evicted`.
+- fencing (`writes_allowed`): this incarnation writes to the run folder only while it is a
+  confirmed member: a heartbeat round sent less than the fence window ago (the coordinator's
+  `min(lease_s, suspect_grace_s)`, told at registration) was answered without "evicted", and no
+  silence longer than the window came after the last answer. A process that was frozen (SIGSTOP,
+  a stalled host) may have been evicted meanwhile: it waits for a fresh answer before it writes.
+  A coordinator that refuses connections (its process is gone) evicts nobody, so a round that
+  fails fast keeps the confirmation of a process that was not silent (a network partition looks
+  the same: a known limit, docs/design.md).
 This module imports no torch, so replica helpers and tests start fast.
 """
 
@@ -56,6 +64,8 @@ __all__ = [
 ]
 
 _POLL_CHUNK_S = 5.0  # a long-poll is split into server waits of at most this long
+# The fence window when the coordinator does not tell its own: its default suspect_grace_s.
+_DEFAULT_FENCE_S = 0.3
 
 
 class CoordinatorError(RuntimeError):
@@ -187,6 +197,12 @@ class CoordinatorClient:
         self._next_step = 0
         self._stop = threading.Event()
         self._heartbeats: threading.Thread | None = None
+        # Fencing (see writes_allowed): when this incarnation was last known to be a member.
+        self._fence_s = _DEFAULT_FENCE_S
+        self._beat = threading.Condition()  # notified after every heartbeat round
+        self._confirmed_at: float | None = None  # send time of the last confirming round
+        self._last_sent: float | None = None  # send time of the last round
+        self._silent = False  # a silence longer than the fence window; an answer clears it
 
     # ------------------------------------------------------------ properties
 
@@ -203,6 +219,30 @@ class CoordinatorClient:
     def evicted(self) -> bool:
         return self._evicted is not None
 
+    def writes_allowed(self, *, wait_s: float | None = None) -> bool:
+        """Whether this incarnation may write to the run folder now (the fence; see the module
+        docstring). Without a fresh confirmation it waits for the next heartbeat round, at most
+        `wait_s` (default: one rpc timeout and one heartbeat); False when evicted, or when no
+        confirmation came in time. Before registration and after leave(), nothing is fenced."""
+        if self._heartbeats is None:
+            return self._evicted is None
+        end = time.monotonic() + (
+            self._rpc_timeout_s + self._heartbeat_s if wait_s is None else wait_s
+        )
+        with self._beat:
+            while True:
+                if self._evicted is not None:
+                    return False
+                if self._stop.is_set():  # left (or closing): it was a member up to here
+                    return True
+                now = time.monotonic()
+                confirmed = self._confirmed_at
+                if not self._silent and confirmed is not None and now - confirmed <= self._fence_s:
+                    return True
+                if now >= end:
+                    return False
+                self._beat.wait(min(end - now, self._heartbeat_s))
+
     # ------------------------------------------------------------ API of the training loop
 
     def register(self, *, fingerprint: dict[str, Any], next_step: int, deadline_s: float) -> View:
@@ -213,6 +253,7 @@ class CoordinatorClient:
         self._fingerprint, self._next_step = dict(fingerprint), next_step
         while True:  # the coordinator may still be starting
             try:
+                sent = time.monotonic()
                 reply = self._register_session()
                 break
             except CoordinatorUnreachable:
@@ -222,6 +263,11 @@ class CoordinatorClient:
         self._raise_refusal(reply)
         store = reply.get("store")
         self._store_address = (str(store[0]), int(store[1])) if store else None
+        windows = [reply.get(k) for k in ("lease_s", "suspect_grace_s")]
+        windows = [float(w) for w in windows if isinstance(w, int | float) and w > 0]
+        if windows:
+            self._fence_s = min(windows)
+        self._heard_back(sent, answered=True)
         self._heartbeats = threading.Thread(
             target=self._heartbeat_loop, name=f"heartbeat-{self.replica_id}", daemon=True
         )
@@ -399,7 +445,12 @@ class CoordinatorClient:
         while True:
             if self._stop.wait(max(0.0, next_at - time.monotonic())):
                 return
-            next_at = time.monotonic() + self._heartbeat_s
+            sent = time.monotonic()
+            next_at = sent + self._heartbeat_s
+            with self._beat:
+                if self._last_sent is not None and sent - self._last_sent > self._fence_s:
+                    self._silent = True  # frozen or starved this long: evicted meanwhile?
+                self._last_sent = sent
             view = self.view
             req = {"kind": "heartbeat", "epoch": view.epoch if view else 0}
             req["view_version"] = view.version if view else -1
@@ -420,7 +471,10 @@ class CoordinatorClient:
                 failing_since = failing_since or now
                 if now - failing_since > self._rpc_timeout_s:
                     self._unreachable = str(e)
+                self._heard_back(sent, answered=False)
                 continue
+            if reply.get("code") not in ("evicted", "unknown"):
+                self._heard_back(sent, answered=True)
             if not reply.get("ok") and reply.get("code") == "expired":
                 try:  # expired while pending (never admitted, not fenced): wait again
                     reply = self._register_session()
@@ -430,9 +484,21 @@ class CoordinatorClient:
                 try:
                     self._raise_refusal(reply)
                 except Evicted:
+                    with self._beat:
+                        self._beat.notify_all()  # a writer waiting at the fence: it is closed
                     return  # the training thread sees it at its next call
                 except CoordinatorError:
                     pass  # e.g. the run stopped: the view says so
+
+    def _heard_back(self, sent: float, *, answered: bool) -> None:
+        """A heartbeat round sent at `sent` ended without "evicted": answered by the coordinator,
+        or failed to reach it (a gone coordinator fences nobody, but cannot end a silence)."""
+        with self._beat:
+            if answered:
+                self._silent = False
+            if not self._silent:
+                self._confirmed_at = max(sent, self._confirmed_at or sent)
+            self._beat.notify_all()
 
     def _join_heartbeats(self) -> None:
         if self._heartbeats is not None and self._heartbeats is not threading.current_thread():

@@ -461,10 +461,7 @@ def _commit(s: CoordinatorState, out: list, survivors: list[int]) -> None:
     if gone:
         why += f" (replicas {gone} left the epoch after the reduce; the sum is complete)"
     s.committed_step = t
-    # The writer of the step's records is decided here, once, with the commit: the lowest member
-    # of the attempt that is alive now. Replicas read it from the view; none infers it from a
-    # view that may have moved on (a member leaving right after its last step, a joiner).
-    s.committed_writer = min(survivors)
+    _name_writer(s, t, survivors)
     s.step = t + 1
     s.joined = ()  # a committed step proves every member held the committed state
     out.append(Committed(step=t, epoch=a, reason=why))
@@ -498,6 +495,21 @@ def _commit(s: CoordinatorState, out: list, survivors: list[int]) -> None:
         out.append(Admitted(replica_ids=joiners, epoch=s.epoch, reason=why))
         out.append(EpochChanged(epoch=s.epoch, live=s.live, reason=why))
     _new_attempt(s)
+
+
+def _name_writer(s: CoordinatorState, t: int, survivors: list[int]) -> None:
+    """The writer of step t's records, decided here, once, with the commit: the lowest member of
+    the attempt that is alive now. Replicas read it from the view; none infers it from a view
+    that may have moved on (a member leaving right after its last step, a joiner).
+
+    A writer writes its step's records before it reports the next step: when the writer of step
+    t-1 is among t's survivors, everything before t is recorded. When it is not (it died or left
+    after t-1's commit), the records from `records_from` on may be missing, and t's writer makes
+    sure of them too. It must then have seen those commits: not a joiner of this step."""
+    if s.committed_writer < 0 or s.committed_writer in survivors:
+        s.records_from = t
+    seen = [r for r in survivors if r not in s.joined] if s.records_from < t else survivors
+    s.committed_writer = min(seen or survivors)
 
 
 def _redo(s: CoordinatorState, out: list, survivors: list[int]) -> None:

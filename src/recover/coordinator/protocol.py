@@ -308,6 +308,9 @@ class View:
     # The replica that writes committed_step's records, named by the commit decision (the lowest
     # attempt member alive then): one writer per step, the same on every replica. -1: none yet.
     writer: int = -1
+    # The first step whose records the writer makes sure of (those it finds missing, it writes):
+    # committed_step, or older when the previous writer died before its records were known written.
+    records_from: int = -1
     # The view version at which this plan (holdings, weights) was made: a replica that holds a
     # view with the same plan_version holds this plan, so replies may leave it out.
     plan_version: int = 0
@@ -336,6 +339,7 @@ class View:
             "version": self.version,
             "reason": self.reason,
             "writer": self.writer,
+            "records_from": self.records_from,
             "plan_version": self.plan_version,
         }
 
@@ -356,6 +360,7 @@ class View:
                 version=int(d.get("version", 0)),
                 reason=str(d.get("reason", "")),
                 writer=int(d.get("writer", -1)),
+                records_from=int(d.get("records_from", -1)),
                 plan_version=int(d.get("plan_version", 0)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -585,6 +585,9 @@ class CoordinatorServer:
                 conn.session = (msg.replica_id, msg.incarnation)
                 self._sessions[conn.session] = conn.id
             reply["store"] = list(self._store_address) if self._store_address else None
+            # The replica's fence window (client.writes_allowed): how long it may go unconfirmed.
+            reply["lease_s"] = self._options.lease_s
+            reply["suspect_grace_s"] = self._options.suspect_grace_s
         elif relay is not None and isinstance(msg, Leave | ProcessExit | LeaseExpired):
             relay.sessions.discard((msg.replica_id, msg.incarnation))
         if isinstance(msg, Leave) and relay is None:

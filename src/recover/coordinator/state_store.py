@@ -147,6 +147,10 @@ class CoordinatorState:
     step: int = 0
     committed_step: int = -1
     committed_writer: int = -1  # who writes committed_step's records (named at its commit)
+    # The first committed step whose records committed_writer must make sure of: committed_step,
+    # or older when the writer of a step died or left before it reported the next step done
+    # (its records may be missing: docs/metrics.md, "Who writes").
+    records_from: int = 0
     attempt_epoch: int = 0  # the epoch in which the current attempt of `step` reduces
     attempt_members: tuple[int, ...] = ()  # live set when this attempt began (the dead stay)
     holdings: dict[int, tuple[int, ...]] = field(default_factory=dict)  # attempt's plan
@@ -315,5 +319,6 @@ def view_of(state: CoordinatorState) -> View:
         version=state.view_version,
         reason=state.reason,
         writer=state.committed_writer,
+        records_from=state.records_from,
         plan_version=state.plan_version,
     )

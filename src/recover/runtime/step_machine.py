@@ -173,6 +173,10 @@ class CommittedStep:
     attempts: int
     recovered_s: float | None  # seconds from this rank's first sight of a failure, if any
     writer: bool  # this replica writes the step's records (the lowest live one at the commit)
+    # The writer makes sure that the steps from here to `step` are recorded: below `step` when a
+    # previous writer died or left before its records were known written (it writes what is
+    # missing; docs/metrics.md).
+    records_from: int = -1
     # Every value of the sum is finite (the same answer on every rank of every replica: they
     # hold the same sums). A non-finite step must not be applied: its update would poison the
     # parameters of every replica at once.
@@ -316,6 +320,8 @@ class StepMachine:
         recovered = None
         if attempt.t_first_fault is not None:
             recovered = time.perf_counter() - attempt.t_first_fault
+        latest = self.link.step_view()
+        named = latest.committed_step == step and latest.records_from >= 0
         return CommittedStep(
             step=step,
             reduced=reduced,
@@ -324,7 +330,8 @@ class StepMachine:
             shares={r: len(ids) for r, ids in sorted(view.holdings.items())},
             attempts=attempt.redos + 1,
             recovered_s=recovered,
-            writer=self.me == _writer(step, view, self.link.step_view()),
+            writer=self.me == _writer(step, view, latest),
+            records_from=latest.records_from if named else step,
             finite=finite,
         )
 

@@ -9,6 +9,9 @@ Invariants:
 - A checkpoint file is either absent or complete: it is written to `NAME.tmp.HOST.PID`, fsynced,
   renamed into place, and the folder is fsynced. Only then does the writer call its `on_saved`
   callback (the `checkpoint_saved` event): an event never names a file that is not durable.
+- Fencing: with a `fence`, the rename happens only while it is open (checked after the fsync,
+  just before publishing); a writer evicted meanwhile removes its temporary file and publishes
+  nothing, and announces nothing.
 - A temporary file whose writer is gone (a process of this host that no longer exists: killed
   mid-save) is removed when the next writer starts (`remove_stale_tmp`). Another host's
   temporaries are left alone: its writer may be alive.
@@ -114,10 +117,12 @@ def remove_stale_tmp(directory: Path) -> list[Path]:
     return sorted(removed)
 
 
-def write_checkpoint(path: Path, state: dict) -> int:
+def write_checkpoint(
+    path: Path, state: dict, *, fence: Callable[[], bool] | None = None
+) -> int | None:
     """Serialise `state` and write it atomically and durably to `path` (synchronous); return its
     size in bytes. When this returns, the file and its name are on disk (fsync, rename, fsync of
-    the folder)."""
+    the folder). None, and nothing published, when `fence` says this process may not write."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()
@@ -131,6 +136,9 @@ def write_checkpoint(path: Path, state: dict) -> int:
         f.write(payload)
         f.flush()
         os.fsync(f.fileno())
+    if fence is not None and not fence():  # evicted while it wrote: publish nothing
+        tmp.unlink(missing_ok=True)
+        return None
     os.replace(tmp, path)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -186,12 +194,14 @@ class CheckpointWriter:
         *,
         keep: int,
         on_saved: Callable[[SavedCheckpoint], None] | None = None,
+        fence: Callable[[], bool] | None = None,
     ) -> None:
         if keep <= 0:
             raise ValueError(f"keep must be positive, got {keep}")
         self.directory = directory
         self.keep = keep
         self.on_saved = on_saved
+        self.fence = fence  # checked before each rename (see the module docstring)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -212,7 +222,9 @@ class CheckpointWriter:
     def _write(self, step: int, path: Path, state: dict) -> None:
         try:
             t0 = time.perf_counter()
-            size = write_checkpoint(path, state)
+            size = write_checkpoint(path, state, fence=self.fence)
+            if size is None:  # fenced: nothing published, nothing to announce or prune
+                return
             saved = SavedCheckpoint(step, path, size, time.perf_counter() - t0)
             if self.on_saved is not None:
                 self.on_saved(saved)

@@ -6,6 +6,13 @@ metrics record, print the human line, evaluate and checkpoint at their cadence, 
 the final model and print the summary. Both the single-replica loop and the replicas of a
 multi-replica run use this one `RunRecorder`.
 
+Filling a gap: every replica keeps the step records of its last commits, written or not. When the
+coordinator names this replica the writer of a commit whose previous writer died or left before
+its records were known written (`fill_gaps`), it writes the step records that the run folder
+lacks, and the evaluation and checkpoint due at the step before, from the committed state it still
+holds (the new commit is applied after). A checkpoint or evaluation due at an older step (two
+writers lost in a row) cannot be made any more: the next due one is.
+
 It must not decide anything about the trajectory: it only records and persists committed state.
 """
 
@@ -20,12 +27,13 @@ from typing import TextIO
 
 import numpy as np
 
-from recover.record import MetricsWriter
+from recover.record import MetricsWriter, read_metrics
 from recover.training.checkpoint import (
     CheckpointError,
     CheckpointWriter,
     ResumePoint,
     SavedCheckpoint,
+    checkpoint_path,
     find_resume_point,
     remove_stale_tmp,
 )
@@ -58,7 +66,9 @@ class RunRecorder:
     # replica (evaluation, gathering the state to save and the final model are collectives
     # inside it) but only its first rank writes records and files.
     writes: bool = True
+    replica: int | None = None  # a replica of a multi-replica run: named in its step records
     _ckpt: CheckpointWriter = field(init=False)
+    _recent: dict[int, dict] = field(init=False, default_factory=dict)  # step -> its record
     _t_start: float = field(init=False)
     _t_last: float = field(init=False)
     _tokens: int = field(init=False, default=0)
@@ -66,12 +76,16 @@ class RunRecorder:
 
     def __post_init__(self) -> None:
         self._ckpt = CheckpointWriter(
-            self.paths.checkpoints, keep=self.cfg.keep_ckpts, on_saved=self._on_saved
+            self.paths.checkpoints,
+            keep=self.cfg.keep_ckpts,
+            on_saved=self._on_saved,
+            fence=self.writer.allowed,  # an evicted incarnation publishes no checkpoint
         )
         if self.writes:  # a writer of this host killed mid-save left its temporary file
             for stale in remove_stale_tmp(self.paths.checkpoints):
                 self.event("checkpoint_tmp_removed", path=str(stale))
         self._t_start = self._t_last = time.perf_counter()
+        self._t_wall_start = time.time()  # records older than this are another run's
         self.last_committed = self.start_step - 1
 
     @property
@@ -103,18 +117,22 @@ class RunRecorder:
                 f"step {stats.step + 1} skipped: its summed gradient or loss is not finite "
                 f"(not applied; {self.trainer.consecutive_skips} in a row)"
             )
-        if self.pen_writes:
-            self.writer.step(
-                step=stats.step,
-                loss=_finite_or_none(stats.loss),  # (null for a step skipped as non-finite)
-                lr=stats.lr,
-                grad_norm=_finite_or_none(stats.grad_norm),
-                tokens=tokens,
-                microbatches=microbatches,
-                step_s=round(step_s, 6),
-                wall_s=round(elapsed, 6),
-                **extra,
-            )
+        record = dict(
+            step=stats.step,
+            loss=_finite_or_none(stats.loss),  # (null for a step skipped as non-finite)
+            lr=stats.lr,
+            grad_norm=_finite_or_none(stats.grad_norm),
+            tokens=tokens,
+            microbatches=microbatches,
+            step_s=round(step_s, 6),
+            wall_s=round(elapsed, 6),
+            **extra,
+        )
+        # Kept by every replica: the writer of a later commit may have to write it (fill_gaps).
+        self._recent[stats.step] = record
+        for old in [k for k in self._recent if k <= stats.step - _RECENT_KEPT]:
+            del self._recent[old]
+        if self.pen_writes and self._write_step(record):  # (nothing when fenced)
             self.say(
                 format_step_line(
                     step=stats.step,
@@ -126,12 +144,66 @@ class RunRecorder:
                     eta_s=eta,
                 )
             )
-        next_step = stats.step + 1
-        last = next_step == cfg.steps
-        if cfg.eval_every and (next_step % cfg.eval_every == 0 or last):
+        eval_due, ckpt_due = self._due(stats.step)
+        if eval_due:
             self.evaluate(stats.step)
-        if cfg.ckpt_every and next_step % cfg.ckpt_every == 0 and not last:
-            self.checkpoint(next_step)
+        if ckpt_due:
+            self.checkpoint(stats.step + 1)
+
+    def _due(self, step: int) -> tuple[bool, bool]:
+        """Whether an evaluation, and a checkpoint, fall due after committed step `step`."""
+        cfg, next_step = self.cfg, step + 1
+        last = next_step == cfg.steps
+        eval_due = bool(cfg.eval_every) and (next_step % cfg.eval_every == 0 or last)
+        return eval_due, bool(cfg.ckpt_every) and next_step % cfg.ckpt_every == 0 and not last
+
+    def _write_step(self, record: dict) -> bool:
+        writer = {} if self.replica is None else {"writer": self.replica}
+        return self.writer.step(**record, **writer) is not None
+
+    def fill_gaps(self, first: int, upto: int) -> None:
+        """This replica writes the records of the commit of step `upto`, and the coordinator says
+        the records from step `first` on may be missing (their writer died or left before they
+        were known written). Called before the update of `upto` is applied: the state is still
+        the committed state after `upto - 1`. Writes the missing step records it kept, and the
+        evaluation and checkpoint due after `upto - 1` when the run folder lacks them. Every rank
+        of the replica calls it (evaluating and saving are collectives inside a replica) and reads
+        the same run folder, so they agree on what is missing."""
+        if not self.holds_pen or first >= upto:
+            return
+        steps, evals = set(), set()
+        for rec in read_metrics(self.writer.path):
+            if rec.get("t_wall", 0) < self._t_wall_start:
+                continue  # another run's (a resumed run re-commits the steps after its checkpoint)
+            if rec.get("kind") == "step":
+                steps.add(int(rec["step"]))
+            elif rec.get("kind") == "eval":
+                evals.add(int(rec["step"]))
+        filled = [s for s in range(first, upto) if s not in steps and s in self._recent]
+        if self.writes:
+            for s in filled:
+                self._write_step(self._recent[s])
+        before = upto - 1
+        eval_due, ckpt_due = self._due(before)
+        evaluated = eval_due and before not in evals
+        if evaluated:
+            self.evaluate(before)
+        saved = ckpt_due and not checkpoint_path(self.paths.checkpoints, upto).exists()
+        if saved:
+            self.checkpoint(upto)
+        if self.writes and (filled or evaluated or saved):
+            self.event(
+                "records_filled", replica=self.replica, steps=filled,
+                eval=before if evaluated else None, checkpoint=upto if saved else None,
+            )  # fmt: skip
+            self.say(
+                f"recorded what the writer of step {first + 1} left unwritten: "
+                + ", ".join(
+                    [f"step {s + 1}" for s in filled]
+                    + (["its evaluation"] if evaluated else [])
+                    + ([f"the checkpoint of step {upto}"] if saved else [])
+                )
+            )
 
     def evaluate(self, step: int) -> float | None:
         if not self.holds_pen:  # the parameters are identical everywhere: one evaluation is enough
@@ -153,15 +225,24 @@ class RunRecorder:
             "data_hash": self.data_hash,
             **self.trainer.state_dict(),
         }
-        if not self.writes:
+        if not self.writes or not self.writer.allowed():  # (an evicted incarnation saves nothing)
             return None
         # `checkpoint_saved` is written by _on_saved once the file is durable, not here.
         return self._ckpt.save(next_step, state, block=block)
+
+    def settle(self) -> None:
+        """Wait for the save in flight, if any, without raising its error: an incarnation that
+        is leaving because it was evicted lets its save thread remove its temporary file."""
+        try:
+            self._ckpt.wait()
+        except CheckpointError:
+            pass
 
     def _on_saved(self, saved: SavedCheckpoint) -> None:
         """On the checkpoint thread, after fsync and rename: the file is on disk."""
         self.event(
             "checkpoint_saved",
+            **({} if self.replica is None else {"replica": self.replica}),
             step=saved.step,
             path=str(saved.path),
             bytes=saved.bytes,
@@ -186,7 +267,7 @@ class RunRecorder:
             self.paths.final_model.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.paths.final_model.with_name("model.safetensors.tmp")
             self.trainer.save_model(str(tmp) if self.writes else None)
-        if self.pen_writes:
+        if self.pen_writes and self.writer.allowed():  # nothing from an evicted incarnation
             os.replace(tmp, self.paths.final_model)
             self.writer.write("summary", **summary)
             self.say(self.format_summary(summary))
@@ -216,6 +297,10 @@ class RunRecorder:
                 lines.append(f"  {label:<14} {s[key]}")
         lines.append(f"  run folder     {s['out']}")
         return "\n".join(lines)
+
+
+# Commits whose step records every replica keeps (the gap a run of dead writers can leave).
+_RECENT_KEPT = 64
 
 
 def _finite_or_none(x: float) -> float | None:

@@ -183,6 +183,9 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             token=wcfg.token,
             heartbeat_s=wcfg.heartbeat_s,
         )
+        # Fencing: from its eviction on, this incarnation writes nothing to the run folder (every
+        # record, checkpoint and the final model passes this check, whatever thread writes it).
+        writer.fence = client.writes_allowed
     if intra is None:
         link = SoloLink(client)
     else:
@@ -203,6 +206,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         start_step=start,
         holds_pen=False,
         writes=rank == 0,
+        replica=me,
     )
     machine = None
 
@@ -277,6 +281,10 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             signal.signal(sig, lambda signum, frame: stop.set())
         step = view.step
         while step < cfg.steps:
+            # A process woken after a freeze acts on no stale view before the coordinator
+            # confirmed it is still a member (it may have been evicted meanwhile).
+            if client is not None and not client.writes_allowed():
+                raise Evicted(f"replica {me} is not a confirmed member any more")
             commit = machine.run(step, compute)
             apply_commit(commit, replica=me, trainer=trainer, recorder=recorder, guard=guard)
             step += 1
@@ -314,6 +322,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         link.leave(step=step)
         return exits.OK
     except Evicted as e:
+        recorder.settle()  # a save in flight publishes nothing now; its temporary file goes
         print(
             f"replica {me}: evicted by the coordinator ({e}); exiting without touching the run",
             file=sys.stderr,
@@ -391,6 +400,9 @@ def apply_commit(
 ) -> None:
     """The update of a committed step, then its records (the writer was named with the commit)."""
     recorder.holds_pen = commit.writer
+    # A previous writer died or left before its records were known written: what the run folder
+    # lacks is written now, while the state is still the one committed before this step.
+    recorder.fill_gaps(commit.records_from, commit.step)
     with guard.busy("in the optimizer step"):
         stats = trainer.apply_commit(
             commit.step, commit.reduced, count=commit.count, finite=commit.finite
