@@ -96,18 +96,10 @@ def start(data: Path, out: Path, *extra: str) -> subprocess.Popen:
 
 
 def replica_pid(out: Path, replica: int) -> int | None:
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        args = [a.decode() for a in argv]
-        if "worker" in args and str(out) in args and "--replica-id" in args:
-            if args[args.index("--replica-id") + 1] == str(replica):
-                return int(pid)
-    return None
+    """The pid of replica `replica`'s rank 0, from its own `rank_started` event."""
+    metrics = out / "metrics.jsonl"
+    started = [e for e in events(out, "rank_started") if e["replica"] == replica and e["rank"] == 0]
+    return started[-1]["pid"] if metrics.exists() and started else None
 
 
 def assert_every_step_recorded(out: Path, steps: int) -> None:

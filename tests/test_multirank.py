@@ -21,6 +21,8 @@ from conftest import TRAJECTORY_RTOL, events
 from conftest import assert_invariants as check_invariants
 from recover.launch import LaunchConfig, check_gpu_placement
 from recover.runtime.faults import parse_fault
+from recover.runtime.layout import ReplicaLayout
+from recover.runtime.spec import ReplicaSpec
 from recover.tooling.compare import compare_runs
 from recover.training.config import check_layout_fits
 
@@ -271,36 +273,39 @@ def test_bf16_autocast_recovers_on_the_bf16_trajectory(reference, tiny_dataset, 
     assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [1]
 
 
+def _launch(replicas: int, faults=(), *, shard=1, tp=1, pp=1, **spec) -> LaunchConfig:
+    layout = ReplicaLayout(shard=shard, tp=tp, pp=pp)
+    return LaunchConfig(replicas=replicas, faults=faults, replica=ReplicaSpec(layout=layout, **spec))
+
+
 def test_layout_flags_are_checked():
     spec = parse_fault("kill:replica=1,rank=1,step=2,phase=backward,microbatch=1")
     assert (spec.rank, spec.microbatch) == (1, 1)
     with pytest.raises(ValueError, match="rank 2"):
-        LaunchConfig(
-            replicas=2, shard=2, faults=(parse_fault("kill:replica=0,rank=2,step=1,phase=reduce"),)
-        )
+        _launch(2, (parse_fault("kill:replica=0,rank=2,step=1,phase=reduce"),), shard=2)
     with pytest.raises(ValueError, match="--shard"):
-        LaunchConfig(replicas=2, shard=0)
-    assert LaunchConfig(replicas=2, shard=2, tp=2).ranks == 4
+        _launch(2, shard=0)
+    assert _launch(2, shard=2, tp=2).ranks == 4
     with pytest.raises(ValueError, match="must divide the tiny preset's 2 attention heads"):
         check_layout_fits("tiny", 3)
     check_layout_fits("small", 4)
     with pytest.raises(ValueError, match="--pp 3 exceeds the tiny preset's 2 layers"):
         check_layout_fits("tiny", 1, 3)
-    assert LaunchConfig(replicas=2, shard=2, tp=2, pp=2).ranks == 8
+    assert _launch(2, shard=2, tp=2, pp=2).ranks == 8
     # The cross-replica reduce over NCCL: GPUs only, one per process, checked before any start.
     with pytest.raises(ValueError, match="--cross-reduce nccl reduces between GPUs"):
-        LaunchConfig(replicas=2, device="cpu", cross_reduce="nccl")
-    with pytest.raises(ValueError, match="--cross-reduce must be gloo or nccl"):
-        LaunchConfig(replicas=2, cross_reduce="mpi")
-    nccl = LaunchConfig(replicas=2, shard=2, cross_reduce="nccl")
+        _launch(2, device="cpu", cross_reduce="nccl")
+    with pytest.raises(ValueError, match="--cross-reduce must be one of gloo, nccl"):
+        _launch(2, cross_reduce="mpi")
+    nccl = _launch(2, shard=2, cross_reduce="nccl")
     with pytest.raises(ValueError, match="4 processes, 2 GPUs visible"):
         check_gpu_placement(nccl, gpus=2)
     check_gpu_placement(nccl, gpus=4)
     with pytest.raises(ValueError, match="a replica of 2 ranks on GPUs needs 2 GPUs"):
-        check_gpu_placement(LaunchConfig(replicas=2, shard=2), gpus=1)
-    check_gpu_placement(LaunchConfig(replicas=4), gpus=1)  # gloo across: replicas share a GPU
-    check_gpu_placement(LaunchConfig(replicas=2, shard=2, device="cpu"), gpus=1)
-    assert LaunchConfig(replicas=2, tp=2, pp=2).layout.dims == {"pp": 2, "tp": 2}  # mesh order
+        check_gpu_placement(_launch(2, shard=2), gpus=1)
+    check_gpu_placement(_launch(4), gpus=1)  # gloo across: replicas share a GPU
+    check_gpu_placement(_launch(2, shard=2, device="cpu"), gpus=1)
+    assert _launch(2, tp=2, pp=2).layout.dims == {"pp": 2, "tp": 2}  # mesh order
 
 
 def _gpu_case(flags: list[str], gpus: int):

@@ -12,7 +12,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from recover.training.config import CROSS_REDUCES, DEVICES, TrainConfig
+from recover.training.config import TrainConfig
 
 DEFAULT_DATA_ROOT = Path("data")
 
@@ -63,96 +63,18 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def add_replica_flags(parser: argparse.ArgumentParser) -> None:
+    """`--fault`, and every flag of the replica spec (recover.runtime.spec)."""
     from recover.runtime.faults import GRAMMAR
+    from recover.runtime.spec import add_spec_flags
 
-    group = parser.add_argument_group("replicas and faults")
-    group.add_argument(
+    parser.add_argument(
         "--fault",
         action="append",
         default=[],
         metavar="SPEC",
         help=f"inject a fault (repeatable): {GRAMMAR}",
     )
-    group.add_argument(
-        "--heartbeat",
-        type=float,
-        default=0.1,
-        metavar="S",
-        help="heartbeat interval to the coordinator (default: 0.1)",
-    )
-    group.add_argument(
-        "--check-every",
-        type=int,
-        default=50,
-        metavar="N",
-        help="compare parameter hashes across replicas every N steps (default: 50)",
-    )
-    group.add_argument(
-        "--mode",
-        choices=("recover", "checkpoint-restart", "shrink"),
-        default="recover",
-        help="recover: survive failures in-step (default). Baselines for comparison: "
-        "checkpoint-restart (stop everything, restart from the last checkpoint) and shrink (drop "
-        "the dead replica's microbatches; the global batch shrinks)",
-    )
-    group.add_argument(
-        "--shard",
-        type=int,
-        default=1,
-        metavar="S",
-        help="ranks per replica, one process each, that shard the model with FSDP2 (HSDP: "
-        "sharded inside a replica, replicated across replicas). A worker with S > 1 runs under "
-        "torchrun --nproc-per-node S (default: 1)",
-    )
-    group.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        metavar="T",
-        help="ranks per replica, one process each, that split every transformer block by tensor "
-        "parallelism (T must divide the preset's n_head) (default: 1)",
-    )
-    group.add_argument(
-        "--pp",
-        type=int,
-        default=1,
-        metavar="P",
-        help="ranks per replica, one process each, that hold P consecutive pipeline stages "
-        "(GPipe; the replica's microbatches are the pipeline's). The three combine: P x S x T "
-        "ranks, each stage split by TP and sharded by FSDP2 over its S x T ranks (default: 1)",
-    )
-    group.add_argument(
-        "--device",
-        choices=DEVICES,
-        default="auto",
-        help="where replicas compute: auto (a GPU per process if any is visible, else the CPU), "
-        "cpu or cuda (default: auto)",
-    )
-    group.add_argument(
-        "--cross-reduce",
-        choices=CROSS_REDUCES,
-        default="gloo",
-        help="how gradients are summed across replicas: gloo over a host copy (any device), or "
-        "nccl between GPUs, one GPU per process, without the copy (not yet run on GPUs in this "
-        "project) (default: gloo)",
-    )
-    group.add_argument(
-        "--watchdog",
-        type=float,
-        default=5.0,
-        metavar="S",
-        help="with --shard, --tp or --pp > 1: a rank whose replica-mate is silent this long "
-        "stops the whole replica, which the others then recover from (default: 5)",
-    )
-    group.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=300.0,
-        metavar="S",
-        help="a process whose training thread makes no progress this long while computing, "
-        "reducing or stepping the optimizer ends itself, and its replica is recovered from "
-        "like a crash; it must exceed one microbatch's forward or backward (0: off; default: 300)",
-    )
+    add_spec_flags(parser)
 
 
 def add_supervision_flags(parser: argparse.ArgumentParser) -> None:
@@ -202,30 +124,10 @@ def supervision(args: argparse.Namespace) -> dict:
     )
 
 
-def replica_inside(args: argparse.Namespace) -> dict:
-    """What a replica is inside, as LaunchConfig and WorkerConfig both take it."""
-    return dict(
-        shard=args.shard,
-        tp=args.tp,
-        pp=args.pp,
-        watchdog_s=args.watchdog,
-        device=args.device,
-        cross_reduce=args.cross_reduce,
-        stall_s=args.stall_timeout,
-    )
-
-
 def parse_faults(specs: list[str]):
     from recover.runtime.faults import parse_fault
 
     return tuple(parse_fault(s) for s in specs)
-
-
-def parse_address(text: str, flag: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"{flag} must be HOST:PORT, got {text!r}")
-    return host, int(port)
 
 
 def default_out() -> Path:
@@ -293,14 +195,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_train_config_flags(worker)
     worker.add_argument(
-        "--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's address"
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="the coordinator's address (required unless --launched)",
     )
     worker.add_argument(
         "--replica-id",
         type=int,
-        required=True,
         metavar="R",
-        help="this replica's id, an int >= 0, unique in the job",
+        help="this replica's id, an int >= 0, unique in the job (required unless --launched)",
+    )
+    worker.add_argument(
+        "--launched",
+        action="store_true",
+        help="started by a local launcher: take the job (TrainConfig, replica spec, coordinator, "
+        "replica id, faults) from the RECOVER_* variables it set, and ignore the job's flags",
     )
     worker.add_argument(
         "--data",
@@ -363,21 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="inject a fault into the script's replicas (repeatable); the grammar of "
         "`recover train --fault`",
     )
-    script.add_argument(
-        "--watchdog",
-        type=float,
-        default=5.0,
-        metavar="S",
-        help="with --ranks-per-replica > 1: a rank whose mate is silent this long stops its "
-        "replica (default: 5)",
-    )
-    script.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=300.0,
-        metavar="S",
-        help="a process busy without progress this long ends itself (0: off; default: 300)",
-    )
+    from recover.runtime.spec import add_spec_flags
+
+    add_spec_flags(script, only=("watchdog_s", "stall_s"))  # what a script's replicas obey
     script.add_argument(
         "--start-timeout",
         type=float,
@@ -465,7 +362,9 @@ def run_train(args: argparse.Namespace) -> int:
     from recover.data.corpus import DataError
     from recover.data.prepare import ensure_dataset
     from recover.launch import LaunchConfig, LocalLauncher, check_gpu_placement
+    from recover.runtime.env import TOKEN_ENV
     from recover.runtime.faults import check_faults_fit
+    from recover.runtime.spec import ReplicaSpec
 
     # The launcher path stays torch-free: only the replica processes pay for importing torch.
     from recover.training.config import check_layout_fits
@@ -475,15 +374,12 @@ def run_train(args: argparse.Namespace) -> int:
         cfg = train_config_from_args(args)
         lcfg = LaunchConfig(
             replicas=args.replicas,
-            heartbeat_s=args.heartbeat,
-            check_every=args.check_every,
+            replica=ReplicaSpec.from_args(args),
             faults=parse_faults(args.fault),
-            mode=args.mode,
             **supervision(args),
-            **replica_inside(args),
         )
         check_faults_fit(lcfg.faults, steps=cfg.steps, microbatches=cfg.microbatches)
-        check_layout_fits(cfg.preset, lcfg.tp, lcfg.pp)
+        check_layout_fits(cfg.preset, lcfg.layout.tp, lcfg.layout.pp)
         if cfg.warmup_steps >= cfg.steps:
             print(
                 f"warning: --warmup-steps {cfg.warmup_steps} >= --steps {cfg.steps}: the learning "
@@ -526,7 +422,7 @@ def run_train(args: argparse.Namespace) -> int:
         info = read_dataset_info(data)
         launcher = LocalLauncher(
             cfg, lcfg, data=Path(data).resolve(), out=out, resume=args.resume,
-            data_info=info, console=console, token=os.environ.get("RECOVER_TOKEN") or None,
+            data_info=info, console=console, token=os.environ.get(TOKEN_ENV) or None,
         )  # fmt: skip
         return launcher.run()
     except (DataError, RunFolderError) as e:
@@ -536,8 +432,12 @@ def run_train(args: argparse.Namespace) -> int:
 def run_script(args: argparse.Namespace) -> int:
     """`recover run`: the local launcher over a user's command."""
     import os
+    from dataclasses import replace
 
     from recover.launch import LaunchConfig, ScriptLauncher
+    from recover.runtime.env import TOKEN_ENV
+    from recover.runtime.layout import ReplicaLayout
+    from recover.runtime.spec import ReplicaSpec
 
     command = list(args.script_command)
     if command[:1] == ["--"]:
@@ -545,14 +445,14 @@ def run_script(args: argparse.Namespace) -> int:
     if not command:
         return _error("recover run needs a command after --, e.g. recover run -- python train.py")
     try:
+        # The launcher only counts a script's ranks: the script builds its own layout.
+        spec = ReplicaSpec.from_args(args)
         lcfg = LaunchConfig(
             replicas=args.replicas,
+            replica=replace(spec, layout=ReplicaLayout(shard=args.ranks_per_replica)),
             faults=parse_faults(args.fault),
-            **supervision(args),
-            shard=args.ranks_per_replica,  # the launcher only counts the ranks
-            watchdog_s=args.watchdog,
-            stall_s=args.stall_timeout,
             start_timeout_s=args.start_timeout,
+            **supervision(args),
         )
     except ValueError as e:
         return _error(str(e))
@@ -561,7 +461,7 @@ def run_script(args: argparse.Namespace) -> int:
         lcfg,
         out=args.out or default_out(),
         console=None if args.quiet else sys.stdout,
-        token=os.environ.get("RECOVER_TOKEN") or None,
+        token=os.environ.get(TOKEN_ENV) or None,
     )
     return launcher.run()
 
@@ -600,31 +500,49 @@ def run_worker_cli(args: argparse.Namespace) -> int:
     import os
 
     from recover.data import DataError
+    from recover.runtime.env import (
+        TOKEN_ENV,
+        RankEnv,
+        ReplicaEnv,
+        device_index,
+        parse_address,
+    )
     from recover.runtime.faults import check_faults_fit
+    from recover.runtime.spec import ReplicaSpec
     from recover.training.checkpoint import CheckpointError
-    from recover.training.config import check_layout_fits
+    from recover.training.config import TRAIN_CONFIG_ENV, TrainConfig, check_layout_fits
     from recover.training.worker import WorkerConfig, run_worker
 
     try:
-        cfg = train_config_from_args(args)
-        host, port = parse_address(args.coordinator, "--coordinator")
+        if args.launched:  # the launcher's objects, as JSON, not flags parsed again
+            env = ReplicaEnv.from_environ(os.environ)
+            if TRAIN_CONFIG_ENV not in os.environ:
+                raise ValueError(f"--launched but {TRAIN_CONFIG_ENV} is not set")
+            cfg = TrainConfig.from_json(os.environ[TRAIN_CONFIG_ENV])
+        else:
+            if args.coordinator is None or args.replica_id is None:
+                raise ValueError("--coordinator and --replica-id are required")
+            if args.replica_id < 0:
+                raise ValueError(f"--replica-id must be >= 0, got {args.replica_id}")
+            cfg = train_config_from_args(args)
+            env = ReplicaEnv(
+                coordinator=parse_address(args.coordinator, "--coordinator"),
+                replica_id=args.replica_id,
+                token=os.environ.get(TOKEN_ENV) or None,
+                faults=parse_faults(args.fault),
+                spec=ReplicaSpec.from_args(args),
+                ranks=RankEnv.from_environ(os.environ),
+                device_index=device_index(os.environ),
+            )
         wcfg = WorkerConfig(
-            replica_id=args.replica_id,
-            coordinator_host=host,
-            coordinator_port=port,
-            token=os.environ.get("RECOVER_TOKEN") or None,  # read once, here
+            env=env,
             data=args.data,
             out=args.out,
             resume=args.resume,
-            faults=parse_faults(args.fault),
-            check_every=args.check_every,
-            heartbeat_s=args.heartbeat,
             register_timeout_s=args.register_timeout,
-            mode=args.mode,
-            **replica_inside(args),
         )
-        check_faults_fit(wcfg.faults, steps=cfg.steps, microbatches=cfg.microbatches)
-        check_layout_fits(cfg.preset, wcfg.tp, wcfg.pp)
+        check_faults_fit(env.faults, steps=cfg.steps, microbatches=cfg.microbatches)
+        check_layout_fits(cfg.preset, env.spec.layout.tp, env.spec.layout.pp)
     except ValueError as e:
         return _error(str(e))
     import torch
@@ -633,7 +551,9 @@ def run_worker_cli(args: argparse.Namespace) -> int:
     from recover.training.trainer import pick_device
 
     try:
-        pick_device(wcfg.device)  # a clear error, not a traceback, when no GPU is visible
+        pick_device(
+            env.spec.device, env.device_index
+        )  # a clear error, not a traceback, when no GPU is visible
     except ValueError as e:
         return _error(str(e))
     try:

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -37,64 +37,44 @@ from recover.record import MetricsWriter, committed_steps, read_metrics
 from recover.runtime.env import TOKEN_ENV, ReplicaEnv
 from recover.runtime.faults import FaultSpec, fault_flag, faults_for
 from recover.runtime.layout import ReplicaLayout
-from recover.runtime.stall import check_stall
-from recover.training.config import (
-    RunPaths,
-    TrainConfig,
-    check_replica_inside,
-)
+from recover.runtime.spec import ReplicaSpec
+from recover.training.config import TRAIN_CONFIG_ENV, RunPaths, TrainConfig
 from recover.training.runfolder import open_run_folder
 
 # How the launcher starts its own commands (coordinator, built-in worker): this Python, this package.
 _RECOVER = (sys.executable, "-m", "recover.cli")
 RESTART = -1000  # _supervise's answer in checkpoint-restart mode: restart the whole job
-MODES = ("recover", "checkpoint-restart", "shrink")
 
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     replicas: int
+    # What every replica is and how it behaves (the same object the replicas get, as JSON).
+    replica: ReplicaSpec = field(default_factory=ReplicaSpec)
     min_replicas: int = 1
     lease_s: float = 1.0
-    heartbeat_s: float = 0.1
-    check_every: int = 50
     faults: tuple[FaultSpec, ...] = ()
     start_timeout_s: float = 60.0  # coordinator up and every replica registered by then
     respawn_s: float | None = None  # restart a dead replica after this many seconds (None: never)
     max_restarts: int = 3  # per replica
     balance: str = "throughput"  # microbatch shares: "equal" or by measured "throughput"
-    # recover: in-step recovery (the system). Baselines for comparison: checkpoint-restart (stop
-    # everything on a failure, restart from the last checkpoint) and shrink (drop the dead
-    # replica's microbatches: the global batch shrinks).
-    mode: str = "recover"
-    shard: int = 1  # ranks per replica that shard the model with FSDP2 ...
-    tp: int = 1  # ... or split its blocks by tensor parallelism ...
-    pp: int = 1  # ... or hold its pipeline stages (one of the three above 1)
-    watchdog_s: float = 5.0  # a replica-mate silent this long stops the replica
-    device: str = "auto"  # where replicas compute: auto (GPUs if visible), cpu or cuda
-    cross_reduce: str = "gloo"  # the cross-replica reduce: gloo over host copies, or nccl
-    stall_s: float = 300.0  # a training thread busy this long without progress ends its process
     stop_grace_s: float = 30.0  # on a stop: how long replicas get to save and leave
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
-        check_stall(self.stall_s)
-        check_replica_inside(
-            self.shard, self.tp, self.pp, self.watchdog_s, self.device, self.cross_reduce
-        )
+        if not isinstance(self.replica, ReplicaSpec):
+            raise ValueError(f"replica must be a ReplicaSpec, got {self.replica!r}")
         if not 1 <= self.min_replicas <= self.replicas:
             raise ValueError(
                 f"--min-replicas must be in 1..{self.replicas} (--replicas), got {self.min_replicas}"
             )
-        if not self.lease_s > 0 or not 0 < self.heartbeat_s < self.lease_s:
+        if not self.lease_s > 0 or not self.replica.heartbeat_s < self.lease_s:
             raise ValueError("--lease must be > 0 and larger than the heartbeat interval")
         if self.respawn_s is not None and self.respawn_s < 0:
             raise ValueError(f"--respawn must be >= 0 seconds, got {self.respawn_s}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.mode not in MODES:
-            raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.balance not in ("equal", "throughput"):
             raise ValueError(f"--balance must be equal or throughput, got {self.balance!r}")
         for f in self.faults:
@@ -108,9 +88,13 @@ class LaunchConfig:
                 )
 
     @property
+    def mode(self) -> str:
+        return self.replica.mode
+
+    @property
     def layout(self) -> ReplicaLayout:
         """What a replica is inside."""
-        return ReplicaLayout(pp=self.pp, shard=self.shard, tp=self.tp)
+        return self.replica.layout
 
     @property
     def ranks(self) -> int:
@@ -124,32 +108,24 @@ def check_gpu_placement(lc: LaunchConfig, gpus: int | None = None) -> None:
     asks torch); NCCL refuses two ranks of one communicator on one GPU. So a replica of several
     ranks on GPUs needs that many GPUs (its own group is NCCL's), and --cross-reduce nccl one GPU
     per process. Replicas of one rank may share GPUs under the default gloo cross-reduce."""
-    if lc.cross_reduce == "gloo" and (lc.device == "cpu" or lc.ranks == 1):
+    if lc.replica.cross_reduce == "gloo" and (lc.replica.device == "cpu" or lc.ranks == 1):
         return  # nothing to place (and no torch import in the launcher for it)
     if gpus is None:
         import torch
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     processes = lc.replicas * lc.ranks
-    if lc.cross_reduce == "nccl" and processes > gpus:
+    if lc.replica.cross_reduce == "nccl" and processes > gpus:
         raise ValueError(
             f"--cross-reduce nccl needs a GPU per process: {processes} processes, {gpus} GPUs "
             "visible; use --cross-reduce gloo (the default) to share GPUs"
         )
-    on_gpus = lc.device == "cuda" or (lc.device == "auto" and gpus > 0)
+    on_gpus = lc.replica.device == "cuda" or (lc.replica.device == "auto" and gpus > 0)
     if on_gpus and lc.ranks > gpus:
         raise ValueError(
             f"a replica of {lc.ranks} ranks on GPUs needs {lc.ranks} GPUs (NCCL inside the "
             f"replica), {gpus} visible; use fewer ranks per replica, or --device cpu"
         )
-
-
-def train_flags(cfg: TrainConfig) -> list[str]:
-    """The command-line flags that rebuild `cfg` in a child process."""
-    out: list[str] = []
-    for f in fields(TrainConfig):
-        out += ["--" + f.name.replace("_", "-"), str(getattr(cfg, f.name))]
-    return out
 
 
 def _pump(stream, prefix: str, console: TextIO | None) -> None:
@@ -302,26 +278,24 @@ class LocalLauncher:
 
     def _replica_command(self, r: int, host: str, port: int, *, fresh: bool) -> list[str]:
         """The command of every process of replica r: a `recover worker` of the built-in
-        trainer here (a script's command under `recover run`: ScriptLauncher)."""
+        trainer here (a script's command under `recover run`: ScriptLauncher). The job itself
+        travels in the environment (`_replica_env`), as objects, not as flags."""
         argv = [
-            *_RECOVER, "worker", "--coordinator", f"{host}:{port}", "--replica-id", str(r),
-            "--data", str(self.data), "--out", str(self.paths.out),
-            "--heartbeat", str(self.lcfg.heartbeat_s), "--check-every", str(self.lcfg.check_every),
-            "--mode", self.lcfg.mode, "--device", self.lcfg.device,
-            "--cross-reduce", self.lcfg.cross_reduce, "--stall-timeout", str(self.lcfg.stall_s),
-            *train_flags(self.cfg),
+            *_RECOVER, "worker", "--launched", "--data", str(self.data),
+            "--out", str(self.paths.out),
         ]  # fmt: skip
         if self.resume and not fresh:
             argv.append("--resume")
-        for spec in self._pending_faults(r):
-            argv += ["--fault", fault_flag(spec)]
-        if self.lcfg.ranks > 1:
-            argv += [*self.lcfg.layout.flags(), "--watchdog", str(self.lcfg.watchdog_s)]
         return argv
 
     def _replica_env(self, r: int, host: str, port: int) -> dict[str, str]:
-        """Variables every process of replica r gets besides the rank ones (none here)."""
-        return {}
+        """Variables every process of replica r gets besides the rank ones: who it is, the
+        replica spec and its faults not fired yet (ReplicaEnv), and the run's TrainConfig."""
+        env = ReplicaEnv(
+            coordinator=(host, port), replica_id=r, faults=tuple(self._pending_faults(r)),
+            spec=self.lcfg.replica,
+        ).to_environ()  # fmt: skip
+        return {**env, TRAIN_CONFIG_ENV: self.cfg.to_json()}
 
     def _start_replica(self, r: int, host: str, port: int, *, fresh: bool = False) -> None:
         """Start replica r. `fresh` (a respawn) joins the running job without --resume: its
@@ -655,7 +629,6 @@ class ScriptLauncher(LocalLauncher):
             replica_id=r,
             faults=tuple(self._pending_faults(r)),
             events=self.paths.metrics,
-            stall_s=self.lcfg.stall_s,
-            watchdog_s=self.lcfg.watchdog_s,
+            spec=self.lcfg.replica,
         )
         return spec.to_environ()  # (the token is added for every child by _spawn)

@@ -58,11 +58,11 @@ from recover.coordinator.client import (
     RequestRefused,
 )
 from recover.coordinator.client import QuorumLost as _ClientQuorumLost
+from recover.policy import deal_round_robin
 from recover.runtime.collective import CollectiveConfig, GroupCache
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.faults import FaultInjector, check_faults_fit
 from recover.runtime.layout import ReplicaLayout
-from recover.policy import deal_round_robin
 from recover.runtime.script_work import ScriptWork
 from recover.runtime.stall import StallGuard
 from recover.runtime.step_machine import (
@@ -126,7 +126,7 @@ class Replica:
             or max_nonfinite < 0
         ):
             raise ValueError(f"max_nonfinite must be an int >= 0, got {max_nonfinite!r}")
-        self.spec = ReplicaEnv.from_environ(os.environ if env is None else env)
+        self.env = ReplicaEnv.from_environ(os.environ if env is None else env)
         if env is None:  # this process's own environment: it is the script's entry point
             from recover.runtime.env import die_with_launcher
 
@@ -136,12 +136,12 @@ class Replica:
         self.layout = ReplicaLayout(shard=shard, tp=tp)
         self.config = dict(config or {})
         self.check_every, self.check_data = check_every, check_data
-        self.replica_id = self.spec.replica_id
+        self.replica_id = self.env.replica_id
         self._writer = None
-        if self.spec.events is not None:
+        if self.env.events is not None:
             from recover.record import MetricsWriter
 
-            self._writer = MetricsWriter(self.spec.events)
+            self._writer = MetricsWriter(self.env.events)
         self.intra = None
         if self.layout.ranks > 1:
             from recover.runtime.links import IntraReplica
@@ -149,8 +149,9 @@ class Replica:
             self.intra = IntraReplica(
                 replica_id=self.replica_id,
                 layout=self.layout,
+                ranks=self.env.ranks,
                 timeout_s=180.0,
-                watchdog_s=self.spec.watchdog_s,
+                watchdog_s=self.env.spec.watchdog_s,
                 emit=self.event,
             )
             # A mate's death surfaces as an error of a collective inside the replica, often in the
@@ -201,11 +202,11 @@ class Replica:
         _sum_inside_fsdp(model)
         self._work = ScriptWork(model, optimizer, extra, self.check_data, self)
         self._faults = FaultInjector(
-            [f for f in self.spec.faults if f.replica == self.replica_id and f.rank == self.rank],
+            [f for f in self.env.faults if f.replica == self.replica_id and f.rank == self.rank],
             emit=self.event,
         )
         self._guard = StallGuard(
-            self.spec.stall_s, replica=self.replica_id, rank=self.rank, emit=self.event
+            self.env.spec.stall_s, replica=self.replica_id, rank=self.rank, emit=self.event
         )
         optimizer.register_step_pre_hook(self._before_optimizer_step)
 
@@ -237,18 +238,22 @@ class Replica:
     def _join(self, total_steps: int, start_step: int) -> int:
         from recover.runtime.links import ReplicaLink, SoloLink
 
-        spec = self.spec
-        host, port = spec.coordinator
+        env = self.env
+        host, port = env.coordinator
         client = None
         if self.intra is None or self.intra.leader:
             client = CoordinatorClient(
-                host, port, replica_id=self.replica_id, token=spec.token, heartbeat_s=0.1
+                host,
+                port,
+                replica_id=self.replica_id,
+                token=env.token,
+                heartbeat_s=env.spec.heartbeat_s,
             )
         if self.intra is None:
             self._link = SoloLink(client)
         else:
             self._link = ReplicaLink(
-                self.intra, client=client, host=host, port=port, token=spec.token
+                self.intra, client=client, host=host, port=port, token=env.token
             )
         view = self._link.register(
             fingerprint=self._fingerprint(total_steps), next_step=start_step, deadline_s=180.0
@@ -293,7 +298,7 @@ class Replica:
         # A fault the launcher passed that could never fire (its step or microbatch beyond this
         # run) is refused now, naming the field (the launcher does not know M or the steps).
         check_faults_fit(
-            self.spec.faults, steps=total_steps, microbatches=self.microbatches_per_step
+            self.env.faults, steps=total_steps, microbatches=self.microbatches_per_step
         )
         try:
             with self._stops():

@@ -12,28 +12,29 @@ multi-node job, `torchrun` plus these variables do the same. Nothing below the e
 | RECOVER_TOKEN | the job's shared secret (optional; the coordinator refuses a wrong one) |
 | RECOVER_FAULTS | `--fault` specs separated by ';' (fault injection for tests and demos) |
 | RECOVER_EVENTS | a metrics.jsonl path for the library's events (failures, recoveries) |
-| RECOVER_STALL_TIMEOUT | seconds without progress before a stuck process ends itself (0: off) |
-| RECOVER_WATCHDOG | seconds a replica-mate may be silent (replicas of several ranks) |
+| RECOVER_REPLICA_SPEC | the replica spec as JSON (recover.runtime.spec.ReplicaSpec); a partial object keeps the other fields' defaults, e.g. `{"stall_s": 600, "watchdog_s": 10}` |
+| RECOVER_DEVICE_INDEX | the GPU of this process (the local launcher numbers them), else LOCAL_RANK |
 | RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT | the replica's own ranks, as torchrun sets them |
 """
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from recover.runtime.faults import FaultSpec, fault_flag, parse_fault
+from recover.runtime.spec import ReplicaSpec
 
 COORDINATOR_ENV = "RECOVER_COORDINATOR"
 REPLICA_ENV = "RECOVER_REPLICA_ID"
 TOKEN_ENV = "RECOVER_TOKEN"
 FAULTS_ENV = "RECOVER_FAULTS"
 EVENTS_ENV = "RECOVER_EVENTS"
-STALL_ENV = "RECOVER_STALL_TIMEOUT"
-WATCHDOG_ENV = "RECOVER_WATCHDOG"
+SPEC_ENV = "RECOVER_REPLICA_SPEC"
+DEVICE_INDEX_ENV = "RECOVER_DEVICE_INDEX"
+RANK_ENVS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def parse_address(text: str, name: str) -> tuple[str, int]:
@@ -44,17 +45,42 @@ def parse_address(text: str, name: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _seconds(environ: Mapping[str, str], name: str, default: float, *, zero: bool) -> float:
-    raw = environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {raw!r}")
-    return value
+@dataclass(frozen=True, kw_only=True)
+class RankEnv:
+    """This process's place among its replica's ranks (torchrun's variables)."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> RankEnv | None:
+        """None when none of the variables is set (a replica of one rank); ValueError when
+        only some are, or one is not a number."""
+        present = [n for n in RANK_ENVS if environ.get(n)]
+        if not present:
+            return None
+        missing = [n for n in RANK_ENVS if n not in present]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} not set beside {', '.join(present)}")
+        for n in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+            if not environ[n].isdigit():
+                raise ValueError(f"{n} must be an int >= 0, got {environ[n]!r}")
+        return cls(
+            rank=int(environ["RANK"]),
+            world_size=int(environ["WORLD_SIZE"]),
+            master_addr=environ["MASTER_ADDR"],
+            master_port=int(environ["MASTER_PORT"]),
+        )
+
+
+def device_index(environ: Mapping[str, str]) -> int:
+    """The GPU index of this process: RECOVER_DEVICE_INDEX, else LOCAL_RANK, else 0."""
+    raw = environ.get(DEVICE_INDEX_ENV) or environ.get("LOCAL_RANK") or "0"
+    if not raw.isdigit():
+        raise ValueError(f"{DEVICE_INDEX_ENV} (or LOCAL_RANK) must be an int >= 0, got {raw!r}")
+    return int(raw)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,8 +92,9 @@ class ReplicaEnv:
     token: str | None = None
     faults: tuple[FaultSpec, ...] = ()
     events: Path | None = None
-    stall_s: float = 300.0
-    watchdog_s: float = 5.0
+    spec: ReplicaSpec = field(default_factory=ReplicaSpec)
+    ranks: RankEnv | None = None  # None: a replica of one rank
+    device_index: int = 0
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> ReplicaEnv:
@@ -88,8 +115,9 @@ class ReplicaEnv:
             token=environ.get(TOKEN_ENV) or None,
             faults=tuple(parse_fault(s.strip()) for s in specs),
             events=Path(environ[EVENTS_ENV]) if environ.get(EVENTS_ENV) else None,
-            stall_s=_seconds(environ, STALL_ENV, 300.0, zero=True),
-            watchdog_s=_seconds(environ, WATCHDOG_ENV, 5.0, zero=False),
+            spec=spec_from_environ(environ),
+            ranks=RankEnv.from_environ(environ),
+            device_index=device_index(environ),
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -98,8 +126,7 @@ class ReplicaEnv:
             COORDINATOR_ENV: f"{self.coordinator[0]}:{self.coordinator[1]}",
             REPLICA_ENV: str(self.replica_id),
             FAULTS_ENV: ";".join(fault_flag(f) for f in self.faults),
-            STALL_ENV: repr(self.stall_s),
-            WATCHDOG_ENV: repr(self.watchdog_s),
+            SPEC_ENV: self.spec.to_json(),
         }
         if self.token:
             env[TOKEN_ENV] = self.token
@@ -108,7 +135,13 @@ class ReplicaEnv:
         return env
 
 
-__all__ = ["ReplicaEnv", "parse_address"]
+def spec_from_environ(environ: Mapping[str, str]) -> ReplicaSpec:
+    """The replica spec a launcher gave this process (RECOVER_REPLICA_SPEC), else the defaults."""
+    raw = environ.get(SPEC_ENV)
+    return ReplicaSpec.from_json(raw, name=SPEC_ENV) if raw else ReplicaSpec()
+
+
+__all__ = ["RankEnv", "ReplicaEnv", "device_index", "parse_address", "spec_from_environ"]
 
 
 def die_with_launcher() -> None:

@@ -2,7 +2,9 @@
 
 `ReplicaLayout(pp=2, tp=2)` is a replica of four ranks: the single frozen description of a
 replica's shape that the CLI builds once and that the launcher, the links and the trainers read.
-The mesh order is pp (outermost), shard, tp (innermost); a dimension of size 1 is not in the mesh.
+The mesh order is pp (outermost), shard, tp (innermost): on GPUs the TP ranks, which talk in every
+layer, are then neighbours (the same host, the fastest links). A dimension of size 1 is not in
+the mesh.
 """
 
 from __future__ import annotations

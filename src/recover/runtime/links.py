@@ -55,6 +55,7 @@ from recover.coordinator.client import (
     _Channel,
 )
 from recover.coordinator.protocol import View
+from recover.runtime.env import RankEnv
 from recover.runtime.layout import ReplicaLayout
 
 _KEY = "recover/alive/"
@@ -78,21 +79,20 @@ class IntraReplica:
         *,
         replica_id: int,
         layout: ReplicaLayout,
+        ranks: RankEnv | None,
         timeout_s: float,
         watchdog_s: float,
         device: str = "cpu",
         emit: Callable[..., None] | None = None,
     ) -> None:
-        missing = [
-            k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-        ]
         size, flags = layout.ranks, layout.describe()
-        if missing:
+        if ranks is None:
             raise RuntimeError(
-                f"{flags} needs one process per rank with {', '.join(missing)} set: "
-                f"start it under torchrun --nproc-per-node {size}, or with recover train"
+                f"{flags} needs one process per rank with RANK, WORLD_SIZE, MASTER_ADDR and "
+                f"MASTER_PORT set: start it under torchrun --nproc-per-node {size}, or with "
+                "recover train / recover run"
             )
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        rank, world = ranks.rank, ranks.world_size
         if world != size:
             raise RuntimeError(f"{flags} but WORLD_SIZE is {world}: one process per rank")
         self.replica_id, self.rank, self.size = replica_id, rank, size
@@ -103,6 +103,7 @@ class IntraReplica:
         cuda = device.startswith("cuda")
         dist.init_process_group(
             "cpu:gloo,cuda:nccl" if cuda else "gloo",
+            init_method=f"tcp://{ranks.master_addr}:{ranks.master_port}",
             rank=rank,
             world_size=size,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -115,8 +116,8 @@ class IntraReplica:
         )
         # The watchdog's own store client (a blocked main-thread call never delays it).
         self._store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
+            ranks.master_addr,
+            ranks.master_port,
             is_master=False,
             timeout=datetime.timedelta(seconds=max(1.0, watchdog_s / 2)),
         )

@@ -10,12 +10,14 @@ same committed steps on the same microbatches, whatever the number of replicas o
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from recover.training.presets import PRESETS
 
+TRAIN_CONFIG_ENV = "RECOVER_TRAIN_CONFIG"  # how a launcher hands its workers the TrainConfig
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -83,6 +85,18 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainConfig:
+        """The config of `to_json`'s text, every field given (what a launcher hands a worker)."""
+        data = json.loads(text)
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or set(data) != names:
+            raise ValueError(f"{TRAIN_CONFIG_ENV} must hold every TrainConfig field, got {text!r}")
+        return cls(**data)
+
     @classmethod
     def from_dict(cls, data: dict) -> TrainConfig:
         known = {f.name for f in fields(cls)}
@@ -127,34 +141,6 @@ class RunPaths:
     @property
     def final_model(self) -> Path:
         return self.out / "final" / "model.safetensors"
-
-
-# What a replica of several ranks can be inside, in the order of its device mesh: pipeline stages
-# outermost, tensor parallel innermost (on GPUs the TP ranks, which talk in every layer, are then
-# neighbours: the same host, the fastest links).
-DEVICES = ("auto", "cpu", "cuda")
-# How the cross-replica reduce moves gradients: gloo over a host copy (every device; verified),
-# or NCCL between the GPUs (one GPU per process; not yet run on GPUs in this project).
-CROSS_REDUCES = ("gloo", "nccl")
-
-
-def check_replica_inside(
-    shard: int, tp: int, pp: int, watchdog_s: float, device: str, cross_reduce: str = "gloo"
-) -> None:
-    """ValueError unless every size is an int >= 1 (any combination of the three is built), the
-    watchdog deadline is positive, the device is one of DEVICES and the cross-replica reduce one
-    of CROSS_REDUCES that the device allows (NCCL needs GPUs)."""
-    for name, value in zip(("shard", "tp", "pp"), (shard, tp, pp), strict=True):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
-    if not watchdog_s > 0:
-        raise ValueError(f"--watchdog must be > 0 seconds, got {watchdog_s}")
-    if device not in DEVICES:
-        raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
-    if cross_reduce not in CROSS_REDUCES:
-        raise ValueError(f"--cross-reduce must be gloo or nccl, got {cross_reduce!r}")
-    if cross_reduce == "nccl" and device == "cpu":
-        raise ValueError("--cross-reduce nccl reduces between GPUs: use --device cuda (or auto)")
 
 
 def check_layout_fits(preset: str, tp: int, pp: int = 1) -> None:

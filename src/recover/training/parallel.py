@@ -61,9 +61,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from recover.data.addressing import TokenDataset, microbatch_seed
+from recover.policy import deal_round_robin
 from recover.runtime.grads import laid_out_like, local_part
 from recover.runtime.layout import ReplicaLayout
-from recover.policy import deal_round_robin
 from recover.training.config import TrainConfig
 from recover.training.model import GPT, embed, lm_loss
 from recover.training.trainer import ReplicaTrainer

@@ -32,7 +32,8 @@ from recover.data.addressing import (
 )
 from recover.runtime.grads import GradientSum
 from recover.runtime.layout import ReplicaLayout
-from recover.training.config import DEVICES, TrainConfig, compute_lr
+from recover.runtime.spec import DEVICES
+from recover.training.config import TrainConfig, compute_lr
 from recover.training.model import GPT, build_config
 
 # A hook called at declared points of the step: (phase, step, index of the microbatch in this
@@ -45,19 +46,16 @@ def _no_hook(phase: str, step: int, index: int | None) -> None:
     return None
 
 
-def pick_device(name: str) -> str:
+def pick_device(name: str, index: int = 0) -> str:
     """`--device` (auto, cpu, cuda) -> a torch device string for this process. A CUDA process
-    takes GPU RECOVER_DEVICE_INDEX (set by the local launcher), else LOCAL_RANK (torchrun), modulo
-    the visible GPUs, and makes it the current device."""
-    import os
-
+    takes GPU `index` (recover.runtime.env.device_index: the local launcher's numbering, else
+    torchrun's LOCAL_RANK) modulo the visible GPUs, and makes it the current device."""
     if name not in DEVICES:
         raise ValueError(f"--device must be auto, cpu or cuda, got {name!r}")
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return "cpu"
     if not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible to this process")
-    index = int(os.environ.get("RECOVER_DEVICE_INDEX", os.environ.get("LOCAL_RANK", "0")))
     index %= torch.cuda.device_count()
     torch.cuda.set_device(index)
     return f"cuda:{index}"

@@ -13,6 +13,7 @@ What it must not do: the step's recovery logic (the step machine's), decide memb
 from __future__ import annotations
 
 import datetime
+import os
 import signal
 import sys
 import threading
@@ -33,10 +34,11 @@ from recover.coordinator.client import QuorumLost as ClientQuorumLost
 from recover.data.addressing import TokenDataset
 from recover.record import MetricsWriter, read_metrics
 from recover.runtime.collective import CollectiveConfig, GroupCache
-from recover.runtime.faults import FaultInjector, FaultSpec
+from recover.runtime.env import ReplicaEnv
+from recover.runtime.faults import FaultInjector
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.links import IntraReplica, ReplicaLink, SoloLink
-from recover.runtime.stall import StallGuard, check_stall
+from recover.runtime.stall import StallGuard
 from recover.runtime.step_machine import (
     CommittedStep,
     DivergedError,
@@ -48,7 +50,6 @@ from recover.runtime.step_machine import (
 from recover.training.config import (
     RunPaths,
     TrainConfig,
-    check_replica_inside,
 )
 from recover.training.recorder import RunRecorder, unigram_loss
 from recover.training.solo import build_trainer_for_run
@@ -57,52 +58,19 @@ from recover.training.trainer import NonFiniteError, pick_device
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
-    replica_id: int
-    coordinator_host: str
-    coordinator_port: int
-    token: str | None = None
+    """One replica process of `recover train`: who it is (its `ReplicaEnv`, with the job's
+    replica spec), where its data and run folder are, and its start-up and decision deadlines."""
+
+    env: ReplicaEnv
     data: Path
     out: Path
     resume: bool = False
-    faults: tuple[FaultSpec, ...] = ()
-    check_every: int = 50  # compare parameter hashes across replicas every N steps (0: never)
     register_timeout_s: float = 60.0  # start-up: all replicas must show up by then
     outcome_timeout_s: float = 120.0  # longest wait for the coordinator's decision on a step
-    heartbeat_s: float = 0.1
     collective: CollectiveConfig = field(default_factory=CollectiveConfig)
-    # recover (the system), or a baseline for comparison: checkpoint-restart (the launcher
-    # restarts the job; a replica never recovers nor checkpoints on a failure) or shrink
-    # (a redo discards the local sum; the committed step averages what was computed).
-    mode: str = "recover"
-    # Ranks per replica that shard the model with FSDP2 (HSDP), split its blocks by tensor
-    # parallelism, or hold its consecutive pipeline stages (one of the three above 1; all 1:
-    # a replica is one rank).
-    shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    # A rank whose replica-mate is silent this long stops the replica (see recover.runtime.links).
-    watchdog_s: float = 5.0
-    device: str = "auto"  # auto (a GPU if one is visible), cpu or cuda
-    cross_reduce: str = "gloo"  # the cross-replica reduce: gloo over host copies, or nccl
-    # A training thread busy this long without progress ends its process (recover.runtime.stall); 0: off.
-    stall_s: float = 300.0
 
     def __post_init__(self) -> None:
-        check_replica_inside(
-            self.shard, self.tp, self.pp, self.watchdog_s, self.device, self.cross_reduce
-        )
-        if self.replica_id < 0:
-            raise ValueError(f"--replica-id must be >= 0, got {self.replica_id}")
-        if not 0 < self.coordinator_port < 65536:
-            raise ValueError(f"--coordinator port must be in 1..65535, got {self.coordinator_port}")
-        if self.mode not in ("recover", "checkpoint-restart", "shrink"):
-            raise ValueError(
-                f"--mode must be recover, checkpoint-restart or shrink, not {self.mode!r}"
-            )
-        if self.check_every < 0:
-            raise ValueError(f"--check-every must be >= 0, got {self.check_every}")
-        check_stall(self.stall_s)
-        for name in ("register_timeout_s", "outcome_timeout_s", "heartbeat_s"):
+        for name in ("register_timeout_s", "outcome_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -134,33 +102,35 @@ def fingerprint(
 
 def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None = sys.stdout) -> int:
     """Run one replica (or, with --shard S, one rank of it) to the end; return its exit status."""
-    me = wcfg.replica_id
+    me, spec = wcfg.env.replica_id, wcfg.env.spec
+    host, port = wcfg.env.coordinator
     dataset = TokenDataset.open(wcfg.data)
     paths = RunPaths(out=wcfg.out)
     writer = MetricsWriter(paths.metrics)
-    device = pick_device(wcfg.device)
-    if wcfg.cross_reduce == "nccl" and not device.startswith("cuda"):
+    device = pick_device(spec.device, wcfg.env.device_index)
+    if spec.cross_reduce == "nccl" and not device.startswith("cuda"):
         raise RuntimeError("--cross-reduce nccl needs a GPU, and no CUDA device is visible")
     # Where the cross-replica buffers live: this rank's GPU for NCCL, else host memory.
-    cross_device = device if wcfg.cross_reduce == "nccl" else "cpu"
+    cross_device = device if spec.cross_reduce == "nccl" else "cpu"
     intra = None
-    layout = ReplicaLayout(pp=wcfg.pp, shard=wcfg.shard, tp=wcfg.tp)
+    layout = spec.layout
     ranks = layout.ranks
     if ranks > 1:
         intra = IntraReplica(
             replica_id=me,
             layout=layout,
+            ranks=wcfg.env.ranks,
             timeout_s=wcfg.outcome_timeout_s + wcfg.register_timeout_s,
-            watchdog_s=wcfg.watchdog_s,
+            watchdog_s=spec.watchdog_s,
             device=device,
             emit=writer.event,
         )
     rank = intra.rank if intra is not None else 0
-    injector = FaultInjector([f for f in wcfg.faults if f.rank == rank], emit=writer.event)
+    injector = FaultInjector([f for f in wcfg.env.faults if f.rank == rank], emit=writer.event)
     trainer, start = build_trainer_for_run(
         cfg, paths=paths, dataset=dataset, resume=wcfg.resume, intra=intra, device=device
     )
-    guard = StallGuard(wcfg.stall_s, replica=me, rank=rank, emit=writer.event)
+    guard = StallGuard(spec.stall_s, replica=me, rank=rank, emit=writer.event)
     stop = threading.Event()  # set by SIGTERM or SIGINT once training runs (see below)
 
     def phase_hook(phase: str, step: int, index: int | None) -> None:
@@ -170,18 +140,18 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     trainer.phase_hook = phase_hook
     writer.event(
         "rank_started", replica=me, rank=rank, ranks=ranks, layout=layout.name,
-        device=device,
+        device=device, pid=os.getpid(),
         local_values=trainer.numel,  # what this rank holds of ...
         model_values=trainer.model_values,  # ... the whole model's values
     )  # fmt: skip
     client = None
     if intra is None or intra.leader:
         client = CoordinatorClient(
-            wcfg.coordinator_host,
-            wcfg.coordinator_port,
+            host,
+            port,
             replica_id=me,
-            token=wcfg.token,
-            heartbeat_s=wcfg.heartbeat_s,
+            token=wcfg.env.token,
+            heartbeat_s=spec.heartbeat_s,
         )
         # Fencing: from its eviction on, this incarnation writes nothing to the run folder (every
         # record, checkpoint and the final model passes this check, whatever thread writes it).
@@ -192,9 +162,9 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         link = ReplicaLink(
             intra,
             client=client,
-            host=wcfg.coordinator_host,
-            port=wcfg.coordinator_port,
-            token=wcfg.token,
+            host=host,
+            port=port,
+            token=wcfg.env.token,
         )
     recorder = RunRecorder(
         cfg=cfg,
@@ -216,7 +186,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         that --resume loses nothing. A replica that never held the run's state (not admitted
         yet, or a joiner before its transfer) saves nothing; nor does the checkpoint-restart
         baseline, which restarts from its last periodic checkpoint. True if this rank wrote."""
-        if machine is None or not machine.has_state or wcfg.mode == "checkpoint-restart":
+        if machine is None or not machine.has_state or spec.mode == "checkpoint-restart":
             return False
         view = link.step_view()
         live = view.live if view is not None else ()
@@ -227,7 +197,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
 
     try:
         view = link.register(
-            fingerprint=fingerprint(cfg, dataset, layout, wcfg.cross_reduce, wcfg.mode),
+            fingerprint=fingerprint(cfg, dataset, layout, spec.cross_reduce, spec.mode),
             next_step=start,
             deadline_s=wcfg.register_timeout_s,
         )
@@ -263,9 +233,9 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             groups=GroupCache(store, config=wcfg.collective, scope=scope, device=cross_device),
             options=StepOptions(
                 replica_id=me,
-                check_every=wcfg.check_every,
+                check_every=spec.check_every,
                 outcome_timeout_s=wcfg.outcome_timeout_s,
-                discard_on_redo=wcfg.mode == "shrink",
+                discard_on_redo=spec.mode == "shrink",
             ),
             hooks=StepHooks(phase=injector, event=writer.event, guard=guard),
             has_state=not joining,

@@ -14,9 +14,11 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 from recover.record import committed_steps
+from recover.training.config import TrainConfig
 
 WARMUP_STEPS = 3  # steps excluded from step-time medians (allocation, first rendezvous)
 
@@ -60,7 +62,6 @@ def median_step_s(out: Path, *, skip: int = WARMUP_STEPS) -> float:
 def bench_setup(args: argparse.Namespace):
     """The dataset, the TrainConfig of a benchmark run, and the `recover train` flags for it."""
     from recover.data.prepare import ensure_dataset
-    from recover.launch import train_flags
     from recover.training.config import TrainConfig
 
     data = (
@@ -72,3 +73,11 @@ def bench_setup(args: argparse.Namespace):
     )  # fmt: skip
     flags = [*train_flags(cfg), "--replicas", str(args.replicas), "--data", str(data)]
     return data, cfg, flags
+
+
+def train_flags(cfg: TrainConfig) -> list[str]:
+    """The command-line flags that rebuild `cfg` in a child process."""
+    out: list[str] = []
+    for f in fields(TrainConfig):
+        out += ["--" + f.name.replace("_", "-"), str(getattr(cfg, f.name))]
+    return out

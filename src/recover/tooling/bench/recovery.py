@@ -131,7 +131,7 @@ def rejoin_figures(out: Path) -> dict:
 
 def bench_rejoin(args: argparse.Namespace) -> dict:
     from recover.data.prepare import ensure_dataset
-    from recover.launch import train_flags
+    from recover.tooling.bench.common import train_flags
     from recover.training.config import TrainConfig
 
     data = (

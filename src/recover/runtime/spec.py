@@ -1,0 +1,171 @@
+"""The replica spec: how every replica process of one job behaves, made once and passed down.
+
+`ReplicaSpec` is the one place a replica-level setting is declared: its field carries the flag, the
+help text and the check. The CLI builds it from flags (`add_spec_flags`, `ReplicaSpec.from_args`);
+the launcher hands it to every child as one JSON variable (`to_json`, RECOVER_REPLICA_SPEC; see
+recover.runtime.env) that the child's entry point reads back whole (`from_json`). Nothing turns
+it back into flags, and nothing below the entry point reads it from anywhere but the object.
+
+Adding a setting: a field here (flag, default, help, check), and its use. The launcher, the
+worker's entry point and `recover run`'s scripts get it without a change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
+
+from recover.runtime.layout import ReplicaLayout
+
+MODES = ("recover", "checkpoint-restart", "shrink")
+DEVICES = ("auto", "cpu", "cuda")
+# How the cross-replica reduce moves gradients: gloo over a host copy (every device; verified),
+# or NCCL between the GPUs (one GPU per process; not yet run on GPUs in this project).
+CROSS_REDUCES = ("gloo", "nccl")
+
+
+def _setting(default, flag: str, help: str, *, metavar: str | None = None, choices=None, low=None):
+    """A spec field with its flag. `low`: (bound, inclusive) for numbers."""
+    meta = {"flag": flag, "help": help, "metavar": metavar, "choices": choices, "low": low}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaSpec:
+    layout: ReplicaLayout = field(default_factory=ReplicaLayout)
+    mode: str = _setting(
+        "recover", "--mode",
+        "recover: survive failures in-step (default). Baselines for comparison: "
+        "checkpoint-restart (stop everything, restart from the last checkpoint) and shrink (drop "
+        "the dead replica's microbatches; the global batch shrinks)",
+        choices=MODES,
+    )  # fmt: skip
+    device: str = _setting(
+        "auto", "--device",
+        "where replicas compute: auto (a GPU per process if any is visible, else the CPU), cpu or "
+        "cuda (default: auto)",
+        choices=DEVICES,
+    )  # fmt: skip
+    cross_reduce: str = _setting(
+        "gloo", "--cross-reduce",
+        "how gradients are summed across replicas: gloo over a host copy (any device), or nccl "
+        "between GPUs, one GPU per process, without the copy (not yet run on GPUs in this "
+        "project) (default: gloo)",
+        choices=CROSS_REDUCES,
+    )  # fmt: skip
+    heartbeat_s: float = _setting(
+        0.1, "--heartbeat", "heartbeat interval to the coordinator (default: 0.1)",
+        metavar="S", low=(0.0, False),
+    )  # fmt: skip
+    check_every: int = _setting(
+        50, "--check-every",
+        "compare parameter hashes across replicas every N steps (0: never; default: 50)",
+        metavar="N", low=(0, True),
+    )  # fmt: skip
+    watchdog_s: float = _setting(
+        5.0, "--watchdog",
+        "with --shard, --tp or --pp > 1: a rank whose replica-mate is silent this long stops the "
+        "whole replica, which the others then recover from (default: 5)",
+        metavar="S", low=(0.0, False),
+    )  # fmt: skip
+    stall_s: float = _setting(
+        300.0, "--stall-timeout",
+        "a training thread busy this long without progress (a forward, a backward, a collective "
+        "that never returns) ends its process, which the others then recover from (0: off; "
+        "default: 300)",
+        metavar="S", low=(0.0, True),
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, ReplicaLayout):
+            raise ValueError(f"layout must be a ReplicaLayout, got {self.layout!r}")
+        for f in _settings():
+            value, meta = getattr(self, f.name), f.metadata
+            if meta["choices"] is not None:
+                if value not in meta["choices"]:
+                    allowed = ", ".join(meta["choices"])
+                    raise ValueError(f"{meta['flag']} must be one of {allowed}, got {value!r}")
+                continue
+            number = f.type == "int" and not isinstance(value, bool) and isinstance(value, int)
+            if f.type == "float":
+                number = isinstance(value, int | float) and not isinstance(value, bool)
+                number = number and math.isfinite(value)
+            bound, inclusive = meta["low"]
+            if not number or value < bound or (value == bound and not inclusive):
+                kind = "an int" if f.type == "int" else "a finite number"
+                rel = ">=" if inclusive else ">"
+                raise ValueError(f"{meta['flag']} must be {kind} {rel} {bound}, got {value!r}")
+        if self.cross_reduce == "nccl" and self.device == "cpu":
+            raise ValueError(
+                "--cross-reduce nccl reduces between GPUs: use --device cuda (or auto)"
+            )
+
+    # ---- flags ---------------------------------------------------------------------------------
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ReplicaSpec:
+        """The spec of parsed flags (`add_spec_flags`); flags a parser lacks keep their default."""
+        layout = ReplicaLayout(
+            **{n: getattr(args, n) for n in ("pp", "shard", "tp") if hasattr(args, n)}
+        )
+        given = {f.name: getattr(args, f.name) for f in _settings() if hasattr(args, f.name)}
+        return cls(layout=layout, **given)
+
+    # ---- the one serialised form ---------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str, *, name: str = "the replica spec") -> ReplicaSpec:
+        """The spec of `to_json`'s text; a partial object keeps the defaults of the fields it
+        lacks (so a person may set only what they change). ValueError naming `name` otherwise."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{name} must be a JSON object, got {text!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"{name} has unknown fields {unknown}; known: {sorted(known)}")
+        layout = raw.pop("layout", {})
+        if not isinstance(layout, dict):
+            raise ValueError(f'{name}: layout must be an object like {{"shard": 2}}')
+        return cls(layout=ReplicaLayout.from_dims(layout), **raw)
+
+
+def _settings():
+    """The fields that have a flag (all but the layout, whose flags are its three sizes)."""
+    return [f for f in fields(ReplicaSpec) if "flag" in f.metadata]
+
+
+def add_spec_flags(parser: argparse.ArgumentParser, *, only: tuple[str, ...] | None = None) -> None:
+    """Add the spec's flags (all of them, or the fields named in `only`, "layout" for the three
+    sizes) to a parser group; `ReplicaSpec.from_args` reads them back."""
+    group = parser.add_argument_group("what a replica is and how it behaves")
+    if only is None or "layout" in only:
+        for name, metavar, text in (
+            ("shard", "S", "ranks per replica, one process each, that shard the model with FSDP2 "
+             "(HSDP: sharded inside a replica, replicated across replicas). A worker with S > 1 "
+             "runs under torchrun --nproc-per-node S"),
+            ("tp", "T", "ranks per replica, one process each, that split every transformer block "
+             "by tensor parallelism (T must divide the preset's n_head)"),
+            ("pp", "P", "ranks per replica, one process each, that hold P consecutive pipeline "
+             "stages (GPipe; the replica's microbatches are the pipeline's). The three combine: "
+             "P x S x T ranks, each stage split by TP and sharded by FSDP2 over its S x T ranks"),
+        ):  # fmt: skip
+            group.add_argument(
+                f"--{name}", type=int, default=1, metavar=metavar, help=f"{text} (default: 1)"
+            )
+    for f in _settings():
+        if only is not None and f.name not in only:
+            continue
+        meta = f.metadata
+        kind = {"int": int, "float": float}.get(f.type, str)
+        default = f.default if f.default is not MISSING else None
+        extra = {"choices": meta["choices"]} if meta["choices"] else {"metavar": meta["metavar"]}
+        group.add_argument(
+            meta["flag"], dest=f.name, type=kind, default=default, help=meta["help"], **extra
+        )
