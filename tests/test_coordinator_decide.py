@@ -685,3 +685,25 @@ def test_a_writer_lost_before_the_next_step_hands_its_records_to_the_next_one():
         sim.done(r)
     v = view_of(sim.state)
     assert (v.committed_step, v.writer, v.records_from) == (4, 0, 4)
+
+
+def test_a_planned_leave_is_released_at_its_commit_without_a_redo():
+    """A done report that asks to leave: the step commits with the leaver's part, the leaver is
+    out of the live set at once (fenced as left), the next step is planned without it and never
+    waits for it; it is not named writer. The last replicas (or min_replicas) are not released."""
+    sim = Sim(expected_replicas=3, min_replicas=2).formed(3)
+    sim.send(ReportDone(replica_id=0, incarnation=sim.inc[0], step=0, epoch=1, leaving=True))
+    ds = sim.done(1) + sim.done(2)
+    assert names(ds) == ["committed", "epoch_changed"]
+    v = view_of(sim.state)
+    assert v.live == (1, 2) and sorted(v.holdings) == [1, 2] and v.writer == 1
+    assert sorted(j for ids in v.holdings.values() for j in ids) == list(range(8))
+    assert sim.state.fenced[sim.inc[0]] == "left"
+    assert attempt_outcome(sim.state, 0, 1)[0] == "committed"
+    for r in (1, 2):
+        ds = sim.done(r)
+    assert "redo" not in names(ds) and sim.state.committed_step == 1
+    # Two replicas and min_replicas=2: releasing one would lose the quorum; it leaves with Leave.
+    sim.send(ReportDone(replica_id=1, incarnation=sim.inc[1], step=2, epoch=2, leaving=True))
+    sim.done(2)
+    assert sim.state.live == (1, 2) and sim.state.committed_step == 2

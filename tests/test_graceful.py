@@ -60,6 +60,12 @@ def pid_of(out: Path, *words: str) -> int:
     raise AssertionError(f"no process with {words}")
 
 
+def replica_pid(out: Path, replica: int) -> int:
+    """The process of replica `replica` (rank 0), as its rank_started event names it."""
+    (started,) = [e for e in events(out, "rank_started") if e["replica"] == replica]
+    return int(started["pid"])
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_dataset, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("graceful") / "ref"
@@ -95,11 +101,19 @@ def test_sigterm_to_one_replica_is_a_planned_leave(reference, tiny_dataset, tmp_
     out = tmp_path / "run"
     proc = start(tiny_dataset, out, "--replicas", "3")
     wait_for_step(out, 5)
-    os.kill(pid_of(out, " worker ", "--replica-id 1 "), signal.SIGTERM)
+    os.kill(replica_pid(out, 1), signal.SIGTERM)
     r = finish(proc)
     assert "replica 1 left at a step boundary when asked to stop (status 10)" in r.stdout
     assert_invariants(reference, out, r, steps=STEPS, microbatches=M)
     assert [e["replica"] for e in events(out, "replica_stopped")] == [1]
+    # Its done report asked to leave, so the commit planned the next step without it: nobody
+    # waited for it, nothing was redone, every step committed at its first attempt.
+    assert not events(out, "coordinator.redo")
+    assert {s["attempts"] for s in committed_steps(out / "metrics.jsonl").values()} == {1}
+    (left,) = [
+        e for e in events(out, "coordinator.epoch_changed") if "as they asked" in e["reason"]
+    ]
+    assert left["live"] == [0, 2]
 
 
 @pytest.mark.timeout(240)

@@ -319,11 +319,15 @@ class CoordinatorClient:
         epoch: int,
         param_hash: str | None = None,
         throughput: float | None = None,
+        leaving: bool = False,
     ) -> None:
-        """`throughput`: microbatches per second measured in this attempt (feeds the weights)."""
+        """`throughput`: microbatches per second measured in this attempt (feeds the weights).
+        `leaving`: leave at the boundary of this step (the next one is planned without it)."""
         req = {"kind": "done", "step": step, "epoch": epoch, "param_hash": param_hash}
         if throughput is not None:
             req["throughput"] = float(throughput)
+        if leaving:
+            req["leaving"] = True
         self._raise_refusal(self._rpc_call(self._member(req)))
 
     def report_failed(self, *, step: int, epoch: int, suspects: list[int], reason: str) -> None:

@@ -18,6 +18,10 @@ Rules (docs/design.md has the narrative):
   since the attempt began, a regroup bumps the epoch so that the attempt is redone in a fresh
   group. A failed report without a live suspect regroups at once for the same reason.
 - Joiners wait as pending and are admitted only at a commit (step boundary).
+- A planned leave: a member whose done report asks to leave is removed from the live set when
+  that step commits (its part is in the sum), and the next step is planned without it, so no
+  attempt waits for it; unless that would leave no member or fewer than min_replicas (the last
+  replicas leave with `Leave` as before).
 - A dead or left incarnation is fenced forever; (t, a) reports that are not the current attempt
   are refused as "stale".
 
@@ -268,6 +272,7 @@ def _on_done(s: CoordinatorState, now: float, m: ReportDone, out: list) -> str:
     if m.param_hash is not None:
         s.own("param_hashes")[m.replica_id] = m.param_hash
     _record_throughput(s, m.replica_id, m.throughput)
+    _record_leaving(s, m.replica_id, m.leaving)
     _evaluate_attempt(s, out)
     return f"replica {m.replica_id} reported done ({m.step}, {m.epoch})"
 
@@ -284,6 +289,7 @@ def _on_done_batch(s: CoordinatorState, now: float, m: ReportsDone, out: list) -
         if d.param_hash is not None:
             s.own("param_hashes")[d.replica_id] = d.param_hash
         _record_throughput(s, d.replica_id, d.throughput)
+        _record_leaving(s, d.replica_id, d.leaving)
     if taken:
         _evaluate_attempt(s, out)
     first = m.reports[0] if m.reports else None
@@ -482,6 +488,7 @@ def _commit(s: CoordinatorState, out: list, survivors: list[int]) -> None:
             )
         )
         return
+    _release_leavers(s, out, survivors)
     joiners = pending_ids(s) if s.n_pending else ()
     if joiners:
         members = s.own("members")
@@ -508,8 +515,25 @@ def _name_writer(s: CoordinatorState, t: int, survivors: list[int]) -> None:
     sure of them too. It must then have seen those commits: not a joiner of this step."""
     if s.committed_writer < 0 or s.committed_writer in survivors:
         s.records_from = t
-    seen = [r for r in survivors if r not in s.joined] if s.records_from < t else survivors
-    s.committed_writer = min(seen or survivors)
+    staying = [r for r in survivors if not s.members[r].leaving] or survivors
+    seen = [r for r in staying if r not in s.joined] if s.records_from < t else staying
+    s.committed_writer = min(seen or staying)
+
+
+def _release_leavers(s: CoordinatorState, out: list, survivors: list[int]) -> None:
+    """Members whose done report of the committed step asked to leave leave now, at the step
+    boundary: fenced as left (they write their last records and exit), the epoch moves, and the
+    next step is planned without them, so no attempt waits for them (no redo). Not when that
+    would leave no member or fewer than min_replicas: those leave with `Leave`."""
+    leavers = [r for r in survivors if s.members[r].leaving]
+    if not leavers or len(s.live) - len(leavers) < max(1, s.options.min_replicas):
+        return
+    members, fenced = s.own("members"), s.own("fenced")
+    for r in leavers:
+        members[r] = replace(members[r], state=LEFT, how="leave")
+        fenced[members[r].incarnation] = "left"
+    s.live = tuple(r for r in s.live if r not in leavers)
+    _bump_epoch(s, out, f"replicas {leavers} left at the boundary of step {s.step}, as they asked")
 
 
 def _redo(s: CoordinatorState, out: list, survivors: list[int]) -> None:
@@ -566,6 +590,11 @@ def _record_throughput(s: CoordinatorState, r: int, x: float | None) -> None:
     alpha = s.options.throughput_ema_alpha
     tp = x if tp is None else alpha * x + (1 - alpha) * tp
     s.own("members")[r] = replace(s.members[r], throughput=tp)
+
+
+def _record_leaving(s: CoordinatorState, r: int, leaving: bool) -> None:
+    if leaving and not s.members[r].leaving:
+        s.own("members")[r] = replace(s.members[r], leaving=True)
 
 
 def _weights(s: CoordinatorState, ids: tuple[int, ...]) -> dict[int, float]:

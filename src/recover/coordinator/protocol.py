@@ -117,6 +117,9 @@ class ReportDone:
     # Microbatches per second this replica measured while computing its share of the attempt:
     # one sample per step, so the next step's plan always sees it (a heartbeat could lag).
     throughput: float | None = None
+    # The replica asks to leave at the boundary of this step (a planned leave: SIGTERM); the
+    # coordinator plans the next step without it when this step commits.
+    leaving: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,6 +219,7 @@ _CHECKS = {
     "param_hash": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "suspects": (lambda v: isinstance(v, list) and all(_int(x) for x in v), "a list of ints"),
     "reason": (lambda v: isinstance(v, str), "a string"),
+    "leaving": (lambda v: isinstance(v, bool), "a boolean"),
 }
 
 

@@ -700,7 +700,10 @@ class CoordinatorServer:
         deadline_s = _number(req, "deadline_s")
 
         def ready() -> dict[str, Any] | None:
-            if refusal := self._refusal(*who):
+            refusal = self._refusal(*who)
+            # A planned leaver is fenced as left by the very commit it waits for: it gets that.
+            left_now = refusal and refusal["code"] == "left" and step <= self._state.committed_step
+            if refusal and not left_now:
                 return refusal
             out = attempt_outcome(self._state, step, epoch)
             if out is None:

@@ -127,6 +127,7 @@ class Member:
     next_step: int  # from its checkpoint, at registration
     throughput: float | None = None  # moving average of microbatches/s from done reports
     how: str | None = None  # how it stopped: exit | lease | report | leave
+    leaving: bool = False  # asked to leave at the next commit (a planned leave)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -245,11 +245,15 @@ class SoloLink:
     def step_view(self) -> View:
         return self.client.view
 
-    def report(self, *, step: int, epoch: int, failure: str | None, param_hash, throughput) -> bool:
+    def report(
+        self, *, step: int, epoch: int, failure: str | None, param_hash, throughput,
+        leaving: bool = False,
+    ) -> bool:  # fmt: skip
         if failure is None:
             self.client.report_done(
-                step=step, epoch=epoch, param_hash=param_hash, throughput=throughput
-            )
+                step=step, epoch=epoch, param_hash=param_hash, throughput=throughput,
+                leaving=leaving,
+            )  # fmt: skip
         else:
             self.client.report_failed(step=step, epoch=epoch, suspects=[], reason=failure)
         return failure is None
@@ -345,9 +349,13 @@ class ReplicaLink:
             msg = ("view", view.to_dict(), list(self.client.store_address))
         return self._absorb(self.intra.relay(msg), store=True)
 
-    def report(self, *, step: int, epoch: int, failure: str | None, param_hash, throughput) -> bool:
+    def report(
+        self, *, step: int, epoch: int, failure: str | None, param_hash, throughput,
+        leaving: bool = False,
+    ) -> bool:  # fmt: skip
         """Agree inside the replica, then (leader) report for all of it; True if every rank's
-        part succeeded. An error of the leader's report reaches the others at wait_outcome."""
+        part succeeded. An error of the leader's report reaches the others at wait_outcome.
+        `leaving` is the same on every rank (agreed at the last step boundary)."""
         rows = self.intra.gather((failure, param_hash))
         failures = [f"rank {k}: {f}" for k, (f, _) in enumerate(rows) if f is not None]
         if self.client is not None:
@@ -359,6 +367,7 @@ class ReplicaLink:
                         epoch=epoch,
                         param_hash=None if None in hashes else replica_hash(hashes),
                         throughput=throughput,
+                        leaving=leaving,
                     )
                 else:
                     reason = "; ".join(failures)[:200]

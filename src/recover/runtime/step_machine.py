@@ -86,7 +86,9 @@ class Link(Protocol):
     def register(self, *, fingerprint: dict, next_step: int, deadline_s: float) -> View: ...
     def step_view(self) -> View: ...
     def live_view(self) -> View: ...
-    def report(self, *, step: int, epoch: int, failure, param_hash, throughput) -> bool: ...
+    def report(
+        self, *, step: int, epoch: int, failure, param_hash, throughput, leaving: bool = False
+    ) -> bool: ...
     def wait_outcome(self, *, step: int, epoch: int, deadline_s: float): ...
     def agree(self, ok: bool) -> bool: ...
     def gather(self, obj: Any) -> list[Any]: ...
@@ -124,11 +126,17 @@ class StepHooks:
     """Where the rest of the system plugs in. `phase(name, step, index)` is called at the declared
     points "transfer", "reduce" (while the collective is in flight) and "commit" (after reporting
     done); `event(name, **fields)` records what happened; `guard` (recover.runtime.stall.StallGuard)
-    watches the stretches that must make progress."""
+    watches the stretches that must make progress; `before_done()` runs before this rank reports a
+    successful reduce (the writer of the last step finishes its records there: a writer that
+    reported the next step has written everything of its own, which the coordinator relies on);
+    `leaving()` says whether this replica asks to leave at the boundary of the step it reports
+    (the same answer on every rank of the replica: agreed at the last boundary)."""
 
     phase: Callable[[str, int, int | None], None] = _no_phase
     event: Callable[..., None] = _no_event
     guard: Any = field(default_factory=_Unwatched)
+    before_done: Callable[[], None] = lambda: None
+    leaving: Callable[[], bool] = lambda: False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,6 +181,9 @@ class CommittedStep:
     attempts: int
     recovered_s: float | None  # seconds from this rank's first sight of a failure, if any
     writer: bool  # this replica writes the step's records (the lowest live one at the commit)
+    # This replica asked to leave (StepHooks.leaving) and the commit released it: it is out of
+    # the next step's plan, and leaves now.
+    released: bool = False
     # The writer makes sure that the steps from here to `step` are recorded: below `step` when a
     # previous writer died or left before its records were known written (it writes what is
     # missing; docs/metrics.md).
@@ -266,9 +277,11 @@ class StepMachine:
             check = check and step % self.options.check_every == 0
             phash = self.work.parameter_hash() if check else None
             failure = None if reduced is not None else attempt.failure or "a replica-mate failed"
+            if failure is None:
+                hooks.before_done()
             if not self.link.report(
                 step=step, epoch=epoch, failure=failure, param_hash=phash,
-                throughput=attempt.throughput(),
+                throughput=attempt.throughput(), leaving=hooks.leaving(),
             ):  # fmt: skip
                 reduced = None  # some rank of this replica failed: nobody's result counts
             if reduced is not None:
@@ -332,6 +345,7 @@ class StepMachine:
             recovered_s=recovered,
             writer=self.me == _writer(step, view, latest),
             records_from=latest.records_from if named else step,
+            released=named and self.me not in latest.live and latest.status == "running",
             finite=finite,
         )
 

@@ -230,6 +230,10 @@ class RunRecorder:
         # `checkpoint_saved` is written by _on_saved once the file is durable, not here.
         return self._ckpt.save(next_step, state, block=block)
 
+    def wait_saves(self) -> None:
+        """Block until the checkpoint in flight, if any, is durable (and announced)."""
+        self._ckpt.wait()
+
     def settle(self) -> None:
         """Wait for the save in flight, if any, without raising its error: an incarnation that
         is leaving because it was evicted lets its save thread remove its temporary file."""

@@ -132,6 +132,9 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     )
     guard = StallGuard(spec.stall_s, replica=me, rank=rank, emit=writer.event)
     stop = threading.Event()  # set by SIGTERM or SIGINT once training runs (see below)
+    # Agreed at a step boundary after a stop request: the next done reports ask the coordinator
+    # to plan the step after without this replica (a planned leave with no redo).
+    asked_to_leave = threading.Event()
 
     def phase_hook(phase: str, step: int, index: int | None) -> None:
         guard.tick()  # every microbatch's forward and backward is progress
@@ -237,7 +240,15 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
                 outcome_timeout_s=wcfg.outcome_timeout_s,
                 discard_on_redo=spec.mode == "shrink",
             ),
-            hooks=StepHooks(phase=injector, event=writer.event, guard=guard),
+            # A writer reports the next step only once its checkpoint is durable: the coordinator
+            # then counts its step as recorded (a gap is filled only after a lost writer).
+            hooks=StepHooks(
+                phase=injector,
+                event=writer.event,
+                guard=guard,
+                before_done=recorder.wait_saves,
+                leaving=asked_to_leave.is_set,
+            ),
             has_state=not joining,
         )
 
@@ -258,10 +269,15 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             commit = machine.run(step, compute)
             apply_commit(commit, replica=me, trainer=trainer, recorder=recorder, guard=guard)
             step += 1
-            # A stop request (any rank of the replica got one) is served at the step boundary:
-            # the step in flight commits, the writer saves the committed state, then it leaves.
+            # A stop request (any rank of the replica got one) is served at a step boundary: the
+            # next done report asks to leave, and the coordinator plans the step after without
+            # this replica (it leaves at that boundary; nobody redoes anything). When it keeps it
+            # (the last replicas, or min_replicas), it leaves with the committed state saved.
             if step < cfg.steps and not link.agree(not stop.is_set()) and machine.has_state:
-                if recorder.holds_pen:
+                if not asked_to_leave.is_set():
+                    asked_to_leave.set()
+                    continue
+                if recorder.holds_pen and not commit.released:
                     recorder.checkpoint(step, block=True)
                 recorder.event("replica_stopped", replica=me, rank=rank, step=step)
                 print(
