@@ -96,9 +96,9 @@ def test_a_view_sent_relative_to_the_one_held_rebuilds_the_current_view():
         got = merge_view(old, json.loads(body))
         assert got == current, version
         if old.plan_version == current.plan_version:
-            assert b"holding_runs" not in body  # the plan is not re-sent
+            assert b'"plan":' not in body  # the plan is not re-sent
         if old.epoch == current.epoch:
-            assert b'"live":' not in body  # nor the live set
+            assert b'"live_runs":' not in body  # nor the live set
     # Relative to an unknown version: the whole view, which needs nothing held.
     assert merge_view(None, json.loads(cache.encoded(-1))) == current
     # A delta meant for another epoch than the one held is dropped, never merged.
@@ -106,8 +106,24 @@ def test_a_view_sent_relative_to_the_one_held_rebuilds_the_current_view():
     assert merge_view(replace(view_of(states[0]), epoch=99), delta) is None
     # A relay keeps the plan as bytes: cut off, the rest is the view without its plan.
     rest, plan = split_plan(cache.encoded(-1))
-    assert json.loads(b"{" + plan + b"}")["holding_runs"] and b"holding_runs" not in rest
+    assert json.loads(b"{" + plan + b"}")["plan"] and b'"plan":' not in rest
     assert View.from_dict({**json.loads(rest), "holdings": {}, "weights": {}}).live == s.live
+
+
+def test_the_whole_view_is_compact_and_decodes_to_the_same_view():
+    s = _formed(64, 8192)
+    cache = ViewCache()
+    cache.publish(view_of(s), microbatches=8192)
+    body = cache.encoded(-1)
+    assert len(body) < 600  # 64 live replicas, 8,192 ids: the rule, not the holdings
+    assert json.loads(body)["plan"]["assign"] == 8192
+    assert View.from_dict(json.loads(body)) == view_of(s)
+    # After a death, the next attempt's plan is the rule over the survivors (two runs of ids).
+    s = decide(0.1, s, LeaseExpired(replica_id=5, incarnation="i5"))[0]
+    s = decide(0.2, s, ReportsDone(tuple(_done(r, s) for r in range(64) if r != 5)))[0]
+    cache.publish(view_of(s), microbatches=8192)
+    assert json.loads(cache.encoded(-1))["plan"]["members"] == [0, 5, 6, 64]
+    assert View.from_dict(json.loads(cache.encoded(-1))) == view_of(s)
 
 
 # ---------------------------------------------------------------- with sockets

@@ -34,6 +34,8 @@ import struct
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any, ClassVar
 
+from recover.policy import assign
+
 __all__ = [
     "MAX_FRAME",
     "FrameTooLarge",
@@ -326,7 +328,7 @@ class View:
         return {
             **self.scalars(),
             "live": list(self.live),
-            "holding_runs": {str(r): _runs(ids) for r, ids in self.holdings.items()},
+            "holding_runs": {str(r): id_runs(ids) for r, ids in self.holdings.items()},
             "weights": {str(r): w for r, w in self.weights.items()},
         }
 
@@ -352,10 +354,10 @@ class View:
         try:
             return cls(
                 epoch=int(d["epoch"]),
-                live=tuple(int(r) for r in d["live"]),
+                live=_live_of(d),
                 step=int(d["step"]),
                 holdings=_holdings_of(d),
-                weights={int(r): float(w) for r, w in d["weights"].items()},
+                weights=_weights_of(d),
                 status=str(d["status"]),
                 committed_step=int(d["committed_step"]),
                 attempt_epoch=int(d["attempt_epoch"]),
@@ -383,7 +385,7 @@ def merge_view(old: View | None, raw: dict[str, Any]) -> View | None:
         if old is not None and int(raw.get("version", 0)) < old.version:
             return None
         d = raw
-        if "live" not in d:
+        if "live" not in d and "live_runs" not in d:
             delta = d.get("live_from")
             if old is None or not isinstance(delta, dict) or delta.get("epoch") != old.epoch:
                 return None
@@ -394,6 +396,7 @@ def merge_view(old: View | None, raw: dict[str, Any]) -> View | None:
         if d.get("pulse"):
             if old is None or old.plan_version != int(d.get("plan_version", -1)):
                 return None
+            d = {k: v for k, v in d.items() if k != "plan"}
             view = View.from_dict({**d, "holdings": {}, "weights": {}})
             return replace(view, holdings=old.holdings, weights=old.weights)
         return View.from_dict(d)
@@ -401,7 +404,7 @@ def merge_view(old: View | None, raw: dict[str, Any]) -> View | None:
         raise ProtocolError(f"malformed view: {e!r}") from e
 
 
-def _runs(ids: tuple[int, ...]) -> list[int]:
+def id_runs(ids: tuple[int, ...]) -> list[int]:
     """(3, 4, 5, 9) -> [3, 6, 9, 10]: start, stop of each run of consecutive ids, in order."""
     if ids and ids == tuple(range(ids[0], ids[0] + len(ids))):  # the usual plan: one block
         return [ids[0], ids[0] + len(ids)]
@@ -414,18 +417,40 @@ def _runs(ids: tuple[int, ...]) -> list[int]:
     return out
 
 
+def _ids_of_runs(runs: list[int]) -> list[int]:
+    if len(runs) % 2:
+        raise ValueError("runs must have an even length")
+    ids: list[int] = []
+    for a, b in zip(runs[::2], runs[1::2], strict=True):
+        ids.extend(range(int(a), int(b)))
+    return ids
+
+
+def _live_of(d: dict[str, Any]) -> tuple[int, ...]:
+    """`live`, or `live_runs` (the compact form views.py sends: [start, stop, ...])."""
+    if "live" in d:
+        return tuple(int(r) for r in d["live"])
+    return tuple(_ids_of_runs(d["live_runs"]))
+
+
+def _weights_of(d: dict[str, Any]) -> dict[int, float]:
+    plan = d.get("plan")
+    if isinstance(plan, dict) and "assign" in plan:  # one weight for every attempt member
+        return {r: float(plan["weight"]) for r in _ids_of_runs(plan["members"])}
+    weights = plan["weights"] if isinstance(plan, dict) else d["weights"]
+    return {int(r): float(w) for r, w in weights.items()}
+
+
 def _holdings_of(d: dict[str, Any]) -> dict[int, tuple[int, ...]]:
+    plan = d.get("plan")
+    if isinstance(plan, dict):  # the compact form (views.encode_plan)
+        if "assign" in plan:  # the plan is the pure rule's, for these members and weights
+            members = _ids_of_runs(plan["members"])
+            return assign(int(plan["assign"]), members, {r: float(plan["weight"]) for r in members})
+        d = plan
     if "holding_runs" not in d:  # the plain form: replica -> every id
         return {int(r): tuple(int(j) for j in ids) for r, ids in d["holdings"].items()}
-    out = {}
-    for r, runs in d["holding_runs"].items():
-        if len(runs) % 2:
-            raise ValueError(f"holding_runs of replica {r} has an odd length")
-        ids: list[int] = []
-        for a, b in zip(runs[::2], runs[1::2], strict=True):
-            ids.extend(range(int(a), int(b)))
-        out[int(r)] = tuple(ids)
-    return out
+    return {int(r): tuple(_ids_of_runs(runs)) for r, runs in d["holding_runs"].items()}
 
 
 # ---------------------------------------------------------------- decisions (outputs of decide)

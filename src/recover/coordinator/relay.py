@@ -61,6 +61,11 @@ _VIEW_AT = b',"view":'
 _DRAIN_ROUNDS = 4
 _MAX_HOLD_S = 1.0
 _FORWARDED = ("register", "failed", "leave", "process_exit", "status")
+# What a done_batch row carries; a done report with any other field goes up alone.
+_BATCHED_FIELDS = {
+    "kind", "replica_id", "incarnation", "step", "epoch", "param_hash", "throughput",
+    "view_version", "token",
+}  # fmt: skip
 _HEARTBEAT_OK = frame({"ok": True, "reason": "heartbeat"})  # the common reply, encoded once
 
 
@@ -489,6 +494,8 @@ class RelayServer:
         refusal = self._refusal(r, inc)
         if refusal is not None:
             return self._reply(refusal, known)
+        if set(req) - _BATCHED_FIELDS:  # a field a batch row does not carry: send it alone
+            return await self._forward(req, _Conn(gone=None))
         fut = asyncio.get_running_loop().create_future()
         batch = self._batches.setdefault((step, epoch), [])
         batch.append(([r, inc, h, tp], fut))

@@ -406,7 +406,7 @@ class CoordinatorServer:
             return frame(reply)
         st = self._state
         if self._views.version != st.view_version:
-            self._views.publish(view_of(st))
+            self._views.publish(view_of(st), microbatches=st.options.microbatches)
         reply = {k: v for k, v in reply.items() if k != "view"}
         return frame(reply, self._views.encoded(known))
 

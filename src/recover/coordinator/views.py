@@ -2,16 +2,19 @@
 
 Job: `ViewCache` keeps the current view in three encoded parts (scalars, live set, plan) and the
 (epoch, plan_version, live) of the last versions, and answers `encoded(known)`: the view as the
-holder of version `known` needs it. The plan (`holding_runs`, `weights`: O(R + plan) bytes) is
-left out (`"pulse": true`) when `known` has the same plan_version; the live set is sent as
-`live_from` {"epoch", "gone", "new"} when `known` is a remembered version (O(change) bytes);
-an unknown or forgotten `known` gets the whole view. `protocol.merge_view` is the other half.
+holder of version `known` needs it. The plan is left out (`"pulse": true`) when `known` has the
+same plan_version; the live set is sent as `live_from` {"epoch", "gone", "new"} when `known` is a
+remembered version (O(change) bytes); an unknown or forgotten `known` gets the whole view. The
+whole view is compact too: the live set as runs of consecutive ids (`live_runs`), and the plan,
+when it is `assign(M, members, equal weights)` (every attempt that is not a redo), as that rule
+(`"plan": {"assign": M, "members": runs, "weight": w}`, which the receiver recomputes: `assign`
+is pure), else as `{"holding_runs", "weights"}`. A run of R replicas formed without gaps is a few
+hundred bytes whatever R. `protocol.merge_view` is the other half.
 `frame(reply, view)` splices view bytes into a reply frame without decoding them. The server and
 the relays (relay.py) both answer through it, so a replica cannot tell them apart.
 
-Invariants: the full form is `{scalars,"live":[...],"holding_runs":{...},"weights":{...}}` with
-the plan last, so a relay can cut the plan bytes off with one search (`split_plan`) instead of
-decoding them. A delta names the epoch it applies to; `merge_view` drops it unless the holder's
+Invariants: the full form is `{scalars,"live_runs":[...],"plan":{...}}` with the plan last, so a
+relay can cut the plan bytes off with one search (`split_plan`) instead of decoding them. A delta names the epoch it applies to; `merge_view` drops it unless the holder's
 view is of that epoch.
 
 Costs: per version, the scalars are encoded once (small) and the plan only when it changed; per
@@ -26,12 +29,13 @@ import struct
 from collections import OrderedDict
 from typing import Any
 
-from recover.coordinator.protocol import MAX_FRAME, FrameTooLarge, View
+from recover.coordinator.protocol import MAX_FRAME, FrameTooLarge, View, id_runs
+from recover.policy import assign
 
 __all__ = ["ViewCache", "encode_plan", "frame", "split_plan"]
 
 _HEADER = struct.Struct(">I")
-_PLAN_AT = b',"holding_runs":'
+_PLAN_AT = b',"plan":'
 _KEPT = 64  # versions remembered for deltas
 
 
@@ -39,10 +43,19 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
-def encode_plan(view: View) -> bytes:
-    """`"holding_runs":{...},"weights":{...}` of a view (a fragment of an object, no braces)."""
-    d = view.to_dict()  # O(R + plan): once per plan
-    return _dumps({"holding_runs": d["holding_runs"], "weights": d["weights"]})[1:-1]
+def encode_plan(view: View, microbatches: int = 0) -> bytes:
+    """`"plan":{...}` of a view (a fragment of an object): the rule when the plan is `assign`'s
+    with equal weights over its members and `microbatches` (M) is known, else the holdings as
+    runs and the weights. O(R + M), once per plan."""
+    members = sorted(view.holdings)
+    weights = set(view.weights.values())
+    if microbatches > 0 and members and len(weights) == 1 and set(view.weights) == set(members):
+        w = weights.pop()
+        if assign(microbatches, members, {r: w for r in members}) == view.holdings:
+            rule = {"assign": microbatches, "members": id_runs(tuple(members)), "weight": w}
+            return b'"plan":' + _dumps(rule)
+    d = view.to_dict()
+    return b'"plan":' + _dumps({"holding_runs": d["holding_runs"], "weights": d["weights"]})
 
 
 def split_plan(body: bytes) -> tuple[bytes, bytes | None]:
@@ -68,15 +81,16 @@ class ViewCache:
         self._history: OrderedDict[int, tuple[int, int, tuple[int, ...]]] = OrderedDict()
         self._memo: dict[int, bytes] = {}
 
-    def publish(self, view: View, plan: bytes | None = None) -> None:
+    def publish(self, view: View, plan: bytes | None = None, microbatches: int = 0) -> None:
         """Make `view` current. `plan`: its encoded plan (see `encode_plan`); None encodes it
-        from the view when its plan_version is new, or keeps the current bytes."""
+        from the view (with M = `microbatches`) when its plan_version is new, or keeps the
+        current bytes."""
         if plan is not None:
             self._plan = plan
         elif view.plan_version != self.plan_version:
-            self._plan = encode_plan(view)
+            self._plan = encode_plan(view, microbatches)
         if view.epoch != self.epoch or not self._live:
-            self._live = _dumps(list(view.live))
+            self._live = _dumps(id_runs(tuple(view.live)))
         self.version, self.epoch, self.plan_version = view.version, view.epoch, view.plan_version
         self.live = view.live
         self._scalars = _dumps(view.scalars())[1:-1]
@@ -86,7 +100,7 @@ class ViewCache:
         self._memo = {}
 
     def full(self) -> bytes:
-        return b"{" + self._scalars + b',"live":' + self._live + b"," + self._plan + b"}"
+        return b"{" + self._scalars + b',"live_runs":' + self._live + b"," + self._plan + b"}"
 
     def encoded(self, known: Any) -> bytes:
         """The current view for a holder of version `known` (anything else: the full view)."""
@@ -108,7 +122,7 @@ class ViewCache:
             now, then = set(self.live), set(live)
             gone, new = sorted(then - now), sorted(now - then)
             if len(gone) + len(new) > len(self.live) // 2:  # not much of a delta
-                live_part = b'"live":' + self._live
+                live_part = b'"live_runs":' + self._live
             else:
                 delta = {"epoch": epoch, "gone": gone, "new": new}
                 live_part = b'"live_from":' + _dumps(delta)

@@ -110,7 +110,7 @@ class BenchCoordinatorConfig:
 # ---------------------------------------------------------------- wire (asyncio, no validation)
 
 _VIEW_AT = b',"view":'
-_LIVE_AT = b',"live":['
+_LIVE_AT = b',"live_runs":['
 _HB_OK = b'{"ok":true,"reason":"heartbeat"}'
 
 
@@ -141,7 +141,7 @@ class _Conn:
 
 
 def _parse_view(body: bytes) -> tuple[dict, bytes | None]:
-    """A view's bytes -> (its fields without the plan and without `live`, the bytes of `live`).
+    """A view's bytes -> (its fields without the plan and the live set, the live set's runs).
 
     Decoding the plan and the live set of every reply would make the drivers the bottleneck:
     the plan is cut off unread (the simulated replicas compute nothing with it) and `live` is
@@ -208,8 +208,11 @@ class _Driver:
         if epoch != rep.epoch or not rep.live:
             live = self.lives.get(epoch)
             if live is None:
-                if live_bytes is not None:
-                    live = frozenset(int(x) for x in live_bytes.split(b",") if x)
+                if live_bytes is not None:  # runs: start, stop, start, stop, ...
+                    ends = [int(x) for x in live_bytes.split(b",") if x]
+                    live = frozenset(
+                        r for a, b in zip(ends[::2], ends[1::2], strict=True) for r in range(a, b)
+                    )
                 else:
                     base = v["live_from"]
                     if base["epoch"] != rep.epoch or rep.epoch not in self.lives:
