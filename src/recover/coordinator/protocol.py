@@ -21,6 +21,11 @@ the server builds them for the rules. Relays (relay.py) add `done_batch` (`Repor
 reports of several replicas in one message) and `lease_expired` (`LeaseExpired`: a lease judged
 at the relay).
 
+Wire additions for the record (docs/metrics.md): the register reply carries `lease_s` and
+`suspect_grace_s` (the replica's fence window is their minimum); a done report may carry
+`leaving: true` (a planned leave at the boundary of that step); the view carries `records_from`
+(the first step the named writer makes sure is recorded).
+
 This module holds no sockets and no clocks: the framing helpers take a socket or an asyncio
 stream from the caller. Costs: one json.dumps/loads per message.
 """
