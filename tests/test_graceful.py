@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -51,13 +52,9 @@ def wait_for_step(out: Path, step: int, timeout: float = 60) -> None:
     raise AssertionError(f"step {step} never committed")
 
 
-def pid_of(out: Path, *words: str) -> int:
-    """The process of this run whose command line holds every word."""
-    for line in leftover_processes(str(out)):
-        pid, cmd = line.split(": ", 1)
-        if all(w in cmd for w in words):
-            return int(pid)
-    raise AssertionError(f"no process with {words}")
+def coordinator_pid(out: Path) -> int:
+    """The coordinator's process, as its address file (run folder/coordinator.json) names it."""
+    return int(json.loads((out / "coordinator.json").read_text())["pid"])
 
 
 def replica_pid(out: Path, replica: int) -> int:
@@ -121,7 +118,7 @@ def test_a_lost_coordinator_costs_nothing_that_committed(reference, tiny_dataset
     out = tmp_path / "run"
     proc = start(tiny_dataset, out, "--replicas", "2")
     wait_for_step(out, 5)
-    os.kill(pid_of(out, "coordinator serve"), signal.SIGKILL)
+    os.kill(coordinator_pid(out), signal.SIGKILL)
     r = finish(proc)
     assert r.returncode == 1, r.stdout[-3000:]
     assert r.stdout.count("the coordinator cannot be reached") == 2, r.stdout[-3000:]

@@ -68,8 +68,9 @@ def test_a_partial_spec_keeps_the_defaults_and_a_wrong_one_is_named():
 
 
 def test_a_subset_of_flags_for_scripts_and_the_rest_keep_their_defaults():
-    args = _parse(["--watchdog", "9"], only=("watchdog_s", "stall_s"))
+    args = _parse(["--watchdog", "9"], scripts=True)
     assert not hasattr(args, "mode") and not hasattr(args, "shard")
+    assert {"watchdog_s", "stall_s", "heartbeat_s"} <= set(vars(args))
     assert ReplicaSpec.from_args(args) == ReplicaSpec(watchdog_s=9.0)
 
 

@@ -186,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 1, no coordinator)",
     )
     add_supervision_flags(train)
+    train.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="start every replica process afresh (each imports torch itself) instead of forking "
+        "it from one process that imported torch once (the default warm start: faster start-up "
+        "and respawns, the same training)",
+    )
 
     worker = sub.add_parser(
         "worker",
@@ -274,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from recover.runtime.spec import add_spec_flags
 
-    add_spec_flags(script, only=("watchdog_s", "stall_s"))  # what a script's replicas obey
+    add_spec_flags(script, scripts=True)  # the settings a script's replicas obey
     script.add_argument(
         "--start-timeout",
         type=float,
@@ -376,6 +383,7 @@ def run_train(args: argparse.Namespace) -> int:
             replicas=args.replicas,
             replica=ReplicaSpec.from_args(args),
             faults=parse_faults(args.fault),
+            warm_start=not args.cold_start,
             **supervision(args),
         )
         check_faults_fit(lcfg.faults, steps=cfg.steps, microbatches=cfg.microbatches)

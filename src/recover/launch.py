@@ -40,6 +40,7 @@ from recover.runtime.layout import ReplicaLayout
 from recover.runtime.spec import ReplicaSpec
 from recover.training.config import TRAIN_CONFIG_ENV, RunPaths, TrainConfig
 from recover.training.runfolder import open_run_folder
+from recover.zygote import Zygote
 
 # How the launcher starts its own commands (coordinator, built-in worker): this Python, this package.
 _RECOVER = (sys.executable, "-m", "recover.cli")
@@ -59,6 +60,9 @@ class LaunchConfig:
     max_restarts: int = 3  # per replica
     balance: str = "throughput"  # microbatch shares: "equal" or by measured "throughput"
     stop_grace_s: float = 30.0  # on a stop: how long replicas get to save and leave
+    # Fork `recover train`'s replica processes from one that has imported torch already
+    # (recover.zygote), instead of paying the import in each one; False: start each afresh.
+    warm_start: bool = True
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -213,6 +217,27 @@ class LocalLauncher:
         self.children: dict[str, subprocess.Popen] = {}
         self._ports: list[int] = []  # drawn for the job's processes, handed out as they start
         self._pumps: list[threading.Thread] = []
+        self._zygote: Zygote | None = None  # recover train's replica processes fork from it
+
+    # What a warm start pre-imports: everything a replica process of `recover train` loads.
+    WARM_MODULES = (
+        "torch",
+        "torch.distributed",
+        "recover.cli",
+        "recover.training.worker",
+        "recover.coordinator.cli",
+        "recover.coordinator.server",
+    )
+
+    def _start_zygote(self) -> None:
+        """Start the zygote (recover.zygote) now, so that its import overlaps the coordinator's
+        start; the first replica waits for it. It runs with the run folder on its command line,
+        as its children do (they share its command line), so every process of the run names it."""
+        if not self.lcfg.warm_start or not self.WARM_MODULES:
+            return
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env.update(PYTHONUNBUFFERED="1", RECOVER_LAUNCHER_PID=str(os.getpid()))
+        self._zygote = Zygote(list(self.WARM_MODULES), env, tag=str(self.paths.out))
 
     def say(self, line: str) -> None:
         if self.console is not None:
@@ -226,6 +251,14 @@ class LocalLauncher:
         env["RECOVER_LAUNCHER_PID"] = str(os.getpid())  # children die with the launcher
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
+        if self._zygote is not None and tuple(command[: len(_RECOVER)]) == _RECOVER:
+            try:  # the coordinator and the built-in workers: forked, torch already imported
+                proc = self._zygote.spawn(command[len(_RECOVER) :], env)
+            except RuntimeError as e:  # start afresh from now on (slower, same result)
+                self.say(f"warm start off: {e}")
+                self._zygote = None
+            else:
+                return self._adopt(name, proc, prefix)
         proc = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
@@ -237,6 +270,10 @@ class LocalLauncher:
             # replicas in order (they die with the launcher anyway: recover.runtime.env.die_with_launcher).
             start_new_session=True,
         )
+        return self._adopt(name, proc, prefix)
+
+    def _adopt(self, name: str, proc, prefix: str):
+        """Supervise `proc` as `name` and echo its output with `prefix`."""
         self.children[name] = proc
         pump = threading.Thread(target=_pump, args=(proc.stdout, prefix, self.console), daemon=True)
         pump.start()
@@ -361,6 +398,7 @@ class LocalLauncher:
         previous = signal.signal(signal.SIGTERM, on_sigterm)
         code = 1
         try:
+            self._start_zygote()
             restarts = 0
             while True:
                 code = self._run_job()
@@ -390,6 +428,8 @@ class LocalLauncher:
         finally:
             signal.signal(signal.SIGTERM, previous)
             self._reap_all()
+            if self._zygote is not None:
+                self._zygote.close()
             for pump in self._pumps:  # every pipe is closed now: the pumps end at once
                 pump.join(timeout=2.0)
             # The address of a coordinator that is gone would mislead `coordinator status`.
@@ -588,9 +628,14 @@ class LocalLauncher:
 class ScriptLauncher(LocalLauncher):
     """`recover run`: the same supervision over any training script that uses `recover.Replica`.
 
+    A script's processes are started afresh (exec'ed): no warm start, whose zygote can only fork
+    `recover`'s own worker.
+
     Each process of replica r runs `command` with the job's variables (recover.runtime.env): the
     coordinator's address, its replica id, the token, its faults that have not fired yet, and
     the events file (the run folder's metrics.jsonl, where the coordinator writes too)."""
+
+    WARM_MODULES = ()  # its processes are the script's: nothing to fork them from
 
     def __init__(
         self,

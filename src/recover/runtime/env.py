@@ -148,14 +148,23 @@ def die_with_launcher() -> None:
     """In a process started by the local launcher: die when the launcher dies, even by SIGKILL
     (Linux parent-death signal), so that no replica or coordinator is ever left orphaned."""
     import os
-    import signal
 
     launcher = os.environ.get("RECOVER_LAUNCHER_PID")
-    if not launcher or not sys.platform.startswith("linux"):
+    if launcher:
+        die_with_parent(int(launcher))
+
+
+def die_with_parent(parent: int) -> None:
+    """Get SIGTERM when the process `parent` (this process's parent) dies; end at once if it is
+    gone already. Linux only (elsewhere a no-op)."""
+    import os
+    import signal
+
+    if not sys.platform.startswith("linux"):
         return
     import ctypes
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    if os.getppid() != int(launcher):  # it died before the signal was armed
+    if os.getppid() != parent:  # it died before the signal was armed
         os._exit(1)

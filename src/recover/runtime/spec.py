@@ -26,10 +26,11 @@ DEVICES = ("auto", "cpu", "cuda")
 CROSS_REDUCES = ("gloo", "nccl")
 
 
-def _setting(default, flag: str, help: str, *, metavar: str | None = None, choices=None, low=None):
-    """A spec field with its flag. `low`: (bound, inclusive) for numbers."""
+def _setting(default, flag: str, help: str, *, metavar=None, choices=None, low=None, scripts=False):
+    """A spec field with its flag. `low`: (bound, inclusive) for numbers; `scripts`: the setting
+    holds for a user's script too (`recover run` offers its flag, `recover.Replica` obeys it)."""
     meta = {"flag": flag, "help": help, "metavar": metavar, "choices": choices, "low": low}
-    return field(default=default, metadata=meta)
+    return field(default=default, metadata={**meta, "scripts": scripts})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +58,7 @@ class ReplicaSpec:
     )  # fmt: skip
     heartbeat_s: float = _setting(
         0.1, "--heartbeat", "heartbeat interval to the coordinator (default: 0.1)",
-        metavar="S", low=(0.0, False),
+        metavar="S", low=(0.0, False), scripts=True,
     )  # fmt: skip
     check_every: int = _setting(
         50, "--check-every",
@@ -66,16 +67,16 @@ class ReplicaSpec:
     )  # fmt: skip
     watchdog_s: float = _setting(
         5.0, "--watchdog",
-        "with --shard, --tp or --pp > 1: a rank whose replica-mate is silent this long stops the "
+        "in a replica of several ranks: a rank whose replica-mate is silent this long stops the "
         "whole replica, which the others then recover from (default: 5)",
-        metavar="S", low=(0.0, False),
+        metavar="S", low=(0.0, False), scripts=True,
     )  # fmt: skip
     stall_s: float = _setting(
         300.0, "--stall-timeout",
         "a training thread busy this long without progress (a forward, a backward, a collective "
         "that never returns) ends its process, which the others then recover from (0: off; "
         "default: 300)",
-        metavar="S", low=(0.0, True),
+        metavar="S", low=(0.0, True), scripts=True,
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -141,11 +142,11 @@ def _settings():
     return [f for f in fields(ReplicaSpec) if "flag" in f.metadata]
 
 
-def add_spec_flags(parser: argparse.ArgumentParser, *, only: tuple[str, ...] | None = None) -> None:
-    """Add the spec's flags (all of them, or the fields named in `only`, "layout" for the three
-    sizes) to a parser group; `ReplicaSpec.from_args` reads them back."""
+def add_spec_flags(parser: argparse.ArgumentParser, *, scripts: bool = False) -> None:
+    """Add the spec's flags to a parser group (`scripts`: only those of the settings a user's
+    script obeys, for `recover run`); `ReplicaSpec.from_args` reads them back."""
     group = parser.add_argument_group("what a replica is and how it behaves")
-    if only is None or "layout" in only:
+    if not scripts:  # a script builds its own layout
         for name, metavar, text in (
             ("shard", "S", "ranks per replica, one process each, that shard the model with FSDP2 "
              "(HSDP: sharded inside a replica, replicated across replicas). A worker with S > 1 "
@@ -160,7 +161,7 @@ def add_spec_flags(parser: argparse.ArgumentParser, *, only: tuple[str, ...] | N
                 f"--{name}", type=int, default=1, metavar=metavar, help=f"{text} (default: 1)"
             )
     for f in _settings():
-        if only is not None and f.name not in only:
+        if scripts and not f.metadata["scripts"]:
             continue
         meta = f.metadata
         kind = {"int": int, "float": float}.get(f.type, str)

@@ -1,0 +1,110 @@
+"""Warm starts (recover.zygote): processes forked from one that imported torch once behave like
+processes started afresh: their own session, exactly the environment asked for, their output on
+their own pipe, their exit status (a signal as -N), and none outlives the zygote."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from recover.coordinator.client import request_once
+from recover.zygote import Zygote
+
+# A long-lived child that needs no peers: a coordinator that waits (up to 30 s) for a replica.
+SERVE = ["coordinator", "serve", "--port", "0", "--no-store", "--replicas", "1",
+         "--microbatches", "1", "--start-deadline", "30"]  # fmt: skip
+
+
+@pytest.fixture
+def zygote(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    z = Zygote(["recover.cli", "recover.coordinator.server"], env, tag=str(tmp_path))
+    try:
+        yield z
+    finally:
+        z.close()
+        assert z.proc.returncode == 0
+
+
+def _env(**extra) -> dict[str, str]:
+    return {"PATH": os.environ.get("PATH", ""), "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _address(path, timeout=30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, "the forked coordinator never listened"
+        time.sleep(0.02)
+    return json.loads(path.read_text())
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, ended and waiting to be reaped by init, is not)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_forked_process_gets_its_argv_env_output_and_status(zygote, tmp_path):
+    p = zygote.spawn(["--version"], _env())
+    assert p.stdout.read().strip() == "recover 0.1.0"
+    assert p.wait(timeout=30) == 0 and p.poll() == 0
+    # Exactly the environment asked for (nothing of the zygote's own), in its own session.
+    events = tmp_path / "events.jsonl"
+    addr = tmp_path / "addr.json"
+    q = zygote.spawn(
+        [*SERVE, "--events", str(events), "--address-file", str(addr)],
+        _env(RECOVER_TOKEN="forked-secret"),  # read by the forked coordinator, not the zygote
+    )
+    info = _address(addr)
+    assert info["pid"] == q.pid and os.getsid(q.pid) == q.pid
+    host, port = info["host"], info["port"]
+    status = request_once(host, port, {"kind": "status"}, token="forked-secret")
+    assert status.get("code") != "unauthorized" and "members" in str(status), status
+    refused = request_once(host, port, {"kind": "status"}, token="another")
+    assert refused["ok"] is False and refused["code"] == "unauthorized", refused
+    # Its command line is the zygote's: the tag (the run folder) names every process of a run.
+    assert str(tmp_path) in open(f"/proc/{q.pid}/cmdline").read()
+    with pytest.raises(subprocess.TimeoutExpired):
+        q.wait(timeout=0.2)
+    q.kill()
+    assert q.wait(timeout=30) == -signal.SIGKILL
+    q.kill()  # a reaped child is never signalled again (its pid may belong to another process)
+
+
+def test_children_end_with_the_zygote(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    z = Zygote(["recover.cli"], env, tag=str(tmp_path))
+    addr = tmp_path / "addr.json"
+    try:
+        q = z.spawn([*SERVE, "--address-file", str(addr)], _env())
+        _address(addr)
+        os.kill(z.proc.pid, signal.SIGKILL)  # as when its launcher is SIGKILLed
+        z.proc.wait(timeout=30)
+        # The launcher learns that the child is gone; the child got its parent-death SIGTERM.
+        assert q.wait(timeout=30) == -signal.SIGKILL
+        deadline = time.monotonic() + 30
+        while _alive(q.pid):
+            assert time.monotonic() < deadline, "a forked child outlived its zygote"
+            time.sleep(0.05)
+    finally:
+        z.close()
+        if _alive(q.pid):
+            os.kill(q.pid, signal.SIGKILL)
+
+
+def test_a_zygote_that_cannot_start_says_so(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    z = Zygote(["recover.no_such_module"], env, tag=str(tmp_path), timeout_s=60)
+    try:
+        with pytest.raises(RuntimeError, match="the zygote did not start"):
+            z.spawn(["--version"], _env())
+    finally:
+        z.close()
+    assert z.proc.returncode not in (None, 0)
