@@ -59,7 +59,7 @@ from recover.coordinator.client import (
 )
 from recover.coordinator.client import QuorumLost as _ClientQuorumLost
 from recover.policy import deal_round_robin
-from recover.runtime.collective import CollectiveConfig, GroupCache
+from recover.runtime.collective import GroupCache
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.faults import FaultInjector, check_faults_fit
 from recover.runtime.layout import ReplicaLayout
@@ -274,7 +274,7 @@ class Replica:
         self._machine = StepMachine(
             work=self._work,
             link=self._link,
-            groups=GroupCache(store, config=CollectiveConfig(), scope=scope, device="cpu"),
+            groups=GroupCache(store, config=self.env.spec.collective(), scope=scope, device="cpu"),
             options=StepOptions(replica_id=self.replica_id, check_every=self.check_every),
             hooks=StepHooks(phase=self._faults, event=self.event, guard=self._guard),
             has_state=not joining,

@@ -103,6 +103,13 @@ class ReplicaSpec:
                 "--cross-reduce nccl reduces between GPUs: use --device cuda (or auto)"
             )
 
+    # ---- what the components take ----------------------------------------------------------
+    def collective(self):
+        """The deadlines of the cross-replica collective (recover.runtime.collective)."""
+        from recover.runtime.collective import CollectiveConfig
+
+        return CollectiveConfig()
+
     # ---- flags ---------------------------------------------------------------------------------
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ReplicaSpec:

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -33,7 +33,7 @@ from recover.coordinator.client import (
 from recover.coordinator.client import QuorumLost as ClientQuorumLost
 from recover.data.addressing import TokenDataset
 from recover.record import MetricsWriter, read_metrics
-from recover.runtime.collective import CollectiveConfig, GroupCache
+from recover.runtime.collective import GroupCache
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.faults import FaultInjector
 from recover.runtime.layout import ReplicaLayout
@@ -67,7 +67,6 @@ class WorkerConfig:
     resume: bool = False
     register_timeout_s: float = 60.0  # start-up: all replicas must show up by then
     outcome_timeout_s: float = 120.0  # longest wait for the coordinator's decision on a step
-    collective: CollectiveConfig = field(default_factory=CollectiveConfig)
 
     def __post_init__(self) -> None:
         for name in ("register_timeout_s", "outcome_timeout_s"):
@@ -233,7 +232,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         machine = StepMachine(
             work=trainer,
             link=link,
-            groups=GroupCache(store, config=wcfg.collective, scope=scope, device=cross_device),
+            groups=GroupCache(store, config=spec.collective(), scope=scope, device=cross_device),
             options=StepOptions(
                 replica_id=me,
                 check_every=spec.check_every,
