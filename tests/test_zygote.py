@@ -52,13 +52,14 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_forked_process_gets_its_argv_env_output_and_status(zygote, tmp_path):
-    p = zygote.spawn(["--version"], _env())
+    p = zygote.spawn("recover.cli", ["--version"], _env())
     assert p.stdout.read().strip() == "recover 0.1.0"
     assert p.wait(timeout=30) == 0 and p.poll() == 0
     # Exactly the environment asked for (nothing of the zygote's own), in its own session.
     events = tmp_path / "events.jsonl"
     addr = tmp_path / "addr.json"
     q = zygote.spawn(
+        "recover.cli",
         [*SERVE, "--events", str(events), "--address-file", str(addr)],
         _env(RECOVER_TOKEN="forked-secret"),  # read by the forked coordinator, not the zygote
     )
@@ -83,7 +84,7 @@ def test_children_end_with_the_zygote(tmp_path):
     z = Zygote(["recover.cli"], env, tag=str(tmp_path))
     addr = tmp_path / "addr.json"
     try:
-        q = z.spawn([*SERVE, "--address-file", str(addr)], _env())
+        q = z.spawn("recover.cli", [*SERVE, "--address-file", str(addr)], _env())
         _address(addr)
         os.kill(z.proc.pid, signal.SIGKILL)  # as when its launcher is SIGKILLed
         z.proc.wait(timeout=30)
@@ -104,7 +105,7 @@ def test_a_zygote_that_cannot_start_says_so(tmp_path):
     z = Zygote(["recover.no_such_module"], env, tag=str(tmp_path), timeout_s=60)
     try:
         with pytest.raises(RuntimeError, match="the zygote did not start"):
-            z.spawn(["--version"], _env())
+            z.spawn("recover.cli", ["--version"], _env())
     finally:
         z.close()
     assert z.proc.returncode not in (None, 0)

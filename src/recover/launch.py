@@ -253,7 +253,7 @@ class LocalLauncher:
         env["PYTHONUNBUFFERED"] = "1"
         if self._zygote is not None and tuple(command[: len(_RECOVER)]) == _RECOVER:
             try:  # the coordinator and the built-in workers: forked, torch already imported
-                proc = self._zygote.spawn(command[len(_RECOVER) :], env)
+                proc = self._zygote.spawn(_RECOVER[2], command[len(_RECOVER) :], env)
             except RuntimeError as e:  # start afresh from now on (slower, same result)
                 self.say(f"warm start off: {e}")
                 self._zygote = None

@@ -9,9 +9,10 @@ modules and done nothing else: one thread (OMP_NUM_THREADS=1 is set before torch
 process group, no CUDA context, no open files besides its socket.
 
 Protocol (a socketpair between the launcher and the zygote; one JSON object per line):
-- launcher -> zygote: {"argv": [...], "env": {...}} with the write end of the child's output pipe
-  attached (SCM_RIGHTS); the zygote forks, and the child runs `recover.cli.main(argv)` with
-  exactly that environment, in its own session, its output on that pipe;
+- launcher -> zygote: {"module": M, "argv": [...], "env": {...}} with the write end of the child's
+  output pipe attached (SCM_RIGHTS); the zygote forks, and the child runs `M.main(argv)` (as
+  `python -m M ARGV...` would) with exactly that environment, in its own session, its output on
+  that pipe;
 - zygote -> launcher: {"pid": P} for each request, in order; {"exit": P, "status": S} when a
   child ends (S as subprocess reports it: the exit code, or -N for signal N).
 
@@ -111,10 +112,8 @@ def _fork(request: dict, out_fd: int, sock: socket.socket, *closing: int) -> int
         os.environ.update(request["env"])
         if "RECOVER_LAUNCHER_PID" in os.environ:  # its parent is this zygote, which dies with
             os.environ["RECOVER_LAUNCHER_PID"] = str(zygote)  # the launcher
-        sys.argv = ["recover", *request["argv"]]
-        from recover.cli import main
-
-        code = main(request["argv"])
+        sys.argv = [request["module"], *request["argv"]]
+        code = importlib.import_module(request["module"]).main(request["argv"])
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
@@ -216,8 +215,9 @@ class Zygote:
         self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
         self._reader.start()
 
-    def spawn(self, argv: list[str], env: dict[str, str]) -> ForkedProcess:
-        """Fork `recover ARGV...` with exactly `env`; its output on the returned handle's stdout."""
+    def spawn(self, module: str, argv: list[str], env: dict[str, str]) -> ForkedProcess:
+        """Fork `python -m MODULE ARGV...` (its `main(argv)`) with exactly `env`; its output on
+        the returned handle's stdout."""
         with self._lock:
             if self._reader is None:
                 self._await_ready()
@@ -226,7 +226,7 @@ class Zygote:
             with self._spawned:
                 self._pending.append(proc)
             try:
-                line = json.dumps({"argv": argv, "env": env}).encode() + b"\n"
+                line = json.dumps({"module": module, "argv": argv, "env": env}).encode() + b"\n"
                 socket.send_fds(self._sock, [line], [write_fd])
             finally:
                 os.close(write_fd)
