@@ -94,3 +94,15 @@ def test_the_train_config_crosses_to_a_worker_whole():
     partial = json.dumps({"steps": 7})
     with pytest.raises(ValueError, match="every TrainConfig field"):
         TrainConfig.from_json(partial)
+
+
+def test_the_reduce_deadline_reaches_the_collective():
+    """A setting added later (--reduce-deadline): one field in the spec, and every process that
+    builds the collective gets it, from a flag or from the launcher's JSON."""
+    spec = ReplicaSpec.from_args(_parse(["--reduce-deadline", "90"]))
+    assert ReplicaSpec.from_json(spec.to_json()).collective().op_deadline_s == 90.0
+    assert spec.collective().pg_timeout_s >= 90.0  # gloo's backstop never fires first
+    assert ReplicaSpec().collective().op_deadline_s == 30.0
+    assert ReplicaSpec.from_args(_parse(["--reduce-deadline", "5"], scripts=True)).collective()
+    with pytest.raises(ValueError, match="--reduce-deadline must be a finite number > 0"):
+        ReplicaSpec(reduce_deadline_s=0)

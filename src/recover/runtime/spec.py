@@ -79,6 +79,14 @@ class ReplicaSpec:
         metavar="S", low=(0.0, True), scripts=True,
     )  # fmt: skip
 
+    reduce_deadline_s: float = _setting(
+        30.0, "--reduce-deadline",
+        "a cross-replica reduce not complete this long after it started is abandoned and its "
+        "replicas' vote decides (a redo without the silent replica); raise it for large models "
+        "on slow links (default: 30)",
+        metavar="S", low=(0.0, False), scripts=True,
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
         if not isinstance(self.layout, ReplicaLayout):
             raise ValueError(f"layout must be a ReplicaLayout, got {self.layout!r}")
@@ -108,7 +116,9 @@ class ReplicaSpec:
         """The deadlines of the cross-replica collective (recover.runtime.collective)."""
         from recover.runtime.collective import CollectiveConfig
 
-        return CollectiveConfig()
+        # gloo's own timeout stays a backstop behind the deadline (it must not fire first).
+        backstop = max(CollectiveConfig.pg_timeout_s, 2 * self.reduce_deadline_s)
+        return CollectiveConfig(op_deadline_s=self.reduce_deadline_s, pg_timeout_s=backstop)
 
     # ---- flags ---------------------------------------------------------------------------------
     @classmethod
