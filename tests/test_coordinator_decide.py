@@ -707,3 +707,44 @@ def test_a_planned_leave_is_released_at_its_commit_without_a_redo():
     sim.send(ReportDone(replica_id=1, incarnation=sim.inc[1], step=2, epoch=2, leaving=True))
     sim.done(2)
     assert sim.state.live == (1, 2) and sim.state.committed_step == 2
+
+
+def done_part(sim, r, finite):
+    s = sim.state
+    return sim.send(
+        ReportDone(
+            replica_id=r, incarnation=sim.inc[r], step=s.step, epoch=s.attempt_epoch, finite=finite
+        )
+    )
+
+
+def test_a_non_finite_part_is_recomputed_elsewhere_and_its_replica_evicted_if_it_erred():
+    """Replica 1's part is not finite, the others' are: not committed; its ids are recomputed by
+    the others while it holds nothing and drops its sum. Finite there: replica 1 is evicted as
+    suspect hardware and the step commits without it. Not finite there either: the step commits
+    as it is (every replica skips it) and replica 1 stays. Every part non-finite: commits at once."""
+    sim = Sim(expected_replicas=3).formed(3)
+    held = dict(sim.state.holdings)
+    for r in (0, 2):
+        done_part(sim, r, True)
+    ds = done_part(sim, 1, False)
+    assert names(ds) == ["epoch_changed", "redo"] and sim.state.committed_step == -1
+    v = view_of(sim.state)
+    assert v.discard == (1,) and v.holdings[1] == () and one(ds, "redo").lost == held[1]
+    assert sorted(j for ids in v.holdings.values() for j in ids) == list(range(8))
+    for r in (0, 1, 2):
+        ds = done_part(sim, r, True)
+    assert names(ds)[:2] == ["suspect_hardware", "member_dead"] and "committed" in names(ds)
+    assert one(ds, "member_dead").how == "suspect" and sim.state.fenced[sim.inc[1]] == "evicted"
+    assert sim.state.live == (0, 2) and view_of(sim.state).discard == ()
+    # Not finite on the others either: the ids themselves are not finite, nobody erred.
+    sim = Sim(expected_replicas=3).formed(3)
+    for r, ok in ((0, True), (1, False), (2, True)):
+        done_part(sim, r, ok)
+    for r, ok in ((0, False), (1, True), (2, True)):
+        ds = done_part(sim, r, ok)
+    assert "committed" in names(ds) and "member_dead" not in names(ds)
+    assert sim.state.live == (0, 1, 2) and sim.state.verifying == ()
+    for r in (0, 1, 2):  # every part non-finite (a diverging run): commits at once
+        ds = done_part(sim, r, False)
+    assert "committed" in names(ds) and "redo" not in names(ds)

@@ -47,6 +47,12 @@ def test_non_finite_or_negative_fault_values_are_refused(spec, field):
         parse_fault(spec)
 
 
+def test_a_nan_fault_is_for_the_backward_phase_only():
+    assert parse_fault("nan:replica=1,step=2,phase=backward,microbatch=1").kind == "nan"
+    with pytest.raises(ValueError, match="phase backward only"):
+        parse_fault("nan:replica=1,step=2,phase=reduce")
+
+
 def test_faults_beyond_the_run_are_refused_naming_the_field():
     def check(spec: str) -> None:
         check_faults_fit([parse_fault(spec)], steps=24, microbatches=8)

@@ -83,6 +83,10 @@ FAULT_CASES = {
     "kill-optimizer": ["kill:replica=0,step=2,phase=optimizer"],
     "exit-backward": ["exit:replica=1,step=2,phase=backward,microbatch=1"],
     "kill-pen-holder": ["kill:replica=0,step=2,phase=backward,microbatch=0"],
+    # A silent data corruption: replica 1's gradient gets a NaN, its losses stay finite. Its ids
+    # are recomputed on the others (finite there), so it is evicted as suspect hardware and the
+    # step commits on the failure-free trajectory.
+    "nan-backward": ["nan:replica=1,step=2,phase=backward,microbatch=0"],
 }
 
 
@@ -101,6 +105,13 @@ def test_a_failure_is_survived_in_step_on_the_same_microbatches(
     assert len(events(out, "failure_injected")) == 1
     dead = events(out, "coordinator.member_dead")
     assert [d["replica_id"] for d in dead] == [int(FAULT_CASES[case][0].split("replica=")[1][0])]
+    if case.startswith("nan"):
+        assert dead[0]["how"] == "suspect"
+        (suspect,) = events(out, "coordinator.suspect_hardware")
+        assert suspect["replica"] == 1 and suspect["step"] == 2
+        (named,) = events(out, "nonfinite_microbatches")
+        assert named["replica"] == 1 and named["what"] == "gradient"
+        assert "replica 1 was evicted by the coordinator (status 4)" in r.stdout
     finished = {e["replica"] for e in events(out, "replica_finished")}
     assert len(finished) == 2
     fault_step = int(FAULT_CASES[case][0].split("step=")[1].split(",")[0])

@@ -320,14 +320,18 @@ class CoordinatorClient:
         param_hash: str | None = None,
         throughput: float | None = None,
         leaving: bool = False,
+        finite: bool = True,
     ) -> None:
         """`throughput`: microbatches per second measured in this attempt (feeds the weights).
-        `leaving`: leave at the boundary of this step (the next one is planned without it)."""
+        `leaving`: leave at the boundary of this step (the next one is planned without it).
+        `finite`: this replica's own part of the attempt's sum is finite."""
         req = {"kind": "done", "step": step, "epoch": epoch, "param_hash": param_hash}
         if throughput is not None:
             req["throughput"] = float(throughput)
         if leaving:
             req["leaving"] = True
+        if not finite:
+            req["finite"] = False
         self._raise_refusal(self._rpc_call(self._member(req)))
 
     def report_failed(self, *, step: int, epoch: int, suspects: list[int], reason: str) -> None:

@@ -18,6 +18,12 @@ Rules (docs/design.md has the narrative):
   since the attempt began, a regroup bumps the epoch so that the attempt is redone in a fresh
   group. A failed report without a live suspect regroups at once for the same reason.
 - Joiners wait as pending and are admitted only at a commit (step boundary).
+- Non-finite parts: when every survivor reported done but some (not all) said their own part of
+  the sum was not finite, the step is not committed: a new attempt recomputes the suspects' ids on
+  the others (the suspects drop their sums and compute nothing). If every part is finite then,
+  the suspects computed wrongly: each is evicted (`suspect_hardware`, how="suspect") and the step
+  commits without them. If not, the ids are not finite anywhere: the step commits as it is (every
+  replica skips a non-finite step) and the suspects stay. Every part non-finite: it commits at once.
 - A planned leave: a member whose done report asks to leave is removed from the live set when
   that step commits (its part is in the sum), and the next step is planned without it, so no
   attempt waits for it; unless that would leave no member or fewer than min_replicas (the last
@@ -62,6 +68,7 @@ from recover.coordinator.protocol import (
     ReportDone,
     ReportFailed,
     ReportsDone,
+    SuspectHardware,
     Tick,
 )
 from recover.coordinator.state_store import (
@@ -273,6 +280,7 @@ def _on_done(s: CoordinatorState, now: float, m: ReportDone, out: list) -> str:
         s.own("param_hashes")[m.replica_id] = m.param_hash
     _record_throughput(s, m.replica_id, m.throughput)
     _record_leaving(s, m.replica_id, m.leaving)
+    _record_nonfinite(s, m.replica_id, m.finite)
     _evaluate_attempt(s, out)
     return f"replica {m.replica_id} reported done ({m.step}, {m.epoch})"
 
@@ -290,6 +298,7 @@ def _on_done_batch(s: CoordinatorState, now: float, m: ReportsDone, out: list) -
             s.own("param_hashes")[d.replica_id] = d.param_hash
         _record_throughput(s, d.replica_id, d.throughput)
         _record_leaving(s, d.replica_id, d.leaving)
+        _record_nonfinite(s, d.replica_id, d.finite)
     if taken:
         _evaluate_attempt(s, out)
     first = m.reports[0] if m.reports else None
@@ -455,6 +464,14 @@ def _evaluate_attempt(s: CoordinatorState, out: list) -> None:
     if not survivors or any(r not in s.reports for r in survivors):
         return
     if all(s.reports[r] == "done" for r in survivors):
+        bad = [r for r in survivors if r in s.nonfinite]
+        if bad and len(bad) < len(survivors) and not s.verifying and s.options.mode == "recover":
+            _verify(s, out, survivors, bad)
+            return
+        if s.verifying and not bad:  # recomputed elsewhere, every part finite: they erred
+            survivors = _evict_suspects(s, out, survivors)
+            if s.status != RUNNING:
+                return
         _commit(s, out, survivors)
     elif not any(_is_current_attempt(s, a.step, a.epoch) for a in s.accusations.values()):
         _redo(s, out, survivors)
@@ -564,6 +581,51 @@ def _redo(s: CoordinatorState, out: list, survivors: list[int]) -> None:
     out.append(Redo(step=t, epoch=s.epoch, lost=lost, reassigned=moved, reason=why))
 
 
+def _verify(s: CoordinatorState, out: list, survivors: list[int], bad: list[int]) -> None:
+    """Replicas `bad` reported a non-finite part where the others' was finite: redo the step in a
+    new epoch with their ids recomputed by the others (reassign, as for the dead), while they stay
+    members holding nothing and drop their sums (the view's `discard`)."""
+    t, a = s.step, s.attempt_epoch
+    _bump_epoch(s, out, f"recompute step {t}'s ids of replicas {bad} on the others")
+    good = [r for r in survivors if r not in bad]
+    lost = tuple(sorted(j for r in bad for j in s.holdings[r]))
+    extra = reassign(lost, good, {r: s.weights[r] for r in good})
+    s.holdings = {r: () if r in bad else s.holdings[r] + extra[r] for r in survivors}
+    s.attempt_epoch = s.epoch
+    s.attempt_members = tuple(survivors)
+    s.reports, s.param_hashes, s.nonfinite = {}, {}, ()
+    s.verifying = tuple(bad)
+    moved = {r: ids for r, ids in extra.items() if ids}
+    why = (
+        f"redo step {t} in epoch {s.epoch}: in epoch {a} the parts of replicas {bad} were not "
+        f"finite and the others' were; their {len(lost)} ids are recomputed as {moved}"
+    )
+    out.append(Redo(step=t, epoch=s.epoch, lost=lost, reassigned=moved, reason=why))
+
+
+def _evict_suspects(s: CoordinatorState, out: list, survivors: list[int]) -> list[int]:
+    """The suspects of this attempt computed wrongly (their ids were finite elsewhere): evict each
+    (fenced for good, a new incarnation may join) and return the survivors without them."""
+    t, suspects = s.step, s.verifying
+    members, fenced = s.own("members"), s.own("fenced")
+    for r in suspects:
+        m = members[r]
+        why = (
+            f"replica {r}'s part of step {t} was not finite, and its microbatches recomputed on "
+            "other replicas were: it computes wrongly (suspect hardware); evicted"
+        )
+        out.append(SuspectHardware(replica_id=r, incarnation=m.incarnation, step=t, reason=why))
+        members[r] = replace(m, state=DEAD, how="suspect")
+        fenced[m.incarnation] = "evicted"
+        out.append(MemberDead(replica_id=r, incarnation=m.incarnation, how="suspect", reason=why))
+    s.live = tuple(r for r in s.live if r not in suspects)
+    s.verifying = ()
+    _bump_epoch(s, out, f"replicas {list(suspects)} evicted as suspect hardware")
+    if len(s.live) < s.options.min_replicas:
+        _lose_quorum(s, out, f"only {len(s.live)} live replicas remain, below min_replicas")
+    return [r for r in survivors if r not in suspects]
+
+
 def _new_attempt(s: CoordinatorState) -> None:
     weights = _weights(s, s.live)
     if weights != s.weights:
@@ -580,6 +642,12 @@ def _new_attempt(s: CoordinatorState) -> None:
     s.attempt_epoch = s.epoch
     s.attempt_members = s.live
     s.reports, s.param_hashes = {}, {}
+    s.nonfinite, s.verifying = (), ()
+
+
+def _record_nonfinite(s: CoordinatorState, r: int, finite: bool) -> None:
+    if not finite and r not in s.nonfinite:
+        s.nonfinite = (*s.nonfinite, r)
 
 
 def _record_throughput(s: CoordinatorState, r: int, x: float | None) -> None:

@@ -64,6 +64,7 @@ __all__ = [
     "EpochChanged",
     "Finished",
     "MemberDead",
+    "SuspectHardware",
     "QuorumLost",
     "Redo",
     "Refused",
@@ -127,6 +128,9 @@ class ReportDone:
     # The replica asks to leave at the boundary of this step (a planned leave: SIGTERM); the
     # coordinator plans the next step without it when this step commits.
     leaving: bool = False
+    # Its own part of the sum (its local gradient and loss sums) is finite. Sent false only when
+    # the reduced sum is not finite: the coordinator then has the replicas' parts told apart.
+    finite: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,6 +231,7 @@ _CHECKS = {
     "suspects": (lambda v: isinstance(v, list) and all(_int(x) for x in v), "a list of ints"),
     "reason": (lambda v: isinstance(v, str), "a string"),
     "leaving": (lambda v: isinstance(v, bool), "a boolean"),
+    "finite": (lambda v: isinstance(v, bool), "a boolean"),
 }
 
 
@@ -322,6 +327,9 @@ class View:
     # The first step whose records the writer makes sure of (those it finds missing, it writes):
     # committed_step, or older when the previous writer died before its records were known written.
     records_from: int = -1
+    # Replicas whose part of the current attempt's step was not finite while others' was: their
+    # ids are recomputed by the others in this attempt, and they drop their own sum (compute none).
+    discard: tuple[int, ...] = ()
     # The view version at which this plan (holdings, weights) was made: a replica that holds a
     # view with the same plan_version holds this plan, so replies may leave it out.
     plan_version: int = 0
@@ -351,6 +359,7 @@ class View:
             "reason": self.reason,
             "writer": self.writer,
             "records_from": self.records_from,
+            "discard": list(self.discard),
             "plan_version": self.plan_version,
         }
 
@@ -372,6 +381,7 @@ class View:
                 reason=str(d.get("reason", "")),
                 writer=int(d.get("writer", -1)),
                 records_from=int(d.get("records_from", -1)),
+                discard=tuple(int(r) for r in d.get("discard", ())),
                 plan_version=int(d.get("plan_version", 0)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -492,6 +502,17 @@ class MemberDead(_Decision):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SuspectHardware(_Decision):
+    """A replica whose part of a step was not finite, where the same microbatch ids recomputed on
+    other replicas were: it computed wrongly (a silent data corruption). It is evicted."""
+
+    name: ClassVar[str] = "suspect_hardware"
+    replica_id: int
+    incarnation: str
+    step: int  # the step whose ids it computed wrongly (the preceding redo lists them)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Committed(_Decision):
     name: ClassVar[str] = "committed"
     step: int
@@ -552,6 +573,7 @@ class Finished(_Decision):
 Decision = (
     EpochChanged
     | MemberDead
+    | SuspectHardware
     | Committed
     | Redo
     | QuorumLost

@@ -152,6 +152,10 @@ class CoordinatorState:
     # or older when the writer of a step died or left before it reported the next step done
     # (its records may be missing: docs/metrics.md, "Who writes").
     records_from: int = 0
+    # This attempt's members whose done report said their part was not finite.
+    nonfinite: tuple[int, ...] = ()
+    # Suspects whose ids this attempt recomputes on the others (see decide._verify).
+    verifying: tuple[int, ...] = ()
     attempt_epoch: int = 0  # the epoch in which the current attempt of `step` reduces
     attempt_members: tuple[int, ...] = ()  # live set when this attempt began (the dead stay)
     holdings: dict[int, tuple[int, ...]] = field(default_factory=dict)  # attempt's plan
@@ -228,6 +232,8 @@ def state_from_json(text: str) -> CoordinatorState:
     d["live"] = tuple(d["live"])
     d["attempt_members"] = tuple(d["attempt_members"])
     d["joined"] = tuple(d.get("joined", ()))
+    for name in ("nonfinite", "verifying"):
+        d[name] = tuple(d.get(name, ()))
     d.setdefault("plan_version", 0)
     d.setdefault("n_pending", sum(m.state == PENDING for m in d["members"].values()))
     return CoordinatorState(**d)
@@ -321,5 +327,6 @@ def view_of(state: CoordinatorState) -> View:
         reason=state.reason,
         writer=state.committed_writer,
         records_from=state.records_from,
+        discard=state.verifying,
         plan_version=state.plan_version,
     )

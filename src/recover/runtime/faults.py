@@ -11,7 +11,9 @@ do the fault to the real process when the step reaches that point:
 - `freeze`: the replica's training thread blocks for good while the process, its heartbeats and
   its sockets stay alive (a deadlock, or a kernel that never returns); phases forward, backward,
   reduce and optimizer, where the stall guard watches (recover.runtime.stall);
-- `slow`: from step T on, every microbatch takes `factor` times as long (a straggler).
+- `slow`: from step T on, every microbatch takes `factor` times as long (a straggler);
+- `nan`: at the K-th microbatch's backward, the replica's local gradient sum gets a NaN while
+  its losses stay finite: a silent data corruption (a faulty GPU). Phase backward only.
 
 Phases: `forward`, `backward` (at the K-th microbatch the rank computes in the step, default 0;
 ids reassigned during recovery come after its own), `reduce` (while
@@ -42,12 +44,12 @@ from dataclasses import dataclass
 
 from recover import exits
 
-KINDS = ("kill", "hang", "exit", "freeze", "slow")
+KINDS = ("kill", "hang", "exit", "freeze", "slow", "nan")
 FREEZE_PHASES = ("forward", "backward", "reduce", "optimizer")
 PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "transfer")
 GRAMMAR = (
     "KIND:replica=R,step=T,phase=P[,microbatch=K][,rank=N][,wake_after=S]  or  "
-    "slow:replica=R,step=T,factor=F[,rank=N]   with KIND in {kill, hang, exit, freeze} and "
+    "slow:replica=R,step=T,factor=F[,rank=N]   with KIND in {kill, hang, exit, freeze, nan} and "
     "P in {forward, backward, reduce, commit, optimizer, transfer}"
 )
 
@@ -77,6 +79,8 @@ class FaultSpec:
                 raise ValueError(f"slow fault needs factor > 1, got {self.factor}")
         elif self.phase not in PHASES:
             raise ValueError(f"fault phase {self.phase!r} unknown; allowed: {', '.join(PHASES)}")
+        elif self.kind == "nan" and self.phase != "backward":
+            raise ValueError(f"nan corrupts a gradient: phase backward only, not {self.phase}")
         elif self.kind == "freeze" and self.phase not in FREEZE_PHASES:
             raise ValueError(
                 f"freeze is for the phases the stall guard watches ({', '.join(FREEZE_PHASES)}), "
@@ -158,8 +162,18 @@ Emit = Callable[..., None]
 class FaultInjector:
     """The phase hook of one replica process: fires its faults at their declared points."""
 
-    def __init__(self, specs: list[FaultSpec], *, emit: Emit | None = None) -> None:
+    def __init__(
+        self,
+        specs: list[FaultSpec],
+        *,
+        emit: Emit | None = None,
+        corrupt: Callable[[], None] | None = None,
+    ) -> None:
+        """`corrupt()` does a `nan` fault to the replica's local gradient sum."""
         self.specs = list(specs)
+        if corrupt is None and any(s.kind == "nan" for s in self.specs):
+            raise ValueError("a nan fault needs the replica's gradients: not supported here")
+        self.corrupt = corrupt
         self.emit = emit or (lambda name, **fields: None)
         self._fired: set[int] = set()
         self._slow = [s for s in self.specs if s.kind == "slow"]
@@ -209,6 +223,17 @@ class FaultInjector:
             os._exit(exits.FAULT_EXIT)
         elif spec.kind == "freeze":
             threading.Event().wait()  # never set: this thread is stuck, the others run on
+        elif spec.kind == "nan":
+            self.corrupt()
+
+
+def poison_gradient(params) -> None:
+    """A NaN in the local gradient sum (the `nan` fault): in the first parameter's gradient,
+    which the next backward adds to (made if the sum is still empty)."""
+    p = next(iter(params))
+    if p.grad is None:
+        p.grad = p.detach().new_zeros(p.shape)
+    p.grad.view(-1)[0] = float("nan")
 
 
 def fault_flag(spec: FaultSpec) -> str:

@@ -247,12 +247,12 @@ class SoloLink:
 
     def report(
         self, *, step: int, epoch: int, failure: str | None, param_hash, throughput,
-        leaving: bool = False,
+        leaving: bool = False, finite: bool = True,
     ) -> bool:  # fmt: skip
         if failure is None:
             self.client.report_done(
                 step=step, epoch=epoch, param_hash=param_hash, throughput=throughput,
-                leaving=leaving,
+                leaving=leaving, finite=finite,
             )  # fmt: skip
         else:
             self.client.report_failed(step=step, epoch=epoch, suspects=[], reason=failure)
@@ -351,23 +351,25 @@ class ReplicaLink:
 
     def report(
         self, *, step: int, epoch: int, failure: str | None, param_hash, throughput,
-        leaving: bool = False,
+        leaving: bool = False, finite: bool = True,
     ) -> bool:  # fmt: skip
         """Agree inside the replica, then (leader) report for all of it; True if every rank's
         part succeeded. An error of the leader's report reaches the others at wait_outcome.
-        `leaving` is the same on every rank (agreed at the last step boundary)."""
-        rows = self.intra.gather((failure, param_hash))
-        failures = [f"rank {k}: {f}" for k, (f, _) in enumerate(rows) if f is not None]
+        `leaving` is the same on every rank (agreed at the last step boundary); the replica's
+        part is finite when every rank's is."""
+        rows = self.intra.gather((failure, param_hash, finite))
+        failures = [f"rank {k}: {f}" for k, (f, _, _) in enumerate(rows) if f is not None]
         if self.client is not None:
             try:
                 if not failures:
-                    hashes = [h for _, h in rows]
+                    hashes = [h for _, h, _ in rows]
                     self.client.report_done(
                         step=step,
                         epoch=epoch,
                         param_hash=None if None in hashes else replica_hash(hashes),
                         throughput=throughput,
                         leaving=leaving,
+                        finite=all(ok for _, _, ok in rows),
                     )
                 else:
                     reason = "; ".join(failures)[:200]

@@ -87,8 +87,9 @@ class Link(Protocol):
     def step_view(self) -> View: ...
     def live_view(self) -> View: ...
     def report(
-        self, *, step: int, epoch: int, failure, param_hash, throughput, leaving: bool = False
-    ) -> bool: ...
+        self, *, step: int, epoch: int, failure, param_hash, throughput, leaving: bool = False,
+        finite: bool = True,
+    ) -> bool: ...  # fmt: skip
     def wait_outcome(self, *, step: int, epoch: int, deadline_s: float): ...
     def agree(self, ok: bool) -> bool: ...
     def gather(self, obj: Any) -> list[Any]: ...
@@ -204,6 +205,7 @@ class StepAttempt:
     t_first_fault: float | None = None
     failure: str | None = None  # why this rank's part of the current attempt failed
     compute_s: float = 0.0  # seconds spent computing this replica's microbatches of the step
+    sum_finite: bool = True  # the last successful reduce's sum is finite (on this rank)
 
     def throughput(self) -> float | None:
         """Microbatches per second over the step so far; None before any was computed."""
@@ -277,11 +279,13 @@ class StepMachine:
             check = check and step % self.options.check_every == 0
             phash = self.work.parameter_hash() if check else None
             failure = None if reduced is not None else attempt.failure or "a replica-mate failed"
+            part_finite = True
             if failure is None:
+                part_finite = self._part_finite(step, reduced, snapshot, attempt)
                 hooks.before_done()
             if not self.link.report(
                 step=step, epoch=epoch, failure=failure, param_hash=phash,
-                throughput=attempt.throughput(), leaving=hooks.leaving(),
+                throughput=attempt.throughput(), leaving=hooks.leaving(), finite=part_finite,
             ):  # fmt: skip
                 reduced = None  # some rank of this replica failed: nobody's result counts
             if reduced is not None:
@@ -294,11 +298,13 @@ class StepMachine:
                     raise RuntimeError(
                         f"step {step} committed although this replica's reduce failed"
                     )
-                finite = self._check_finite(step, reduced, snapshot, attempt)
+                finite = self.link.agree(attempt.sum_finite)  # every rank checked its part
                 return self._committed(step, view, epoch, reduced, attempt, finite)
             if isinstance(outcome, Redo):
                 # The local sum (p.grad) was never touched by the reduce: it is the snapshot.
-                if self.options.discard_on_redo:  # shrink baseline: the in-flight step is dropped
+                # Dropped: the shrink baseline's in-flight step; or this replica's part, not finite
+                # where the others' was (the others recompute its ids in this attempt).
+                if self.options.discard_on_redo or self.me in outcome.view.discard:
                     self.work.clear()
                     attempt.computed.clear()
                     attempt.compute_s = 0.0
@@ -311,21 +317,22 @@ class StepMachine:
                 _stop(outcome.status, outcome.reason)
             raise RuntimeError(f"unexpected outcome {outcome!r}")
 
-    def _check_finite(self, step: int, reduced, snapshot, attempt: StepAttempt) -> bool:
-        """Whether the committed sum is finite, agreed by the replica's ranks (each holds its
-        part). When it is not, name what this rank contributed: the ids whose loss was not finite,
-        or, when every loss was finite, that its local gradient sum of `computed` was not."""
-        mine = bool(torch.isfinite(reduced).all())
-        if not mine:
-            local_ok = bool(torch.isfinite(snapshot).all())
-            bad = self.work.nonfinite_ids()
-            if bad or not local_ok:
-                self.hooks.event(
-                    "nonfinite_microbatches", replica=self.me, rank=self.link.rank, step=step,
-                    ids=sorted(bad) if bad else sorted(attempt.computed),
-                    what="loss" if bad else "gradient",
-                )  # fmt: skip
-        return self.link.agree(mine)
+    def _part_finite(self, step: int, reduced, snapshot, attempt: StepAttempt) -> bool:
+        """Whether this rank's own part of the attempt's sum is finite (reported with `done`, so
+        that the coordinator can tell the replicas' parts apart). One pass over the reduced sum;
+        only when it is not finite, one over the local sum. A non-finite part names what this
+        rank contributed: the ids whose loss was not finite, or, when every loss was finite, its
+        ids of the step (its local gradient sum was not)."""
+        attempt.sum_finite = bool(torch.isfinite(reduced).all())
+        if attempt.sum_finite or bool(torch.isfinite(snapshot).all()):
+            return True
+        bad = self.work.nonfinite_ids()
+        self.hooks.event(
+            "nonfinite_microbatches", replica=self.me, rank=self.link.rank, step=step,
+            ids=sorted(bad) if bad else sorted(attempt.computed),
+            what="loss" if bad else "gradient",
+        )  # fmt: skip
+        return False
 
     def _committed(
         self, step: int, view: View, epoch: int, reduced, attempt, finite: bool

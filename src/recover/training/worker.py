@@ -35,7 +35,7 @@ from recover.data.addressing import TokenDataset
 from recover.record import MetricsWriter, read_metrics
 from recover.runtime.collective import GroupCache
 from recover.runtime.env import ReplicaEnv
-from recover.runtime.faults import FaultInjector
+from recover.runtime.faults import FaultInjector, poison_gradient
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.links import IntraReplica, ReplicaLink, SoloLink
 from recover.runtime.stall import StallGuard
@@ -125,9 +125,13 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             emit=writer.event,
         )
     rank = intra.rank if intra is not None else 0
-    injector = FaultInjector([f for f in wcfg.env.faults if f.rank == rank], emit=writer.event)
     trainer, start = build_trainer_for_run(
         cfg, paths=paths, dataset=dataset, resume=wcfg.resume, intra=intra, device=device
+    )
+    injector = FaultInjector(
+        [f for f in wcfg.env.faults if f.rank == rank],
+        emit=writer.event,
+        corrupt=lambda: poison_gradient(trainer.model.parameters()),
     )
     guard = StallGuard(spec.stall_s, replica=me, rank=rank, emit=writer.event)
     stop = threading.Event()  # set by SIGTERM or SIGINT once training runs (see below)
