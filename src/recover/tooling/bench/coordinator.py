@@ -81,6 +81,10 @@ class BenchCoordinatorConfig:
     hold: bool = True  # heartbeats ask for held replies (pushed epochs), like CoordinatorClient
     relays: int = 0  # 0: every replica speaks to the coordinator itself
     drivers: int = 1  # processes that simulate the replicas (each a block of them)
+    # The relays' upstream side only, simulated in one process (coordinator_tier.py): the
+    # coordinator tier at an R this machine cannot simulate whole.
+    upstream_only: bool = False
+    relay_beat_s: float = 0.25  # how long the coordinator may hold a relay's beat
     form_timeout_s: float = 120.0
     step_timeout_s: float = 30.0
 
@@ -98,6 +102,8 @@ class BenchCoordinatorConfig:
             raise ValueError(f"drivers must be in 1..replicas, got {self.drivers}")
         if self.relays > self.replicas:
             raise ValueError(f"relays must be <= replicas, got {self.relays}")
+        if self.upstream_only and self.relays < 1:
+            raise ValueError("upstream_only needs relays >= 1")
         for name in ("compute_s", "heartbeat_s", "lease_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -688,13 +694,14 @@ def message_costs(replicas: int, microbatches: int = 0, repeats: int = 200) -> d
     out["done_in_batch_s"] = per_call(batched, max(1, repeats // 40)) / replicas
     out["state_json_s"] = per_call(lambda: state_to_json(s), max(1, repeats // 20))
     cache = ViewCache()
-    cache.publish(view_of(s))
+    cache.publish(view_of(s), microbatches=m)
     out["view_bytes"] = len(cache.encoded(-1))
     out["view_encode_s"] = per_call(
-        lambda: ViewCache().publish(view_of(s)) or cache.encoded(-1), max(1, repeats // 20)
+        lambda: ViewCache().publish(view_of(s), microbatches=m) or cache.encoded(-1),
+        max(1, repeats // 20),
     )
     after = decide(now, s, proto.ReportsDone(tuple(dones)))[0]  # a commit, the same plan
-    cache.publish(view_of(after))
+    cache.publish(view_of(after), microbatches=m)
     out["view_after_commit_bytes"] = len(cache.encoded(s.view_version))
     return out
 
@@ -753,6 +760,12 @@ def add_coordinator_bench_parser(sub) -> None:
         help="processes that simulate the replicas, or a comma list matching --replicas",
     )
     p.add_argument(
+        "--upstream-only",
+        action="store_true",
+        help="simulate only what the N relays send the coordinator (no replica sockets, no relay "
+        "processes): the coordinator tier at an R too large to simulate whole on this machine",
+    )
+    p.add_argument(
         "--costs", action="store_true", help="also time the rules per message in-process (no I/O)"
     )
     p.add_argument("--no-faults", action="store_true", help="skip the kill and the hang")
@@ -788,6 +801,7 @@ def run_coordinator_bench(args: argparse.Namespace) -> int:
                 faults=not args.no_faults,
                 relays=n,
                 drivers=d,
+                upstream_only=args.upstream_only,
             )
             for r, n, d in zip(sizes, relays, drivers, strict=True)
         ]
@@ -795,7 +809,12 @@ def run_coordinator_bench(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for cfg in cfgs:
-        row = run_once(cfg)
+        if cfg.upstream_only:
+            from recover.tooling.bench.coordinator_tier import run_tier
+
+            row = run_tier(cfg)
+        else:
+            row = run_once(cfg)
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(format_table(rows))
