@@ -60,8 +60,8 @@ class LinearWork:
         self.grads.clear()
 
     # Work
-    def snapshot(self) -> torch.Tensor:
-        return self.grads.snapshot()
+    def snapshot(self, device=None) -> torch.Tensor:
+        return self.grads.snapshot(device)
 
     def clear(self) -> None:
         self.grads.clear()

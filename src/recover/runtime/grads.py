@@ -8,7 +8,8 @@ this rank's local part is taken and restored with the parameter's own layout.
 Layout of a flat buffer: the local parts of the parameters in list order, then one slot holding
 the loss sum (so the committed loss travels with the gradient through one reduce).
 
-Cost: one flat copy per snapshot; one copy back into `.grad` per commit.
+Cost: one flat copy per attempt (the snapshot, reduced in place); at a commit the gradients
+are views of the committed buffer (a copy only across devices or to another dtype).
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ class GradientSum:
         if not math.isfinite(loss):
             self.nonfinite_ids.append(j)
 
-    def snapshot(self) -> torch.Tensor:
-        """A fresh flat fp32 copy of the local gradient sum and loss sum (numel + 1 values)."""
-        flat = torch.zeros(self.numel + 1, dtype=torch.float32, device=self.device)
+    def snapshot(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """A fresh flat fp32 copy of the local gradient sum and loss sum (numel + 1 values), on
+        `device` (default: the gradients' own): the attempt's one buffer, which the cross-replica
+        reduce sums in place (`p.grad`, the local sum, is never touched by it)."""
+        flat = torch.zeros(self.numel + 1, dtype=torch.float32, device=device or self.device)
         offset = 0
         for p in self.params:
             n = local_part(p).numel()
@@ -69,15 +72,21 @@ class GradientSum:
 
     def load(self, flat: torch.Tensor, *, divide_by: float = 1.0) -> None:
         """Set every `p.grad` from a flat buffer of the snapshot's layout, divided by `divide_by`
-        (M at a commit: the mean over the step's microbatches)."""
+        (M at a commit: the mean over the step's microbatches).
+
+        The buffer is taken over, not copied, where it can be (same device, fp32 parameters):
+        each `p.grad` is a view of it, divided in place; its last slot (the loss sum) is left
+        as it was. A caller reads what it needs of the buffer first."""
         if flat.numel() != self.numel + 1:
             raise ValueError(f"flat buffer has {flat.numel()} values, expected {self.numel + 1}")
-        flat = flat.to(self.device)  # the cross-replica sum arrives in host memory
+        flat = flat.to(self.device)  # gloo's sum is in host memory; a no-op on the same device
         offset = 0
         for p in self.params:
             part = local_part(p)
             n = part.numel()
-            g = flat[offset : offset + n].view_as(part).to(part.dtype, copy=True)
+            g = flat[offset : offset + n].view_as(part)
+            if g.dtype != part.dtype:
+                g = g.to(part.dtype)
             if divide_by != 1.0:
                 g.div_(divide_by)
             p.grad = laid_out_like(p, g)

@@ -56,8 +56,8 @@ class ScriptWork:
         self.check_data = check_data
         self.replica = replica
 
-    def snapshot(self) -> torch.Tensor:
-        return self.grads.snapshot()
+    def snapshot(self, device: torch.device | str | None = None) -> torch.Tensor:
+        return self.grads.snapshot(device)
 
     def clear(self) -> None:
         self.grads.clear()

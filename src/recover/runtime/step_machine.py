@@ -59,8 +59,9 @@ class DivergedError(RuntimeError):
 class Work(Protocol):
     """What the step machine needs of the replica's model side (this rank's part of it)."""
 
-    def snapshot(self) -> torch.Tensor:
-        """A fresh flat fp32 copy of the local gradient sum, with the loss sum in its last slot."""
+    def snapshot(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """A fresh flat fp32 copy of the local gradient sum, with the loss sum in its last slot,
+        on `device` (None: where the gradients are)."""
 
     def clear(self) -> None:
         """Drop the local sum (the shrink baseline discards a failed attempt's work)."""
@@ -260,7 +261,7 @@ class StepMachine:
             if view.status in ("quorum_lost", "diverged", "finished"):
                 _stop(view.status, view.reason)
             epoch = view.attempt_epoch
-            reduced = snapshot = None
+            reduced = None
             attempt.failure = None
             transferred = self._transfer_if_needed(view, step, attempt)
             if view.joined:  # every rank of the replica goes on only if all of them got it
@@ -273,15 +274,17 @@ class StepMachine:
                 attempt.computed.update(todo)
                 if todo:  # reported with `done`: feeds the coordinator's throughput-aware plans
                     attempt.compute_s += time.perf_counter() - t0
-                snapshot = self.work.snapshot()  # the local sum; never reduced in place
-                reduced = self._reduce(snapshot, view, step, attempt)
+                # The attempt's one buffer: a copy of the local sum (p.grad, never reduced) made
+                # where the cross-replica group reduces it, in place.
+                buffer = self.work.snapshot(self.groups.device)
+                reduced = self._reduce(buffer, view, step, attempt)
             check = reduced is not None and self.options.check_every
             check = check and step % self.options.check_every == 0
             phash = self.work.parameter_hash() if check else None
             failure = None if reduced is not None else attempt.failure or "a replica-mate failed"
             part_finite = True
             if failure is None:
-                part_finite = self._part_finite(step, reduced, snapshot, attempt)
+                part_finite = self._part_finite(step, reduced, attempt)
                 hooks.before_done()
             if not self.link.report(
                 step=step, epoch=epoch, failure=failure, param_hash=phash,
@@ -317,14 +320,15 @@ class StepMachine:
                 _stop(outcome.status, outcome.reason)
             raise RuntimeError(f"unexpected outcome {outcome!r}")
 
-    def _part_finite(self, step: int, reduced, snapshot, attempt: StepAttempt) -> bool:
+    def _part_finite(self, step: int, reduced, attempt: StepAttempt) -> bool:
         """Whether this rank's own part of the attempt's sum is finite (reported with `done`, so
         that the coordinator can tell the replicas' parts apart). One pass over the reduced sum;
-        only when it is not finite, one over the local sum. A non-finite part names what this
+        only when it is not finite, one over a fresh copy of the local sum. A non-finite part
+        names what this
         rank contributed: the ids whose loss was not finite, or, when every loss was finite, its
         ids of the step (its local gradient sum was not)."""
         attempt.sum_finite = bool(torch.isfinite(reduced).all())
-        if attempt.sum_finite or bool(torch.isfinite(snapshot).all()):
+        if attempt.sum_finite or bool(torch.isfinite(self.work.snapshot(reduced.device)).all()):
             return True
         bad = self.work.nonfinite_ids()
         self.hooks.event(
@@ -439,14 +443,12 @@ class StepMachine:
             )  # fmt: skip
         return True
 
-    def _reduce(self, snapshot: torch.Tensor, view: View, step: int, attempt: StepAttempt):
-        """All-reduce a fresh copy of the snapshot in the attempt's epoch; None if it aborted."""
+    def _reduce(self, buffer: torch.Tensor, view: View, step: int, attempt: StepAttempt):
+        """All-reduce the attempt's buffer in place in its epoch; None if it aborted (the buffer
+        is then dropped: what it holds is unusable)."""
         epoch = view.attempt_epoch
         should_abort = self._should_abort(epoch)
         should_abort_reduce = self._with_fault("reduce", step, should_abort)
-        # For this attempt only; dropped on abort. Where the cross-replica group reduces: in
-        # host memory for gloo (whatever device the replica computes on), on the GPU for NCCL.
-        buffer = snapshot.to(self.groups.device, copy=True)
         t0 = time.perf_counter()
         try:
             with self.hooks.guard.busy("in the cross-replica reduce"):  # its polls are the ticks

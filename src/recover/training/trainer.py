@@ -171,9 +171,9 @@ class ReplicaTrainer:
         return x.to(self.device), y.to(self.device)
 
     # ---- the step machine's Work (recover.runtime.step_machine) ---------------------------------------
-    def snapshot(self) -> torch.Tensor:
+    def snapshot(self, device: torch.device | str | None = None) -> torch.Tensor:
         """A fresh flat fp32 copy of the local gradient sum and loss sum (numel + 1 values)."""
-        return self.grads.snapshot()
+        return self.grads.snapshot(device)
 
     def clear(self) -> None:
         self.grads.clear()
