@@ -16,6 +16,48 @@ from recover.tooling.compare import compare_runs
 
 torch.set_num_threads(1)
 
+# The tiers, like torchtitan's: `unit` (pure functions, seconds), `inprocess` (the runtime's
+# pieces against an in-process coordinator: the step machine, the API, the server and client,
+# the single-replica loop) and `process` (real processes under SIGKILL/SIGSTOP at declared
+# points: the fault tests). `pytest` runs all three (CI); `pytest -m unit` or
+# `pytest -m "unit or inprocess"` is the quick loop while editing. Each file has its tier here
+# (a new test file must be added: collection fails otherwise); a test may override its file's
+# tier with its own marker.
+TIERS = {
+    "unit": (
+        "test_addressing", "test_architecture", "test_coordinator_decide", "test_data_prepare",
+        "test_policy", "test_report", "test_simulate", "test_spec", "test_units",
+    ),
+    "inprocess": (
+        "test_api_usage", "test_coordinator_server", "test_step_machine", "test_train_single",
+    ),
+    "process": (
+        "test_api", "test_bench_compare", "test_collective", "test_coordinator_relay",
+        "test_coordinator_scale", "test_durability", "test_export", "test_fault_specs",
+        "test_graceful", "test_multirank", "test_multireplica", "test_nonfinite", "test_rejoin",
+        "test_zygote",
+    ),
+}  # fmt: skip
+_TIER_OF = {name: tier for tier, names in TIERS.items() for name in names}
+
+
+def pytest_collection_modifyitems(config, items):
+    unplaced = set()
+    for item in items:
+        if any(item.get_closest_marker(tier) for tier in TIERS):
+            continue
+        tier = _TIER_OF.get(item.path.stem)
+        if tier is None:
+            unplaced.add(item.path.name)
+        else:
+            item.add_marker(getattr(pytest.mark, tier))
+    if unplaced:
+        raise pytest.UsageError(
+            f"tests/conftest.py TIERS has no tier for {', '.join(sorted(unplaced))}: add each "
+            "file to unit, inprocess or process"
+        )
+
+
 # Flags for a run that takes a second or two on one core.
 TINY_TRAIN_FLAGS = [
     "--preset", "tiny", "--seq-len", "32", "--microbatch-size", "2", "--microbatches", "4",

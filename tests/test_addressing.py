@@ -99,6 +99,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.process
 def test_microbatch_is_identical_in_another_process(dataset_dir: Path) -> None:
     # subprocess.run kills and reaps the child if it overruns its timeout.
     done = subprocess.run(

@@ -278,6 +278,7 @@ def _launch(replicas: int, faults=(), *, shard=1, tp=1, pp=1, **spec) -> LaunchC
     return LaunchConfig(replicas=replicas, faults=faults, replica=ReplicaSpec(layout=layout, **spec))
 
 
+@pytest.mark.unit
 def test_layout_flags_are_checked():
     spec = parse_fault("kill:replica=1,rank=1,step=2,phase=backward,microbatch=1")
     assert (spec.rank, spec.microbatch) == (1, 1)

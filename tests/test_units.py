@@ -137,6 +137,7 @@ print("finished")
 """
 
 
+@pytest.mark.process  # a real process that the guard ends
 @pytest.mark.parametrize("mode, code", [("idle", 0), ("ticking", 0), ("off", 0), ("stuck", 8)])
 def test_stall_guard_ends_only_a_process_busy_without_progress(mode, code):
     r = subprocess.run(
