@@ -249,6 +249,8 @@ class Replica:
                 token=env.token,
                 heartbeat_s=env.spec.heartbeat_s,
             )
+            if self._writer is not None:  # fenced: nothing from an evicted incarnation
+                self._writer.fence = client.writes_allowed
         if self.intra is None:
             self._link = SoloLink(client)
         else:
