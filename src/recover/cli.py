@@ -337,8 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
 
     cmp = sub.add_parser("compare", help="compare two run folders' trajectories")
-    cmp.add_argument("run_a", type=Path, metavar="RUN_A")
-    cmp.add_argument("run_b", type=Path, metavar="RUN_B")
+    cmp.add_argument("run_a", type=Path, metavar="RUN_A", help="a run folder (--out of train)")
+    cmp.add_argument("run_b", type=Path, metavar="RUN_B", help="the run folder to compare it with")
     cmp.add_argument(
         "--rtol",
         type=float,

@@ -40,7 +40,9 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the coordinator (and the torch TCPStore)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=29400)
+    serve.add_argument(
+        "--port", type=int, default=29400, help="port for replicas and relays (default 29400)"
+    )
     serve.add_argument("--store-port", type=int, default=0, help="TCPStore port (0: any)")
     serve.add_argument(
         "--no-store",
@@ -55,10 +57,27 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="M, microbatches per step (default 0: the value the replicas declare when they "
         "register; every replica must declare the same)",
     )
-    serve.add_argument("--min-replicas", type=int, default=1)
+    serve.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        help="the run stops (quorum lost) when fewer replicas are live (default 1)",
+    )
     serve.add_argument("--lease", type=float, default=1.0, help="lease in seconds")
-    serve.add_argument("--suspect-grace", type=float, default=0.3)
-    serve.add_argument("--start-deadline", type=float, default=300.0)
+    serve.add_argument(
+        "--suspect-grace",
+        type=float,
+        default=0.3,
+        help="seconds a replica accused by a peer has to show it is alive before it is declared "
+        "dead (default 0.3)",
+    )
+    serve.add_argument(
+        "--start-deadline",
+        type=float,
+        default=300.0,
+        help="seconds for the expected replicas to register; after it the run forms with those "
+        "there if they are at least --min-replicas (default 300)",
+    )
     serve.add_argument(
         "--mode",
         choices=("recover", "shrink"),
@@ -68,9 +87,10 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--balance",
-        choices=("equal", "throughput"),
-        default="equal",
-        help="microbatch shares: equal, or by each replica's measured throughput (default: equal)",
+        choices=("throughput", "equal"),
+        default="throughput",
+        help="microbatch shares: by each replica's measured throughput, or equal (default: "
+        "throughput, as recover train)",
     )
     serve.add_argument("--token", default=None, help=f"shared secret (default: ${TOKEN_ENV})")
     serve.add_argument("--events", default=None, metavar="PATH", help="append decisions here")
@@ -108,7 +128,9 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
     relay.add_argument("--address-file", default=None, help="write host/port here when up")
 
     status = sub.add_parser("status", help="print members, epoch, step and recent decisions")
-    status.add_argument("--addr", required=True, metavar="HOST:PORT")
+    status.add_argument(
+        "--addr", required=True, metavar="HOST:PORT", help="the coordinator's address"
+    )
     status.add_argument("--token", default=None, help=f"shared secret (default: ${TOKEN_ENV})")
     status.add_argument("--decisions", type=int, default=20, help="how many recent decisions")
     status.add_argument("--json", action="store_true", help="print the raw status reply")

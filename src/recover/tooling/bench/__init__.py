@@ -35,19 +35,42 @@ def add_bench_parser(subparsers) -> None:
             default=defaults["preset"],
             help=f"model preset (default: {defaults['preset']})",
         )
-        p.add_argument("--replicas", type=int, default=defaults["replicas"])
+        p.add_argument(
+            "--replicas",
+            type=int,
+            default=defaults["replicas"],
+            help=f"replicas per run (default: {defaults['replicas']})",
+        )
         p.add_argument(
             "--steps",
             type=int,
             default=defaults["steps"],
             help="steps per run (rejoin: 0 = chosen per preset)",
         )
-        p.add_argument("--repeats", type=int, default=defaults["repeats"])
-        p.add_argument("--microbatches", type=int, default=8)
-        p.add_argument("--microbatch-size", type=int, default=8)
-        p.add_argument("--seq-len", type=int, default=128)
+        p.add_argument(
+            "--repeats",
+            type=int,
+            default=defaults["repeats"],
+            help=f"runs per configuration; medians are quoted (default: {defaults['repeats']})",
+        )
+        p.add_argument(
+            "--microbatches", type=int, default=8, help="M: microbatches per step (default: 8)"
+        )
+        p.add_argument(
+            "--microbatch-size",
+            type=int,
+            default=8,
+            help="sequences per microbatch (default: 8)",
+        )
+        p.add_argument(
+            "--seq-len", type=int, default=128, help="tokens per sequence (default: 128)"
+        )
         p.add_argument("--data", default=None, help="dataset folder (default: the built-in corpus)")
-        p.add_argument("--data-root", default="data")
+        p.add_argument(
+            "--data-root",
+            default="data",
+            help="where the built-in corpus is prepared (default: data)",
+        )
         p.add_argument("--timeout", type=float, default=900.0, help="per run, seconds")
         p.add_argument(
             "--json",

@@ -48,7 +48,7 @@ def add_simulate_parser(subparsers) -> None:
         metavar="PATH",
         help="a `recover bench recovery|overhead|coordinator` JSON (repeatable)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the first run (default: 0)")
     p.add_argument("--seeds", type=int, default=8, help="runs averaged per sweep point")
     p.add_argument("--horizon-days", type=float, default=7.0, help="simulated wall time per run")
     p.add_argument(
@@ -80,16 +80,48 @@ def add_simulate_parser(subparsers) -> None:
         metavar="F",
         help="fraction of failures that take a whole node (default: 0)",
     )
-    p.add_argument("--node-gpus", type=int, default=8)
+    p.add_argument(
+        "--node-gpus",
+        type=int,
+        default=8,
+        help="GPUs per node: a correlated failure takes them all (default: 8)",
+    )
     g = p.add_argument_group("job and costs (defaults: docs/simulator.md)")
-    g.add_argument("--params", type=float, default=8.0e9)
-    g.add_argument("--seq-len", type=int, default=4096)
-    g.add_argument("--gpus-per-replica", type=int, default=8)
-    g.add_argument("--microbatches-per-replica", type=int, default=128)
-    g.add_argument("--mfu", type=float, default=0.40)
-    g.add_argument("--peak-tflops", type=float, default=989.0)
-    g.add_argument("--rebuild-s", type=float, default=2.0)
-    g.add_argument("--restart-s", type=float, default=300.0)
+    g.add_argument("--params", type=float, default=8.0e9, help="model parameters (default: 8e9)")
+    g.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default: 4096)")
+    g.add_argument(
+        "--gpus-per-replica",
+        type=int,
+        default=8,
+        help="GPUs in one replica (TP x PP); one GPU failure ends its replica (default: 8)",
+    )
+    g.add_argument(
+        "--microbatches-per-replica",
+        type=int,
+        default=128,
+        help="microbatches each replica sums per step; M = this x replicas (default: 128)",
+    )
+    g.add_argument(
+        "--mfu", type=float, default=0.40, help="model FLOPs utilisation, 0..1 (default: 0.4)"
+    )
+    g.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0,
+        help="peak TFLOP/s of one GPU (default: 989, H100 dense bf16)",
+    )
+    g.add_argument(
+        "--rebuild-s",
+        type=float,
+        default=2.0,
+        help="seconds to build the survivors' cross-replica group (default: 2)",
+    )
+    g.add_argument(
+        "--restart-s",
+        type=float,
+        default=300.0,
+        help="checkpoint-restart: seconds to stop, relaunch, rendezvous and load (default: 300)",
+    )
     g.add_argument("--repair-h", type=float, default=1.0, help="<= 0: never repaired")
     v = p.add_argument_group("validation")
     v.add_argument(
@@ -99,14 +131,19 @@ def add_simulate_parser(subparsers) -> None:
         metavar="RUN",
         help="run folders (PATH or MODE=PATH): predicted vs measured throughput",
     )
-    v.add_argument("--tolerance", type=float, default=0.15)
+    v.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.15,
+        help="largest relative error of a validated prediction (default: 0.15)",
+    )
     v.add_argument(
         "--cpu-cores",
         type=int,
         default=os.cpu_count() or 1,
         help="cores of the machine the runs ran on (default: this one's)",
     )
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="write simulate.json only, no PNGs")
 
 
 def _validate(args: argparse.Namespace, bench) -> int:

@@ -1,0 +1,62 @@
+"""Every flag of every `recover` command has help text, and every command's --help prints."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+
+import pytest
+
+from recover.cli import build_parser
+
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(command path, parser) for the top level and every subcommand, depth first."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*path, name))
+
+
+COMMANDS = list(_commands(build_parser()))
+
+
+def test_every_option_of_every_command_has_help():
+    missing = []
+    for path, parser in COMMANDS:
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            if action.help is argparse.SUPPRESS or not (action.help or "").strip():
+                name = "/".join(action.option_strings) or action.dest
+                missing.append(f"recover {' '.join(path)} {name}".replace("  ", " "))
+    assert not missing, "options without help: " + ", ".join(missing)
+
+
+def test_the_walk_reaches_nested_commands():
+    paths = {" ".join(p) for p, _ in COMMANDS}
+    assert {
+        "train",
+        "coordinator serve",
+        "coordinator status",
+        "bench balance",
+        "simulate",
+    } <= paths
+
+
+@pytest.mark.parametrize("path", [p for p, _ in COMMANDS], ids=lambda p: " ".join(p) or "recover")
+def test_help_prints(path):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
+        build_parser().parse_args([*path, "--help"])
+    assert done.value.code == 0
+    assert "usage: recover" in out.getvalue()
+
+
+def test_coordinator_serve_balances_like_train():
+    parser = build_parser()
+    serve = parser.parse_args(["coordinator", "serve", "--replicas", "2"])
+    train = parser.parse_args(["train"])
+    assert serve.balance == train.balance == "throughput"
