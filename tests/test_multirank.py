@@ -91,6 +91,9 @@ def test_hung_rank_is_caught_by_the_watchdog(reference, tiny_dataset, tmp_path):
     (lost,) = events(out, "replica_mate_lost")
     assert (lost["replica"], lost["rank"], lost["mate"]) == (1, 0, 1)
     assert "silent" in lost["reason"]
+    # Before ending itself, the watchdog dumped every thread's stack to the rank's output.
+    dump = r.stdout.split("replica 1 rank 0: the stacks of all threads", 1)
+    assert len(dump) == 2 and "in _watch" in dump[1] and "in _lost" in dump[1], r.stdout[-3000:]
     assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [1]
 
 

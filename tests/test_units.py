@@ -131,8 +131,10 @@ elif mode == "off":  # --stall-timeout 0: busy and stuck, but nothing watches
     with guard.busy("computing"):
         time.sleep(1.0)
 else:  # busy, stuck
-    with guard.busy("computing"):
+    def stuck_in_a_kernel():
         time.sleep(5)
+    with guard.busy("computing"):
+        stuck_in_a_kernel()
 print("finished")
 """
 
@@ -148,7 +150,13 @@ def test_stall_guard_ends_only_a_process_busy_without_progress(mode, code):
     if code:
         assert "replica 4 rank 1: no progress for" in r.stderr and "while computing" in r.stderr
         assert "finished" not in r.stdout
+        # Every thread's stack was dumped before the end: the stuck main thread's, where it sleeps
+        # in the script, and the guard's own.
+        assert "the stacks of all threads" in r.stderr
+        dump = r.stderr.split("the stacks of all threads", 1)[1]
+        assert "in stuck_in_a_kernel" in dump and "in _stalled" in dump
     else:
+        assert "the stacks of all threads" not in r.stderr
         assert "finished" in r.stdout
 
 

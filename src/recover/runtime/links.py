@@ -20,7 +20,8 @@ that their in-flight cross-replica collective aborts on a new epoch as fast as t
 
 Fault isolation (the watchdog): every rank ticks a counter in the intra-replica store every
 `interval`; a rank that sees a replica-mate's counter stand still for `deadline_s` (killed, hung,
-or its host gone), or the store unreachable, writes an event and exits at once with status 7. The
+or its host gone), or the store unreachable, writes an event, dumps its threads' stacks to stderr
+and exits at once with status 7. The
 leader's exit closes its coordinator session, so the coordinator declares the whole replica dead
 within milliseconds of that; the other replicas recover as for a single-rank replica. A rank that
 finishes marks itself done first, so a clean end is not mistaken for a death.
@@ -57,6 +58,7 @@ from recover.coordinator.client import (
 from recover.coordinator.protocol import View
 from recover.runtime.env import RankEnv
 from recover.runtime.layout import ReplicaLayout
+from recover.runtime.stall import dump_stacks
 
 _KEY = "recover/alive/"
 # What gloo says when the other end of a connection is gone (measured: a SIGKILLed peer gives the
@@ -188,6 +190,7 @@ class IntraReplica:
             file=sys.stderr,
             flush=True,
         )
+        dump_stacks(f"replica {self.replica_id} rank {self.rank}")
         os._exit(exits.MATE_LOST)
 
     def finish(self) -> None:

@@ -9,8 +9,8 @@ How: the training thread marks the stretches of a step in which it must keep mov
 computing microbatches, the cross-replica reduce, the optimizer step) and ticks at every sign of
 progress inside them (the phase hook of each microbatch's forward and backward, every poll of an
 in-flight reduce). A daemon thread looks every `deadline_s / 5`; when the training thread has been
-busy without a tick for `deadline_s`, it writes a `stalled` event and ends the process with
-status 8. The coordinator then sees the session close (the process is gone) and the other
+busy without a tick for `deadline_s`, it writes a `stalled` event, dumps every thread's stack to
+stderr (`dump_stacks`: where the training thread is stuck) and ends the process with status 8. The coordinator then sees the session close (the process is gone) and the other
 replicas recover as from a crash; in a replica of several ranks, the mates stop on the lost peer
 or on their watchdog.
 
@@ -24,6 +24,7 @@ backward (or one pipeline stage's share of it) and one optimizer step.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import sys
 import threading
@@ -95,4 +96,13 @@ class StallGuard:
         self.emit("stalled", replica=self.replica, rank=self.rank, reason=reason)
         who = f"replica {self.replica}" + (f" rank {self.rank}" if self.rank else "")
         print(f"{who}: {reason}; ending this process", file=sys.stderr, flush=True)
+        dump_stacks(who)
         os._exit(exits.STALLED)
+
+
+def dump_stacks(who: str) -> None:
+    """Write every thread's stack to stderr (the process's output, which the launcher keeps):
+    called just before a guard ends a stuck process, so that its log says where it was stuck."""
+    print(f"{who}: the stacks of all threads, most recent call first:", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
