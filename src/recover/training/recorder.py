@@ -267,11 +267,14 @@ class RunRecorder:
             "out": str(self.paths.out),
             **(extra or {}),
         }
+        # Nothing from an evicted incarnation, not even the temporary file (every rank of the
+        # replica still takes part in gathering the model).
+        publish = self.pen_writes and self.writer.allowed()
         if self.holds_pen:
             self.paths.final_model.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.paths.final_model.with_name("model.safetensors.tmp")
-            self.trainer.save_model(str(tmp) if self.writes else None)
-        if self.pen_writes and self.writer.allowed():  # nothing from an evicted incarnation
+            self.trainer.save_model(str(tmp) if publish else None)
+        if publish:
             os.replace(tmp, self.paths.final_model)
             self.writer.write("summary", **summary)
             self.say(self.format_summary(summary))
