@@ -268,6 +268,33 @@ def test_client_reports_commit_and_redo_through_the_server():
             b.close()
 
 
+def test_a_client_silent_longer_than_its_lease_may_not_write_until_confirmed():
+    """The fence (client.writes_allowed): a member whose heartbeats stop (its session held, as
+    in a frozen process) may not write once its last confirmation is older than the window,
+    even before it learns of its eviction; then it learns it and stays fenced. Its peer writes."""
+    opts = CoordinatorOptions(expected_replicas=2, microbatches=4, lease_s=0.4)
+    with CoordinatorServer(opts, store_port=None) as server:
+        a = CoordinatorClient(*server.address, replica_id=0)
+        b = CoordinatorClient(*server.address, replica_id=1)
+        try:
+            tb = threading.Thread(
+                target=b.register, kwargs=dict(fingerprint={}, next_step=0, deadline_s=10)
+            )
+            tb.start()
+            a.register(fingerprint={}, next_step=0, deadline_s=10)
+            tb.join(10)
+            assert a.writes_allowed() and b.writes_allowed()
+            with a._session.lock:  # no heartbeat gets out: the coordinator evicts it (lease)
+                time.sleep(0.8)
+                assert not a.evicted  # it has not heard yet ...
+                assert not a.writes_allowed(wait_s=0.1)  # ... but its confirmation is stale
+            assert not a.writes_allowed()  # the next round is refused: evicted
+            assert a.evicted and b.writes_allowed()
+        finally:
+            a.close()
+            b.close()
+
+
 @pytest.mark.timeout(60)
 def test_coordinator_process_and_status_cli(tmp_path, capsys):
     addr_file = tmp_path / "addr.json"
