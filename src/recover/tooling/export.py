@@ -54,10 +54,7 @@ def load_run_model(run: Path) -> tuple[GPT, dict]:
         point = find_resume_point(paths.checkpoints)
         if point is None:
             raise ExportError(f"{run}: no final model and no checkpoint to export")
-        state = point.state["model"]
-        if "layout" in point.state and point.state["layout"]:
-            raise ExportError(f"{run}: checkpoints of multi-rank replicas hold per-layout state")
-        model.load_state_dict(state)
+        model.load_state_dict(point.state["model"])  # the whole model, whatever the layout
         source = str(point.path)
     model.eval()
     return model, {**config, "source": source}

@@ -49,7 +49,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -66,9 +65,11 @@ from recover.runtime.grads import laid_out_like, local_part
 from recover.runtime.layout import ReplicaLayout
 from recover.training.config import TrainConfig
 from recover.training.model import GPT, embed, lm_loss
-from recover.training.trainer import ReplicaTrainer
+from recover.training.trainer import FULL_STATE, ReplicaTrainer, check_layout_free
 
-_FULL = StateDictOptions(full_state_dict=True)
+_FULL = FULL_STATE
+# The last pipeline stage's copy of the tied embedding, by its name in the whole model.
+_TIED = {"lm_head.weight": "transformer.wte.weight"}
 
 
 class MultiRankTrainer(ReplicaTrainer):
@@ -136,7 +137,8 @@ class MultiRankTrainer(ReplicaTrainer):
         return norm
 
     def state_dict(self) -> dict:
-        """The full model and optimizer state, gathered on every rank (a collective)."""
+        """The full model and optimizer state in the layout-free form (ReplicaTrainer.state_dict),
+        gathered on every rank (a collective)."""
         return {
             "model": get_model_state_dict(self.model, options=_FULL),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=_FULL),
@@ -144,9 +146,19 @@ class MultiRankTrainer(ReplicaTrainer):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._check_layout(state)
-        set_model_state_dict(self.model, state["model"], options=_FULL)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=_FULL)
+        """Load a checkpoint of any layout: each rank takes its part of the full state (its
+        shards, its TP slices, its stage's parameters)."""
+        check_layout_free(state, self.intra.layout)
+        set_model_state_dict(self.model, self._own_model_state(state["model"]), options=_FULL)
+        set_optimizer_state_dict(
+            self.model, self.optimizer, self._own_optimizer_state(state), options=_FULL
+        )
+
+    def _own_model_state(self, whole: dict) -> dict:
+        return whole
+
+    def _own_optimizer_state(self, state: dict) -> dict:
+        return state["optimizer"]
 
     def transfer_state_dict(self) -> dict:
         """The part of the committed state this rank holds (no collective): its parameters'
@@ -174,15 +186,6 @@ class MultiRankTrainer(ReplicaTrainer):
                 if isinstance(v, torch.Tensor) and v.dim() > 0:  # ("step" is a scalar)
                     s[k] = laid_out_like(p, v.view_as(local_part(p)))
         self.optimizer.load_state_dict(opt)
-
-    def _check_layout(self, state: dict) -> None:
-        saved = ReplicaLayout.from_dims(state.get("layout"))
-        if saved != self.intra.layout:
-            saved, mine = saved.describe(), self.intra.layout.describe()
-            raise ValueError(
-                f"the checkpoint was saved by replicas of {saved}, this replica is {mine}; "
-                f"resume with {saved}"
-            )
 
     def _whole_model(self) -> GPT:
         """A plain GPT holding the whole model (a collective: every rank takes part)."""
@@ -474,19 +477,49 @@ class PipelineTrainer(MultiRankTrainer):
             self.model = stage
 
     def state_dict(self) -> dict:
+        """The whole model and the optimizer state of every stage merged by parameter name (the
+        layout-free form): the last stage's copy of the tied embedding is the first stage's
+        `transformer.wte.weight` (their gradients are summed, so their states are equal)."""
         optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
+        stages = self._gather_stages(optimizer)
+        merged: dict = {"state": {}, "param_groups": []}
+        for part in stages:
+            for name, s in part["state"].items():
+                merged["state"].setdefault(_TIED.get(name, name), s)
+            for i, group in enumerate(part["param_groups"]):
+                if i == len(merged["param_groups"]):
+                    merged["param_groups"].append({**group, "params": []})
+                names = [_TIED.get(n, n) for n in group["params"]]
+                have = merged["param_groups"][i]["params"]
+                have.extend(n for n in names if n not in have)
         return {
             "model": self._whole_model().state_dict(),
-            "optimizer_stages": self._gather_stages(optimizer),  # keyed by parameter name
+            "optimizer": merged,
             "layout": self.intra.layout.dims,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        self._check_layout(state)
+    def _own_model_state(self, whole: dict) -> dict:
         names = self.model.state_dict().keys()  # this stage's parameter names (no gathering)
-        set_model_state_dict(self.model, {k: state["model"][k] for k in names}, options=_FULL)
-        mine = state["optimizer_stages"][self.intra.coordinate("pp")]
-        set_optimizer_state_dict(self.model, self.optimizer, mine, options=_FULL)
+        return {k: whole[k] for k in names}
+
+    def _own_optimizer_state(self, state: dict) -> dict:
+        if "optimizer_stages" in state:  # the older per-stage form (same layout: checked)
+            return state["optimizer_stages"][self.intra.coordinate("pp")]
+        whole = state["optimizer"]
+        # This stage's parameter names, group by group (a fresh optimizer has no state yet).
+        mine = get_optimizer_state_dict(self.model, self.optimizer, options=_FULL)
+        names = [n for group in mine["param_groups"] for n in group["params"]]
+        return {
+            "state": {
+                n: whole["state"][_TIED.get(n, n)]
+                for n in names
+                if _TIED.get(n, n) in whole["state"]
+            },
+            "param_groups": [
+                {**saved, "params": group["params"]}
+                for saved, group in zip(whole["param_groups"], mine["param_groups"], strict=True)
+            ],
+        }
 
 
 def trainer_class(layout: ReplicaLayout) -> type[MultiRankTrainer]:

@@ -23,6 +23,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from recover.data.addressing import (
     TokenDataset,
@@ -35,6 +40,29 @@ from recover.runtime.layout import ReplicaLayout
 from recover.runtime.spec import DEVICES
 from recover.training.config import TrainConfig, compute_lr
 from recover.training.model import GPT, build_config
+
+# Full (unsharded) state dicts keyed by parameter name: the checkpoint form of every layout.
+FULL_STATE = StateDictOptions(full_state_dict=True)
+
+
+def is_layout_free(state: dict) -> bool:
+    """Whether `state` is in the layout-free form (optimizer state keyed by parameter name), not
+    the older per-layout form (by position, or per pipeline stage)."""
+    optimizer = state.get("optimizer")
+    return optimizer is not None and not any(isinstance(k, int) for k in optimizer["state"])
+
+
+def check_layout_free(state: dict, layout: ReplicaLayout) -> None:
+    """ValueError unless `state` is in the layout-free form (any layout loads it), or was saved
+    by this very layout in the older form."""
+    if not is_layout_free(state):
+        saved = ReplicaLayout.from_dims(state.get("layout"))
+        if saved != layout:
+            raise ValueError(
+                f"the checkpoint was saved by replicas of {saved.describe()} in the older form "
+                f"that only that layout loads; resume with {saved.describe()}"
+            )
+
 
 # A hook called at declared points of the step: (phase, step, index of the microbatch in this
 # call's list or None); phases "forward", "backward", "done" (microbatch finished) and
@@ -260,17 +288,25 @@ class ReplicaTrainer:
         return sum(losses) / len(losses)
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """The committed state in the layout-free form every trainer saves and loads: the whole
+        model's state dict, and the optimizer's state keyed by parameter name (not by position),
+        so that a checkpoint of any layout resumes in any other (`layout` records which saved
+        it, for people; nothing checks it)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=FULL_STATE),
+            "layout": {},
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        layout = state.get("layout")
-        if layout:  # saved by replicas of several ranks (recover.training.parallel)
-            flags = ReplicaLayout.from_dims(layout).describe()
-            raise ValueError(
-                f"the checkpoint was saved by replicas of {flags}; resume with {flags}"
-            )
+        check_layout_free(state, ReplicaLayout())
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if is_layout_free(state):
+            set_optimizer_state_dict(
+                self.model, self.optimizer, state["optimizer"], options=FULL_STATE
+            )
+        else:  # an older one-rank checkpoint: the optimizer's own form
+            self.optimizer.load_state_dict(state["optimizer"])
 
     def transfer_state_dict(self) -> dict:
         """What the live state transfer sends to a joiner: this rank's committed state."""
