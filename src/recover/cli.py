@@ -346,6 +346,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="tolerance for both the loss and the parameter distance (default: 1e-4)",
     )
 
+    plot = sub.add_parser(
+        "plot",
+        help="PNGs of runs: loss, committed tokens, step time with failures marked, replicas",
+        description="Draw loss against step (runs overlaid), committed tokens against wall time, "
+        "step time with the failures, redos and joins marked, and live replicas over time, from "
+        "each run folder's metrics.jsonl. Needs matplotlib (pip install 'recover[plot]').",
+    )
+    plot.add_argument(
+        "runs", nargs="+", type=Path, metavar="RUN", help="run folders (--out of train)"
+    )
+    plot.add_argument(
+        "--out", type=Path, default=None, metavar="DIR", help="where (default: FIRST_RUN/plots)"
+    )
+
     from recover.coordinator.cli import add_coordinator_parser
     from recover.data.cli import add_prepare_parser
     from recover.tooling.bench import add_bench_parser
@@ -379,9 +393,17 @@ def run_train(args: argparse.Namespace) -> int:
 
     try:
         cfg = train_config_from_args(args)
+        spec = ReplicaSpec.from_args(args)
+        if spec.tensorboard:  # every replica writes to the same folder, whatever its cwd
+            from dataclasses import replace
+
+            from recover.training.tensorboard import check_tensorboard
+
+            check_tensorboard()
+            spec = replace(spec, tensorboard=str(Path(spec.tensorboard).resolve()))
         lcfg = LaunchConfig(
             replicas=args.replicas,
-            replica=ReplicaSpec.from_args(args),
+            replica=spec,
             faults=parse_faults(args.fault),
             warm_start=not args.cold_start,
             **supervision(args),
@@ -419,7 +441,8 @@ def run_train(args: argparse.Namespace) -> int:
             try:
                 train_single(
                     cfg, out=out, data_path=data, resume=args.resume, console=console,
-                    device=args.device,
+                    device=args.device, peak_tflops=lcfg.replica.peak_tflops,
+                    tensorboard=lcfg.replica.tensorboard,
                 )  # fmt: skip
             except (CheckpointError, ValueError) as e:
                 return _error(str(e))
@@ -593,6 +616,7 @@ def run_compare(args: argparse.Namespace) -> int:
 HANDLERS = {
     "train": ("recover.cli", "run_train"),
     "compare": ("recover.cli", "run_compare"),
+    "plot": ("recover.tooling.plot", "run_plot"),
     "run": ("recover.cli", "run_script"),
     "export": ("recover.cli", "run_export"),
     "sample": ("recover.cli", "run_sample"),

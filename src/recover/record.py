@@ -93,3 +93,18 @@ def committed_steps(path: Path) -> dict[int, dict]:
         if record.get("kind") == "step":
             steps[int(record["step"])] = record
     return steps
+
+
+# Events that mark the moments of a run worth seeing on a plot or a dashboard: name -> the marker.
+MARKERS = {
+    "coordinator.member_dead": "failure",  # a replica declared dead (once per failure)
+    "coordinator.redo": "redo",  # a step redone in a new epoch
+    "recovered": "recovery",  # a replica saw its step commit after a fault
+    "replica_joining": "join",  # a replica admitted into the running job
+    "coordinator.epoch_changed": "epoch",  # a new view
+}
+
+
+def marker(record: dict) -> str | None:
+    """The marker of an event record (MARKERS), or None for any other record."""
+    return MARKERS.get(record.get("name", "")) if record.get("kind") == "event" else None

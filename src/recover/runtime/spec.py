@@ -86,6 +86,21 @@ class ReplicaSpec:
         "on slow links (default: 30)",
         metavar="S", low=(0.0, False), scripts=True,
     )  # fmt: skip
+    peak_tflops: float = _setting(
+        0.0, "--peak-tflops",
+        "peak TFLOP/s of one device (GPU), for the MFU in the step line, the step records and "
+        "the summary (0: from the GPU's name for known GPUs, dense bf16; no MFU on a CPU; "
+        "default: 0)",
+        metavar="X", low=(0.0, True),
+    )  # fmt: skip
+    tensorboard: str = _setting(
+        "", "--tensorboard",
+        "also write the run's scalars (loss, val loss, lr, grad norm, tokens/s, step time) and "
+        "events (failures, recoveries, joins, epochs) as TensorBoard event files in DIR, by the "
+        "replica that writes the step records; metrics.jsonl stays the record (needs the "
+        "tensorboard package: pip install 'recover[tensorboard]'; default: none)",
+        metavar="DIR",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, ReplicaLayout):
@@ -96,6 +111,10 @@ class ReplicaSpec:
                 if value not in meta["choices"]:
                     allowed = ", ".join(meta["choices"])
                     raise ValueError(f"{meta['flag']} must be one of {allowed}, got {value!r}")
+                continue
+            if meta["low"] is None:  # a text setting (a path; empty: none)
+                if not isinstance(value, str):
+                    raise ValueError(f"{meta['flag']} must be text, got {value!r}")
                 continue
             number = f.type == "int" and not isinstance(value, bool) and isinstance(value, int)
             if f.type == "float":

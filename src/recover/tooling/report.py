@@ -39,6 +39,7 @@ from typing import Any
 
 from recover.record import committed_steps, read_metrics
 from recover.tooling.compare import compare_runs
+from recover.tooling.plot import draw_loss, draw_tokens, events_named, run_series, wall_span
 from recover.training.config import RunPaths
 
 __all__ = [
@@ -83,27 +84,11 @@ def _configured_microbatches(run: Path) -> int | None:
     return int(value) if value is not None else None
 
 
-def _events(records: list[dict], name: str) -> list[dict]:
-    return [r for r in records if r.get("kind") == "event" and r.get("name") == name]
-
-
-def _wall_span(records: list[dict]) -> tuple[float, float]:
-    """(start, end) of the run in Unix seconds: the launcher's events, else the records' span."""
-    started = [float(r["t_wall"]) for r in _events(records, "launcher.started")]
-    finished = [float(r["t_wall"]) for r in _events(records, "launcher.finished")]
-    if started and finished:
-        return min(started), max(finished)
-    stamps = [float(r["t_wall"]) for r in records if "t_wall" in r]
-    if not stamps:
-        raise ValueError("metrics.jsonl holds no record with t_wall")
-    return (min(started) if started else min(stamps)), (max(finished) if finished else max(stamps))
-
-
 def _throughput(run: Path) -> tuple[float, float, float]:
     """(committed tokens, wall seconds, committed tokens per second) of a run folder."""
     metrics = RunPaths(out=run).metrics
     records = list(read_metrics(metrics))
-    start, end = _wall_span(records)
+    start, end = wall_span(records)
     tokens = float(sum(float(s["tokens"]) for s in committed_steps(metrics).values()))
     wall = end - start
     return tokens, wall, (tokens / wall if wall > 0 else math.nan)
@@ -161,10 +146,10 @@ def summarize_run(run: Path, *, reference: Path | None) -> dict[str, Any]:
     committed = committed_steps(metrics)
     tokens, wall, tokens_per_s = _throughput(run)
     mean_live = _mean_live_replicas(step_records)
-    failures = _events(records, "failure_injected")
+    failures = events_named(records, "failure_injected")
     delays, without_commit = _failure_to_commit(failures, step_records)
     recommitted = len(step_records) - len(committed)
-    redone = len(_events(records, "coordinator.redo"))
+    redone = len(events_named(records, "coordinator.redo"))
     first_fail = _first_failure_step(failures, step_records)
     after = [int(s["microbatches"]) for k, s in committed.items() if first_fail is not None
              and k >= first_fail and "microbatches" in s]  # fmt: skip
@@ -247,67 +232,10 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def _plot_series(run: Path) -> dict[str, Any]:
-    """What the plots need from one run: loss by step, progress over time, failure steps."""
-    metrics = RunPaths(out=run).metrics
-    records = list(read_metrics(metrics))
-    start, end = _wall_span(records)
-    committed = committed_steps(metrics)
-    cumulative, total = {}, 0.0
-    for step in sorted(committed):
-        total += float(committed[step]["tokens"])
-        cumulative[step] = total
-    # Progress at the time a step record was written: the tokens of steps 0..step. After a
-    # restart from a checkpoint the curve falls back, which is the work that was lost.
-    progress = sorted(
-        (float(r["t_wall"]) - start, cumulative[int(r["step"])])
-        for r in records
-        if r.get("kind") == "step"
-    )
-    # From nothing at the start to the last value held until the run's end.
-    progress = [(0.0, 0.0), *progress, (end - start, progress[-1][1] if progress else 0.0)]
-    failures = _events(records, "failure_injected")
-    return {
-        "loss": [(step, float(committed[step]["loss"])) for step in sorted(committed)],
-        "progress": progress,
-        "failure_steps": sorted({int(f["step"]) for f in failures if f.get("step") is not None}),
-    }
-
-
 def _draw_plots(runs: dict[str, Path], out_dir: Path) -> tuple[Path, Path]:
-    from matplotlib.figure import Figure  # optional dependency: the `plot` extra
-
-    series = {name: _plot_series(Path(path)) for name, path in runs.items()}
-    loss_png, tokens_png = out_dir / "loss_vs_step.png", out_dir / "tokens_vs_time.png"
-
-    fig = Figure(figsize=(8, 4.5), layout="constrained")
-    ax = fig.subplots()
-    for i, (name, s) in enumerate(series.items()):
-        color = f"C{i % 10}"
-        if s["loss"]:
-            steps, losses = zip(*s["loss"], strict=True)
-            ax.plot(steps, losses, color=color, label=name, linewidth=1.2)
-        for k, step in enumerate(s["failure_steps"]):
-            ax.axvline(step, color=color, linestyle="--", alpha=0.6,
-                       label=f"{name}: failure" if k == 0 else None)  # fmt: skip
-    ax.set_xlabel("step")
-    ax.set_ylabel("committed training loss (nats)")
-    ax.set_title("loss against step (dashed: failures injected)")
-    ax.legend(fontsize="small")
-    fig.savefig(loss_png, dpi=120)
-
-    fig = Figure(figsize=(8, 4.5), layout="constrained")
-    ax = fig.subplots()
-    for i, (name, s) in enumerate(series.items()):
-        if s["progress"]:
-            times, tokens = zip(*s["progress"], strict=True)
-            ax.step(times, tokens, where="post", color=f"C{i % 10}", label=name, linewidth=1.2)
-    ax.set_xlabel("seconds since the run's start")
-    ax.set_ylabel("committed tokens (steps 0..t)")
-    ax.set_title("committed tokens against wall time")
-    ax.legend(fontsize="small")
-    fig.savefig(tokens_png, dpi=120)
-    return loss_png, tokens_png
+    series = {name: run_series(Path(path)) for name, path in runs.items()}
+    loss_png = draw_loss(series, out_dir / "loss_vs_step.png")
+    return loss_png, draw_tokens(series, out_dir / "tokens_vs_time.png")
 
 
 def write_report(

@@ -135,6 +135,10 @@ class GPT(nn.Module):
 
     def flops_per_token(self) -> float:
         """Approximate training FLOPs per token (6N + attention), for MFU reporting."""
-        cfg = self.config
-        n = self.num_params()
-        return 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+        return training_flops_per_token(self.config, self.num_params())
+
+
+def training_flops_per_token(cfg: GPTConfig, n_params: int) -> float:
+    """Forward + backward FLOPs per token of a GPT of `n_params` parameters: 6N for the matrix
+    products, and 12 * n_layer * n_embd * T for attention over a context of T = block_size."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size

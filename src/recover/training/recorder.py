@@ -39,6 +39,9 @@ from recover.training.checkpoint import (
 )
 from recover.training.config import RunPaths, TrainConfig
 from recover.training.console import format_duration, format_rate, format_step_line
+from recover.training.flops import achieved_flop_per_s, device_peak_tflops, format_flops, mfu
+from recover.training.model import training_flops_per_token
+from recover.training.tensorboard import TensorBoardSink
 from recover.training.trainer import CommitStats, ReplicaTrainer
 
 
@@ -67,14 +70,27 @@ class RunRecorder:
     # inside it) but only its first rank writes records and files.
     writes: bool = True
     replica: int | None = None  # a replica of a multi-replica run: named in its step records
+    peak_tflops: float = 0.0  # --peak-tflops (0: from the GPU's name where known)
+    devices_per_replica: int = 1  # its ranks, one device each: the MFU's denominator
+    tensorboard: str = ""  # --tensorboard DIR: the writer mirrors the record there
     _ckpt: CheckpointWriter = field(init=False)
     _recent: dict[int, dict] = field(init=False, default_factory=dict)  # step -> its record
     _t_start: float = field(init=False)
     _t_last: float = field(init=False)
     _tokens: int = field(init=False, default=0)
     _last_eval: float | None = field(init=False, default=None)
+    _sink: TensorBoardSink | None = field(init=False, default=None)
+    _devices: int = field(init=False, default=1)  # devices of the last commit
 
     def __post_init__(self) -> None:
+        # FLOPs of the whole model (whatever part this rank holds), and the peak of one device.
+        trainer = self.trainer
+        self._flops_per_token = training_flops_per_token(trainer.model_config, trainer.model_values)
+        self._peak = device_peak_tflops(str(trainer.device), self.peak_tflops)
+        if self.tensorboard and self.writes:
+            self._sink = TensorBoardSink(
+                Path(self.tensorboard), self.writer.path, replica=self.replica
+            )
         self._ckpt = CheckpointWriter(
             self.paths.checkpoints,
             keep=self.cfg.keep_ckpts,
@@ -117,6 +133,9 @@ class RunRecorder:
                 f"step {stats.step + 1} skipped: its summed gradient or loss is not finite "
                 f"(not applied; {self.trainer.consecutive_skips} in a row)"
             )
+        flop_per_s = achieved_flop_per_s(self._flops_per_token, tokens, step_s)
+        devices = self._devices = extra.get("replicas", 1) * self.devices_per_replica
+        utilisation = mfu(flop_per_s, self._peak, devices)
         record = dict(
             step=stats.step,
             loss=_finite_or_none(stats.loss),  # (null for a step skipped as non-finite)
@@ -126,6 +145,8 @@ class RunRecorder:
             microbatches=microbatches,
             step_s=round(step_s, 6),
             wall_s=round(elapsed, 6),
+            tflop_per_s=_significant(flop_per_s / 1e12),
+            **_present("mfu", utilisation),
             **extra,
         )
         # Kept by every replica: the writer of a later commit may have to write it (fill_gaps).
@@ -142,8 +163,12 @@ class RunRecorder:
                     tok_per_s=tokens / step_s if step_s > 0 else 0.0,
                     step_s=step_s,
                     eta_s=eta,
+                    flop_per_s=flop_per_s,
+                    mfu=utilisation,
                 )
             )
+            if self._sink is not None:
+                self._sink.follow()
         eval_due, ckpt_due = self._due(stats.step)
         if eval_due:
             self.evaluate(stats.step)
@@ -156,6 +181,11 @@ class RunRecorder:
         last = next_step == cfg.steps
         eval_due = bool(cfg.eval_every) and (next_step % cfg.eval_every == 0 or last)
         return eval_due, bool(cfg.ckpt_every) and next_step % cfg.ckpt_every == 0 and not last
+
+    def close_sinks(self) -> None:
+        """Close the TensorBoard sink, if any (its event files are flushed at every step)."""
+        if self._sink is not None:
+            self._sink.close()
 
     def _write_step(self, record: dict) -> bool:
         writer = {} if self.replica is None else {"writer": self.replica}
@@ -257,11 +287,16 @@ class RunRecorder:
         """Save the final model, write the summary record, print the summary."""
         self._ckpt.close()
         elapsed = time.perf_counter() - self._t_start
+        flop_per_s = achieved_flop_per_s(self._flops_per_token, self._tokens, elapsed)
         summary = {
             "steps": self.cfg.steps,
             "steps_this_run": self.cfg.steps - self.start_step,
             "tokens_this_run": self._tokens,
             "wall_s": round(elapsed, 3),
+            "tflop_per_s": _significant(flop_per_s / 1e12),
+            "peak_tflops": self._peak,  # (of one device; null: unknown, no MFU)
+            # (over the devices of the last commit: replicas x ranks)
+            **_present("mfu", mfu(flop_per_s, self._peak, self._devices)),
             "final_val_loss": self._last_eval,
             "unigram_loss": unigram_loss,
             "out": str(self.paths.out),
@@ -278,6 +313,9 @@ class RunRecorder:
             os.replace(tmp, self.paths.final_model)
             self.writer.write("summary", **summary)
             self.say(self.format_summary(summary))
+            if self._sink is not None:
+                self._sink.follow(final=True)
+        self.close_sinks()
         return summary
 
     @staticmethod
@@ -289,6 +327,13 @@ class RunRecorder:
             f"  tokens         {s['tokens_this_run']:,} in {format_duration(s['wall_s'])} "
             f"({format_rate(s['tokens_this_run'] / max(s['wall_s'], 1e-9))} tok/s)",
         ]
+        if s.get("tflop_per_s") is not None:
+            compute = f"{format_flops(s['tflop_per_s'] * 1e12)} achieved"
+            if s.get("mfu") is not None:
+                compute += f", MFU {100 * s['mfu']:.1f}% of {s['peak_tflops']:g} TFLOP/s per device"
+            else:
+                compute += ", MFU n/a (no known peak: --peak-tflops)"
+            lines.append(f"  compute        {compute}")
         if s.get("final_val_loss") is not None:
             lines.append(f"  val loss       {s['final_val_loss']:.4f}")
         if s.get("unigram_loss") is not None:
@@ -308,6 +353,16 @@ class RunRecorder:
 
 # Commits whose step records every replica keeps (the gap a run of dead writers can leave).
 _RECENT_KEPT = 64
+
+
+def _present(name: str, value: float | None) -> dict:
+    """{name: value rounded} when there is a value, else nothing (a field left out)."""
+    return {} if value is None else {name: _significant(value)}
+
+
+def _significant(x: float) -> float:
+    """`x` to 6 significant digits (a CPU run's TFLOP/s is a small number)."""
+    return float(f"{x:.6g}")
 
 
 def _finite_or_none(x: float) -> float | None:

@@ -111,8 +111,11 @@ def train_single(
     resume: bool = False,
     console: TextIO | None = sys.stdout,
     device: str = "cpu",
+    peak_tflops: float = 0.0,
+    tensorboard: str = "",
 ) -> dict:
-    """Train one replica; return the run summary. Raises RunFolderError / CheckpointError."""
+    """Train one replica; return the run summary. Raises RunFolderError / CheckpointError.
+    `peak_tflops` and `tensorboard`: the replica spec's (--peak-tflops, --tensorboard)."""
     dataset = TokenDataset.open(data_path)
     paths = RunPaths(out=out)
     info = read_dataset_info(data_path)
@@ -135,6 +138,8 @@ def train_single(
         writer=writer,
         console=console,
         start_step=start,
+        peak_tflops=peak_tflops,
+        tensorboard=tensorboard,
     )
     if console is not None:
         n = trainer.model.num_params()

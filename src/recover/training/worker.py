@@ -183,6 +183,9 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         holds_pen=False,
         writes=rank == 0,
         replica=me,
+        peak_tflops=spec.peak_tflops,
+        devices_per_replica=layout.ranks,
+        tensorboard=spec.tensorboard,
     )
     machine = None
 

@@ -1,0 +1,143 @@
+"""What a person watching a run sees besides metrics.jsonl: `recover plot`'s PNGs, the TensorBoard
+event files of `--tensorboard`, and the achieved TFLOP/s and MFU in the step records.
+
+One faulty run (3 replicas, replica 2 SIGKILLed in step 2) and its failure-free one-replica
+reference; every series drawn or written is checked against the run's own record.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_TRAIN_FLAGS, events, run_cli
+from recover.record import committed_steps, read_metrics
+
+STEPS, M, PEAK = 6, 6, 0.001  # PEAK: --peak-tflops, so that a CPU run reports an MFU
+FLAGS = [*TINY_TRAIN_FLAGS, "--microbatches", str(M), "--steps", str(STEPS), "--eval-every", "3"]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_dataset, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("views")
+    faulty, reference, tb = root / "faulty", root / "reference", root / "tb"
+    r = run_cli(
+        ["train", "--data", str(tiny_dataset), "--out", str(faulty), *FLAGS, "--replicas", "3",
+         "--fault", "kill:replica=2,step=2,phase=backward", "--tensorboard", str(tb),
+         "--peak-tflops", str(PEAK)],
+        timeout=90,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = run_cli(["train", "--data", str(tiny_dataset), "--out", str(reference), *FLAGS])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return {"faulty": faulty, "reference": reference, "tb": tb}
+
+
+def test_plot_draws_the_runs_series(runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    from recover.tooling.plot import plot_runs
+
+    done = plot_runs([runs["faulty"], runs["reference"]], tmp_path / "plots")
+    assert sorted(p.name for p in done["files"]) == [
+        "loss_vs_step.png", "replicas_vs_time.png", "step_time.png", "tokens_vs_time.png",
+    ]  # fmt: skip
+    for png in done["files"]:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    faulty, reference = done["series"]["faulty"], done["series"]["reference"]
+    record = committed_steps(runs["faulty"] / "metrics.jsonl")
+    # Loss: every committed step's loss, on the failure-free trajectory.
+    assert faulty.loss == [(s, record[s]["loss"]) for s in range(STEPS)]
+    assert [s for s, _ in reference.loss] == list(range(STEPS))
+    for (_, a), (_, b) in zip(faulty.loss, reference.loss, strict=True):
+        assert a == pytest.approx(b, rel=1e-4)
+    assert faulty.step_s == [(s, record[s]["step_s"]) for s in range(STEPS)]
+    # The kill: one failure and one redo, both in step 2; no join (no --respawn).
+    assert faulty.marks == {"failure": [2], "redo": [2]} and faulty.failure_steps == [2]
+    assert reference.marks == {}
+    # Committed tokens end at the whole run's; live replicas go 3 -> 2 (then 0 as they finish).
+    total = STEPS * M * 2 * 32
+    assert faulty.progress[-1][1] == reference.progress[-1][1] == total
+    live = [n for _, n in faulty.replicas]
+    assert live[:3] == [0, 3, 2] and reference.replicas[0] == (0.0, 1)
+
+
+def test_plot_cli_writes_the_pngs(runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    r = run_cli(["plot", str(runs["faulty"]), str(runs["reference"]), "--out", str(tmp_path)])
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "loss_vs_step.png", "replicas_vs_time.png", "step_time.png", "tokens_vs_time.png",
+    ]  # fmt: skip
+
+
+def test_tensorboard_mirrors_the_record_once(runs):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(runs["tb"]), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+
+    def scalars(tag):
+        return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+    record = committed_steps(runs["faulty"] / "metrics.jsonl")
+    # Every committed step once (whoever held the pen), with the record's figures.
+    loss = scalars("train/loss")
+    assert [s for s, _ in loss] == list(range(STEPS))
+    for step, value in loss:
+        assert value == pytest.approx(record[step]["loss"], rel=1e-6)
+    for tag, field in (("train/lr", "lr"), ("train/step_s", "step_s"), ("train/mfu", "mfu")):
+        assert [v for _, v in scalars(tag)] == pytest.approx(
+            [record[s][field] for s in range(STEPS)], rel=1e-5
+        )
+    assert [v for _, v in scalars("replicas/live")] == [3, 3, 2, 2, 2, 2]
+    evals = [r for r in read_metrics(runs["faulty"] / "metrics.jsonl") if r["kind"] == "eval"]
+    assert scalars("val/loss") == [
+        (r["step"], pytest.approx(r["val_loss"], rel=1e-6)) for r in evals
+    ]
+    # The failure and the redo, as cumulative counts at the step in flight, and as text.
+    assert scalars("events/failures") == scalars("events/redos") == [(2, 1)]
+    texts = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("events/text_summary")]
+    assert any("coordinator.member_dead" in t for t in texts)
+    assert any("coordinator.redo" in t and "step=2" in t for t in texts)
+
+
+def test_step_records_carry_achieved_flops_and_mfu(runs):
+    record = committed_steps(runs["faulty"] / "metrics.jsonl")
+    for step in range(STEPS):
+        r = record[step]
+        assert r["tflop_per_s"] > 0
+        # MFU: the job's achieved FLOP/s over the peak of its live devices (one per replica).
+        assert r["mfu"] == pytest.approx(r["tflop_per_s"] / (PEAK * r["replicas"]), rel=1e-3)
+    (summary,) = [
+        r for r in read_metrics(runs["faulty"] / "metrics.jsonl") if r["kind"] == "summary"
+    ]
+    assert summary["peak_tflops"] == PEAK and summary["tflop_per_s"] > 0
+    assert summary["mfu"] == pytest.approx(summary["tflop_per_s"] / (PEAK * 2), rel=1e-3)
+    # On a CPU without --peak-tflops: no MFU, never a guess.
+    reference = committed_steps(runs["reference"] / "metrics.jsonl")
+    assert all("mfu" not in r and r["tflop_per_s"] > 0 for r in reference.values())
+    assert not events(runs["reference"], "coordinator.member_dead")
+
+
+def test_known_peaks_and_the_step_line():
+    from recover.training.console import format_step_line
+    from recover.training.flops import device_peak_tflops, known_peak_tflops, mfu
+
+    assert known_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert known_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert known_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert known_peak_tflops("Some Other Accelerator") is None
+    assert device_peak_tflops("cpu") is None and device_peak_tflops("cpu", 5.0) == 5.0
+    assert mfu(4e12, None, 8) is None
+    assert math.isclose(mfu(4e12, 1.0, 8), 0.5)
+    line = format_step_line(
+        step=0, steps=10, loss=2.5, lr=1e-3, tok_per_s=1000, step_s=0.2, eta_s=5,
+        flop_per_s=12.3e12, mfu=0.412,
+    )  # fmt: skip
+    assert "12.3 TFLOP/s | mfu 41.2% |" in line
+    assert "mfu" not in format_step_line(
+        step=0, steps=10, loss=2.5, lr=1e-3, tok_per_s=1000, step_s=0.2, eta_s=5, flop_per_s=5e9
+    )
