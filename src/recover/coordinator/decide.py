@@ -28,13 +28,16 @@ Rules (docs/design.md has the narrative):
   that step commits (its part is in the sum), and the next step is planned without it, so no
   attempt waits for it; unless that would leave no member or fewer than min_replicas (the last
   replicas leave with `Leave` as before).
+- Relays (relay.py): `ReportsDone` takes each report as if it came alone, then judges the
+  attempt once; `LeaseExpired` (a lease judged at a relay) kills as an expiry judged here.
 - A dead or left incarnation is fenced forever; (t, a) reports that are not the current attempt
   are refused as "stale".
 
 Invariants (tested): `decide` never mutates its input; while running, the holdings of the
 attempt's members split 0..M-1 with every id exactly once; epochs never decrease.
 Costs: a heartbeat, or a batch of them, copies the members map once (O(R) in C, no sort); a
-done report copies the reports map and checks the attempt (O(R)); a registration is O(1) apart
+done report, or a batch of them, copies the reports map once and checks the attempt (O(R) in
+C; membership is a dict lookup); a registration is O(1) apart
 from that copy. Change detection compares a few scalars and container identities, never whole
 keys. A commit or a redo is O(R + M) (the plan). Lease expiry (`Tick(due=...)`) looks only at the
 replicas the caller names (the server keeps them in deadline order); `due=None` scans them all.

@@ -29,6 +29,12 @@ Work per message does not grow with R (docs/coordinator.md has the measurements)
 - the state is saved by a background thread, at most every `save_interval_s`, newest revision
   only, and once more at stop.
 
+Relays (relay.py) speak for their replicas: a connection that carries `relay` binds to that
+relay; replicas registered through it hold no lease here (the relay judges them) and die with
+it (its connection's end, or its `relay_beat` lease); `done_batch` applies a relay's batch of
+done reports as one `ReportsDone`. Every reply's view is relative to the `view_version` the
+request names (views.py).
+
 Invariants: a bad frame, a wrong token, an unknown kind or a malformed field closes only that
 connection (after an error reply when possible); every wait has a deadline (long-polls are capped
 at `max_wait_s`, a frame body must arrive within `body_timeout_s`).

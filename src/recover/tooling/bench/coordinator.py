@@ -297,7 +297,7 @@ class _Driver:
         rep.conns.append(conn)
         while rep.admitted_at is None and not self.stop.is_set():  # wait until the run forms
             req = self.member(rep, {"kind": "wait_view", "newer_than_epoch": rep.epoch})
-            req["deadline_s"] = 1.0
+            req["deadline_s"] = 5.0  # as CoordinatorClient polls (_POLL_CHUNK_S)
             self.absorb(rep, (await conn.call(req))[1])
         while not self.stop.is_set() and not rep.dead:
             await asyncio.sleep(self.cfg.compute_s)
