@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--coordinator",
         metavar="HOST:PORT",
-        help="the coordinator's address (required unless --launched)",
+        help="the coordinator's address (default: $RECOVER_COORDINATOR; required unless "
+        "--launched)",
     )
     worker.add_argument(
         "--replica-id",
@@ -345,6 +346,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=1e-4,
         help="tolerance for both the loss and the parameter distance (default: 1e-4)",
     )
+
+    status = sub.add_parser(
+        "status",
+        help="members, epoch, step, shares and throughput of a running local job, by its folder",
+        description="Ask the coordinator of the multi-replica run going on in RUN (recover train "
+        "--replicas R, or recover run) for its status: it is found from RUN/coordinator.json, its "
+        "token read from RUN/coordinator.token (mode 0600; else $RECOVER_TOKEN). Both exist only "
+        "while the run goes on. For a coordinator elsewhere: recover coordinator status --addr.",
+    )
+    status.add_argument("run", type=Path, metavar="RUN", help="the run folder (--out of train)")
+    status.add_argument(
+        "--decisions",
+        type=int,
+        default=10,
+        metavar="N",
+        help="how many of the coordinator's recent decisions (default: 10)",
+    )
+    status.add_argument("--json", action="store_true", help="print the raw status reply")
 
     plot = sub.add_parser(
         "plot",
@@ -551,13 +570,18 @@ def run_worker_cli(args: argparse.Namespace) -> int:
                 raise ValueError(f"--launched but {TRAIN_CONFIG_ENV} is not set")
             cfg = TrainConfig.from_json(os.environ[TRAIN_CONFIG_ENV])
         else:
-            if args.coordinator is None or args.replica_id is None:
-                raise ValueError("--coordinator and --replica-id are required")
+            from recover.runtime.env import COORDINATOR_ENV
+
+            coordinator = args.coordinator or os.environ.get(COORDINATOR_ENV)
+            if coordinator is None or args.replica_id is None:
+                raise ValueError(
+                    f"--coordinator (or ${COORDINATOR_ENV}) and --replica-id are required"
+                )
             if args.replica_id < 0:
                 raise ValueError(f"--replica-id must be >= 0, got {args.replica_id}")
             cfg = train_config_from_args(args)
             env = ReplicaEnv(
-                coordinator=parse_address(args.coordinator, "--coordinator"),
+                coordinator=parse_address(coordinator, "--coordinator"),
                 replica_id=args.replica_id,
                 token=os.environ.get(TOKEN_ENV) or None,
                 faults=parse_faults(args.fault),
@@ -598,6 +622,48 @@ def run_worker_cli(args: argparse.Namespace) -> int:
     os._exit(code)
 
 
+def run_status(args: argparse.Namespace) -> int:
+    """`recover status RUN`: the coordinator of the run going on in RUN, found from the folder."""
+    import json
+    import os
+
+    from recover.coordinator.cli import format_status
+    from recover.coordinator.client import CoordinatorUnreachable, request_once
+    from recover.launch import COORDINATOR_FILE, TOKEN_FILE
+    from recover.runtime.env import TOKEN_ENV
+
+    address, token_file = args.run / COORDINATOR_FILE, args.run / TOKEN_FILE
+    if not address.exists():
+        return _error(
+            f"{address} does not exist: no multi-replica run is going on in {args.run} (the file "
+            "lives as long as its coordinator; a one-replica run has none)"
+        )
+    try:
+        info = json.loads(address.read_text())
+        token = token_file.read_text().strip() if token_file.exists() else None
+    except (OSError, ValueError) as e:
+        return _error(f"cannot read {address} or {token_file}: {e}")
+    token = token or os.environ.get(TOKEN_ENV) or None
+    try:
+        reply = request_once(info["host"], int(info["port"]), {"kind": "status"}, token=token)
+    except CoordinatorUnreachable as e:
+        return _error(f"the coordinator of {args.run} (pid {info.get('pid')}) does not answer: {e}")
+    if not reply.get("ok"):
+        return _error(f"refused ({reply.get('code')}): {reply.get('reason')}")
+    if args.json:
+        print(json.dumps(reply, indent=2))
+        return 0
+    per_microbatch = None
+    try:  # tokens per microbatch, from the run's config, for throughput in tokens/s
+        train = json.loads((args.run / "config.json").read_text())["train"]
+        per_microbatch = int(train["microbatch_size"]) * int(train["seq_len"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    print(f"run {args.run} | coordinator {info['host']}:{info['port']} (pid {info.get('pid')})")
+    print(format_status(reply, args.decisions, tokens_per_microbatch=per_microbatch))
+    return 0
+
+
 def run_compare(args: argparse.Namespace) -> int:
     from recover.tooling.compare import compare_runs, format_comparison
 
@@ -617,6 +683,7 @@ HANDLERS = {
     "train": ("recover.cli", "run_train"),
     "compare": ("recover.cli", "run_compare"),
     "plot": ("recover.tooling.plot", "run_plot"),
+    "status": ("recover.cli", "run_status"),
     "run": ("recover.cli", "run_script"),
     "export": ("recover.cli", "run_export"),
     "sample": ("recover.cli", "run_sample"),

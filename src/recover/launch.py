@@ -44,6 +44,11 @@ from recover.zygote import Zygote
 
 # How the launcher starts its own commands (coordinator, built-in worker): this Python, this package.
 _RECOVER = (sys.executable, "-m", "recover.cli")
+# In the run folder while a multi-replica run goes on: the coordinator's address (host, port, pid;
+# written by the coordinator once it listens), and the run's token, readable by its owner only.
+# `recover status RUN` reads both; the launcher removes them at the end.
+COORDINATOR_FILE = "coordinator.json"
+TOKEN_FILE = "coordinator.token"
 RESTART = -1000  # _supervise's answer in checkpoint-restart mode: restart the whole job
 
 
@@ -286,7 +291,7 @@ class LocalLauncher:
         The replicas are started right after, without waiting for it: they retry registering
         until it listens, so torch's import in every process overlaps (start-up is CPU-bound).
         """
-        address_file = self.paths.out / "coordinator.json"
+        address_file = self.paths.out / COORDINATOR_FILE
         address_file.unlink(missing_ok=True)
         port = self._ports.pop()  # free a moment ago; the coordinator binds it a moment later
         lc = self.lcfg
@@ -389,6 +394,7 @@ class LocalLauncher:
     def run(self) -> int:
         lc = self.lcfg
         self._open_run_folder()
+        self._write_token()
         self.writer = MetricsWriter(self.paths.metrics)
         self.writer.event("launcher.started", mode=lc.mode, replicas=lc.replicas)
 
@@ -432,10 +438,24 @@ class LocalLauncher:
                 self._zygote.close()
             for pump in self._pumps:  # every pipe is closed now: the pumps end at once
                 pump.join(timeout=2.0)
-            # The address of a coordinator that is gone would mislead `coordinator status`.
-            (self.paths.out / "coordinator.json").unlink(missing_ok=True)
+            # The address of a coordinator that is gone would mislead `recover status`.
+            (self.paths.out / COORDINATOR_FILE).unlink(missing_ok=True)
+            (self.paths.out / TOKEN_FILE).unlink(missing_ok=True)
             self.writer.event("launcher.finished", exit_status=code)
             self.writer.close()
+
+    def _write_token(self) -> None:
+        """The run's token in RUN/coordinator.token, mode 0600 from its creation (for `recover
+        status RUN`); replaced atomically, so no reader sees a partial one."""
+        path = self.paths.out / TOKEN_FILE
+        tmp = path.with_name(f"{TOKEN_FILE}.tmp{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # (a leftover temporary keeps its mode through O_TRUNC)
+            os.write(fd, self.token.encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
 
     def _run_job(self) -> int:
         # Every port the job's processes will bind, drawn at once, so that no two of them are

@@ -32,6 +32,7 @@ __all__ = [
 log = logging.getLogger("recover.coordinator")
 
 TOKEN_ENV = "RECOVER_TOKEN"
+COORDINATOR_ENV = "RECOVER_COORDINATOR"  # HOST:PORT, wherever --coordinator or --addr is taken
 
 
 def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -129,7 +130,11 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="print members, epoch, step and recent decisions")
     status.add_argument(
-        "--addr", required=True, metavar="HOST:PORT", help="the coordinator's address"
+        "--addr",
+        default=None,
+        metavar="HOST:PORT",
+        help=f"the coordinator's address (default: ${COORDINATOR_ENV}; for a local run, "
+        "`recover status RUN` finds it in the run folder)",
     )
     status.add_argument("--token", default=None, help=f"shared secret (default: ${TOKEN_ENV})")
     status.add_argument("--decisions", type=int, default=20, help="how many recent decisions")
@@ -144,8 +149,22 @@ def _parse_addr(addr: str, flag: str = "--addr") -> tuple[str, int]:
     return host, int(port)
 
 
-def format_status(reply: dict[str, Any], n_decisions: int) -> str:
+def _shares(view: dict[str, Any]) -> dict[str, int]:
+    """replica id (a string) -> microbatches it holds in the current attempt's plan."""
+    runs = view.get("holding_runs") or {}
+    return {
+        r: sum(b - a for a, b in zip(flat[::2], flat[1::2], strict=True))
+        for r, flat in runs.items()
+    }
+
+
+def format_status(
+    reply: dict[str, Any], n_decisions: int, *, tokens_per_microbatch: int | None = None
+) -> str:
+    """The status reply for people; `tokens_per_microbatch` (known from a run folder) adds each
+    member's throughput in tokens/s."""
     v = reply["view"]
+    shares = _shares(v)
     lines = [
         f"status {v['status']} | epoch {v['epoch']} | step {v['step']} | committed "
         f"{v['committed_step']} | attempt epoch {v['attempt_epoch']} | live {v['live']} | "
@@ -155,10 +174,14 @@ def format_status(reply: dict[str, Any], n_decisions: int) -> str:
     ]
     for m in reply["members"]:
         how = f" ({m['how']})" if m.get("how") else ""
-        tp = "" if m.get("throughput") is None else f" {m['throughput']:.2f} mb/s"
+        tp = "" if m.get("throughput") is None else f" | {m['throughput']:.2f} microbatches/s"
+        if tp and tokens_per_microbatch:
+            tp += f" ({m['throughput'] * tokens_per_microbatch:,.0f} tokens/s)"
+        share = shares.get(str(m["replica_id"]))
+        held = "" if share is None else f" | share {share} microbatches"
         lines.append(
-            f"  replica {m['replica_id']:>4} {m['state']:<7}{how} lease age "
-            f"{m['lease_age_s']:.3f} s incarnation {m['incarnation'][:8]}{tp}"
+            f"  replica {m['replica_id']:>4} {m['state']:<7}{how} | lease age "
+            f"{m['lease_age_s']:.3f} s | incarnation {m['incarnation'][:8]}{held}{tp}"
         )
     lines.append(f"last {n_decisions} decisions:")
     for d in reply["decisions"][-n_decisions:]:
@@ -215,7 +238,15 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             batch_s=args.batch,
             address_file=args.address_file,
         )
-    host, port = _parse_addr(args.addr)
+    addr = args.addr or os.environ.get(COORDINATOR_ENV)
+    if not addr:
+        print(f"error: --addr HOST:PORT (or ${COORDINATOR_ENV}) is required", file=sys.stderr)
+        return 2
+    try:
+        host, port = _parse_addr(addr)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         reply = request_once(host, port, {"kind": "status"}, token=token)
     except CoordinatorUnreachable as e:
