@@ -141,3 +141,29 @@ def test_known_peaks_and_the_step_line():
     assert "mfu" not in format_step_line(
         step=0, steps=10, loss=2.5, lr=1e-3, tok_per_s=1000, step_s=0.2, eta_s=5, flop_per_s=5e9
     )
+
+
+def test_tensorboard_follows_the_pen_when_the_writer_dies(tiny_dataset, tmp_path):
+    # Replica 0 writes the step records until it is killed in step 3; replica 1 writes the rest
+    # (and step 3's). Each step and evaluation still reaches TensorBoard exactly once.
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, tb = tmp_path / "run", tmp_path / "tb"
+    r = run_cli(
+        ["train", "--data", str(tiny_dataset), "--out", str(out), *FLAGS, "--replicas", "3",
+         "--fault", "kill:replica=0,step=3,phase=commit", "--tensorboard", str(tb)],
+        timeout=90,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    record = committed_steps(out / "metrics.jsonl")
+    writers = {record[s]["writer"] for s in range(STEPS)}
+    assert writers == {0, 1}, writers
+    assert len(list(tb.glob("events.out.tfevents.*"))) == 2  # one per writer
+    acc = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (s, pytest.approx(record[s]["loss"], rel=1e-6)) for s in range(STEPS)
+    ]
+    assert [e.step for e in acc.Scalars("val/loss")] == [2, 5]
+    assert [(e.step, e.value) for e in acc.Scalars("events/failures")] == [(3, 1)]
