@@ -148,22 +148,7 @@ def draw_loss(series: dict[str, RunSeries], path: Path) -> Path:
         for k, step in enumerate(s.failure_steps):
             ax.axvline(step, color=color, linestyle="--", alpha=0.6,
                        label=f"{name}: failure" if k == 0 else None)  # fmt: skip
-    ax.legend(fontsize="small")
-    fig.savefig(path, dpi=100)
-    return path
-
-
-def draw_tokens(series: dict[str, RunSeries], path: Path) -> Path:
-    """Committed tokens (steps 0..t) against seconds since each run's start."""
-    fig, ax = _figure("committed tokens against wall time", "seconds since the run's start",
-                      "committed tokens (steps 0..t)")  # fmt: skip
-    for i, (name, s) in enumerate(series.items()):
-        if s.progress:
-            times, tokens = zip(*s.progress, strict=True)
-            ax.step(times, tokens, where="post", color=f"C{i % 10}", label=name, linewidth=1.2)
-    ax.legend(fontsize="small")
-    fig.savefig(path, dpi=100)
-    return path
+    return _save(fig, ax, path)
 
 
 def draw_step_time(series: dict[str, RunSeries], path: Path) -> Path:
@@ -178,19 +163,33 @@ def draw_step_time(series: dict[str, RunSeries], path: Path) -> Path:
             for k, step in enumerate(steps):
                 label = f"{name}: {what}" if k == 0 else None
                 ax.axvline(step, color=color, linestyle=style, alpha=0.7, label=label)
-    ax.legend(fontsize="small")
-    fig.savefig(path, dpi=100)
-    return path
+    return _save(fig, ax, path)
+
+
+def _draw_over_time(series: dict[str, RunSeries], path: Path, what: str, title: str, ylabel: str):
+    """A step curve per run of its series `what`: (seconds since its start, value) changes."""
+    fig, ax = _figure(title, "seconds since the run's start", ylabel)
+    for i, (name, s) in enumerate(series.items()):
+        if getattr(s, what):
+            times, values = zip(*getattr(s, what), strict=True)
+            ax.step(times, values, where="post", color=f"C{i % 10}", label=name, linewidth=1.2)
+    if what == "replicas":
+        ax.yaxis.get_major_locator().set_params(integer=True)
+    return _save(fig, ax, path)
+
+
+def draw_tokens(series: dict[str, RunSeries], path: Path) -> Path:
+    """Committed tokens (steps 0..t) against seconds since each run's start."""
+    return _draw_over_time(series, path, "progress", "committed tokens against wall time",
+                           "committed tokens (steps 0..t)")  # fmt: skip
 
 
 def draw_replicas(series: dict[str, RunSeries], path: Path) -> Path:
     """Live replicas (the coordinator's views) against seconds since each run's start."""
-    fig, ax = _figure("live replicas over time", "seconds since the run's start", "live replicas")
-    for i, (name, s) in enumerate(series.items()):
-        if s.replicas:
-            times, live = zip(*s.replicas, strict=True)
-            ax.step(times, live, where="post", color=f"C{i % 10}", label=name, linewidth=1.2)
-    ax.yaxis.get_major_locator().set_params(integer=True)
+    return _draw_over_time(series, path, "replicas", "live replicas over time", "live replicas")
+
+
+def _save(fig, ax, path: Path) -> Path:
     ax.legend(fontsize="small")
     fig.savefig(path, dpi=100)
     return path
