@@ -365,3 +365,34 @@ if __name__ == "__main__":  # python tests/test_coordinator_server.py N -> media
         f"{statistics.median(exits) * 1e3:.1f} ms (max {max(exits) * 1e3:.1f}), median lease "
         f"detection {statistics.median(leases) * 1e3:.0f} ms (max {max(leases) * 1e3:.0f})"
     )
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) that listen on `port`."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.append(address)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc/net/tcp (Linux)")
+def test_the_store_listens_only_where_the_coordinator_does():
+    """torch's TCPStore, which takes no token, would listen on every interface: the coordinator
+    binds it to its own address (docs/design.md, "Threat model")."""
+    opts = CoordinatorOptions(expected_replicas=1, microbatches=2)
+    with CoordinatorServer(opts, host="127.0.0.1", port=0, store_port=0) as server:
+        _, store_port = server.store_address
+        assert _listening(store_port) == ["0100007F"]  # 127.0.0.1 only, no wildcard
+        from torch.distributed import TCPStore
+
+        client = TCPStore("127.0.0.1", store_port, is_master=False)
+        client.set("k", "v")
+        assert client.get("k") == b"v"

@@ -53,6 +53,7 @@ import itertools
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -232,9 +233,15 @@ class CoordinatorServer:
         if self._store_port is not None:
             from torch.distributed import TCPStore  # the only torch use; clients stay torch-free
 
+            # torch's TCPStore listens on every interface, whatever host it is given; it takes no
+            # token. Bound here, on the coordinator's own address, it is reachable only where the
+            # coordinator is (127.0.0.1 for a local run). See docs/design.md, "Threat model".
+            listening = _listening_socket(self._host, self._store_port)
+            port = listening.getsockname()[1]
             self._tcp_store = TCPStore(
-                self._host, self._store_port, is_master=True, wait_for_workers=False
-            )
+                self._host, port, is_master=True, wait_for_workers=False,
+                master_listen_fd=listening.detach(),  # the store owns (and closes) it from here
+            )  # fmt: skip
             self._store_address = (self._host, int(self._tcp_store.port))
         if self._events_path is not None:
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
@@ -757,3 +764,17 @@ class CoordinatorServer:
             "store": list(self._store_address) if self._store_address else None,
             "options": vars(s.options),
         }
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host` only (IPv4 or IPv6, as the address resolves)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
