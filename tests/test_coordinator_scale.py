@@ -37,6 +37,20 @@ def test_bench_at_small_r_has_no_false_deaths_under_bursts_of_done_reports(relay
         assert row["relay_cpu"] is not None
 
 
+@pytest.mark.timeout(90)
+def test_the_coordinator_tier_behind_simulated_relays_commits_and_publishes_deaths():
+    from recover.tooling.bench.coordinator_tier import run_tier
+
+    cfg = BenchCoordinatorConfig(
+        replicas=64, relays=4, upstream_only=True, steps=2, warmup_steps=1, compute_s=0.2
+    )
+    row = run_tier(cfg)
+    assert "failed" not in row, row.get("failed")
+    assert row["false_deaths"] == 0 and row["commit_samples"] >= 2 * cfg.relays
+    # process_exit and lease_expired from relay 0 reached every relay's view
+    assert row["kill_detect_s"] is not None and row["expiry_publish_s"] is not None
+
+
 @pytest.mark.timeout(60)
 def test_a_stalled_event_loop_declares_no_healthy_replica_dead():
     lease = 0.5

@@ -102,7 +102,7 @@ def add_bench_parser(subparsers) -> None:
     from recover.tooling.bench.script import add_script_parser
 
     add_script_parser(sub)
-    from recover.tooling.bench.coordinator import add_coordinator_bench_parser
+    from recover.tooling.bench.coordinator_cli import add_coordinator_bench_parser
 
     add_coordinator_bench_parser(sub)
 
@@ -113,7 +113,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
         return _write_result(bench_script, args)
     if args.bench_command == "coordinator":
-        from recover.tooling.bench.coordinator import run_coordinator_bench
+        from recover.tooling.bench.coordinator_cli import run_coordinator_bench
 
         return run_coordinator_bench(args)
     for name in ("replicas", "repeats", "microbatches", "microbatch_size", "seq_len"):
