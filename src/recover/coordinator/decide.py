@@ -276,9 +276,10 @@ def _check_report(s: CoordinatorState, m: ReportDone | ReportFailed, out: list) 
     return False
 
 
-def _on_done(s: CoordinatorState, now: float, m: ReportDone, out: list) -> str:
+def _take_done(s: CoordinatorState, m: ReportDone, out: list) -> bool:
+    """Record one done report (False: refused, with the refusal in `out`)."""
     if not _check_report(s, m, out):
-        return ""
+        return False
     if s.reports.get(m.replica_id) != "failed":  # a failure within an attempt is sticky
         s.own("reports")[m.replica_id] = "done"
     if m.param_hash is not None:
@@ -286,24 +287,19 @@ def _on_done(s: CoordinatorState, now: float, m: ReportDone, out: list) -> str:
     _record_throughput(s, m.replica_id, m.throughput)
     _record_leaving(s, m.replica_id, m.leaving)
     _record_nonfinite(s, m.replica_id, m.finite)
+    return True
+
+
+def _on_done(s: CoordinatorState, now: float, m: ReportDone, out: list) -> str:
+    if not _take_done(s, m, out):
+        return ""
     _evaluate_attempt(s, out)
     return f"replica {m.replica_id} reported done ({m.step}, {m.epoch})"
 
 
 def _on_done_batch(s: CoordinatorState, now: float, m: ReportsDone, out: list) -> str:
     """Each report as `_on_done` takes it (refusals per report), the attempt judged once."""
-    taken = 0
-    for d in m.reports:
-        if not _check_report(s, d, out):
-            continue
-        taken += 1
-        if s.reports.get(d.replica_id) != "failed":
-            s.own("reports")[d.replica_id] = "done"
-        if d.param_hash is not None:
-            s.own("param_hashes")[d.replica_id] = d.param_hash
-        _record_throughput(s, d.replica_id, d.throughput)
-        _record_leaving(s, d.replica_id, d.leaving)
-        _record_nonfinite(s, d.replica_id, d.finite)
+    taken = sum(_take_done(s, d, out) for d in m.reports)
     if taken:
         _evaluate_attempt(s, out)
     first = m.reports[0] if m.reports else None
