@@ -103,3 +103,18 @@ def test_dealing_inside_a_replica_computes_each_id_once_in_lockstep(ids, ways):
     real = sorted(j for passes in dealt for j, is_real in passes if is_real)
     assert real == sorted(ids)
     assert len({len(passes) for passes in dealt}) <= 1
+
+
+def test_the_workload_of_a_mode_is_policy_not_branches():
+    """recover keeps the batch: a new attempt splits all M ids over the live replicas, and the
+    ids a failure lost go to the survivors. shrink (the baseline) keeps each replica's slot of a
+    full job and drops what the dead held, and a redo drops the failed attempt's sums."""
+    from recover.policy import WORKLOADS
+
+    recover, shrink = WORKLOADS["recover"], WORKLOADS["shrink"]
+    assert recover.plan(8, [0, 2], {0: 1.0, 2: 1.0}, 3) == assign(8, [0, 2])
+    assert shrink.plan(8, [0, 2], {0: 1.0, 2: 1.0}, 3) == {0: (0, 1, 2), 2: (6, 7)}
+    assert recover.lost((3, 4, 5), [0, 2], {0: 1.0, 2: 1.0}) == reassign((3, 4, 5), [0, 2])
+    assert shrink.lost((3, 4, 5), [0, 2], {0: 1.0, 2: 1.0}) == {0: (), 2: ()}
+    assert (recover.keeps_batch, recover.discards) == (True, False)
+    assert (shrink.keeps_batch, shrink.discards) == (False, True)

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
-__all__ = ["assign", "reassign", "compute_shares"]
+__all__ = ["WORKLOADS", "Workload", "assign", "compute_shares", "reassign"]
 
 
 def _check_replicas(replicas: Sequence[int], name: str) -> list[int]:
@@ -128,3 +129,43 @@ def deal_round_robin(ids: Sequence[int], ways: int, mine: int) -> list[tuple[int
         chunk = ids[start : start + ways]
         out.append((chunk[mine], True) if mine < len(chunk) else (chunk[0], False))
     return out
+
+
+# ---- the workload of a mode: how a step is planned, and what happens to the ids a failure lost -
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The two choices that tell ReCoVer from a shrinking baseline, as policy rather than
+    branches in the rules: `plan` gives a new attempt its ids, `lost` says what becomes of the ids
+    a failure lost, and `discards` whether a survivor drops the sum of a failed attempt."""
+
+    name: str
+    keeps_batch: bool  # every committed step sums all M microbatches
+
+    def plan(
+        self, M: int, live: Sequence[int], weights: Mapping[int, float], expected: int
+    ) -> dict[int, tuple[int, ...]]:
+        if self.keeps_batch:
+            return assign(M, live, weights)
+        # shrink: the fixed slots of a full job (all `expected` replicas); a dead slot's ids are
+        # simply not computed, as when torchft drops a replica
+        slots = assign(M, range(expected))
+        return {r: slots.get(r, ()) for r in live}
+
+    def lost(
+        self, lost: Iterable[int], survivors: Sequence[int], weights: Mapping[int, float]
+    ) -> dict[int, tuple[int, ...]]:
+        if self.keeps_batch:
+            return reassign(lost, survivors, weights)
+        return {r: () for r in survivors}  # dropped: the step's batch shrinks
+
+    @property
+    def discards(self) -> bool:
+        """Whether a failed attempt's local sums are dropped (recomputed from nothing)."""
+        return not self.keeps_batch
+
+
+# recover: the constant-batch invariant (reassign what was lost); shrink: torchft's semantics, a
+# baseline for comparison (drop what was lost, and the failed attempt's partial sums).
+WORKLOADS = {"recover": Workload("recover", True), "shrink": Workload("shrink", False)}

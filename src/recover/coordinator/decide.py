@@ -94,7 +94,7 @@ from recover.coordinator.state_store import (
     resume_state,
     view_of,
 )
-from recover.policy import assign, reassign
+from recover.policy import WORKLOADS, reassign
 
 __all__ = [
     "attempt_outcome",
@@ -566,10 +566,8 @@ def _redo(s: CoordinatorState, out: list, survivors: list[int]) -> None:
         raise AssertionError(f"survivors {survivors} != live {s.live}")
     lost = tuple(sorted(j for r in dead for j in s.holdings[r]))
     weights = {r: s.weights[r] for r in survivors}
-    if s.options.mode == "shrink":  # baseline: the lost ids are dropped, the batch shrinks
-        extra = {r: () for r in survivors}
-    else:
-        extra = reassign(lost, survivors, weights)
+    workload = WORKLOADS[s.options.mode]
+    extra = workload.lost(lost, survivors, weights)
     s.holdings = {r: s.holdings[r] + extra[r] for r in survivors}
     s.weights = weights
     s.attempt_epoch = s.epoch
@@ -579,7 +577,7 @@ def _redo(s: CoordinatorState, out: list, survivors: list[int]) -> None:
     why = (
         f"redo step {t} in epoch {s.epoch}: failed attempt epoch {a}, dead {dead}, "
         f"failed reports {failed}; {len(lost)} lost ids "
-        + (f"reassigned as {moved}" if s.options.mode != "shrink" else "dropped (shrink baseline)")
+        + (f"reassigned as {moved}" if workload.keeps_batch else "dropped (shrink baseline)")
     )
     out.append(Redo(step=t, epoch=s.epoch, lost=lost, reassigned=moved, reason=why))
 
@@ -633,11 +631,9 @@ def _new_attempt(s: CoordinatorState) -> None:
     weights = _weights(s, s.live)
     if weights != s.weights:
         s.weights = weights
-    if s.options.mode == "shrink":  # baseline: fixed slots of a full job; dead slots are dropped
-        slots = assign(s.options.microbatches, range(s.options.expected_replicas))
-        holdings = {r: slots.get(r, ()) for r in s.live}
-    else:
-        holdings = assign(s.options.microbatches, s.live, s.weights)
+    holdings = WORKLOADS[s.options.mode].plan(
+        s.options.microbatches, s.live, s.weights, s.options.expected_replicas
+    )
     # The same plan keeps its object (and plan_version): replies then leave it out (O(R) once
     # per attempt, against O(R + plan) bytes to every replica at every commit).
     if holdings != s.holdings:

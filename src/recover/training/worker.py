@@ -32,6 +32,7 @@ from recover.coordinator.client import (
 )
 from recover.coordinator.client import QuorumLost as ClientQuorumLost
 from recover.data.addressing import TokenDataset
+from recover.policy import WORKLOADS
 from recover.record import MetricsWriter, read_metrics
 from recover.runtime.collective import GroupCache
 from recover.runtime.env import ReplicaEnv
@@ -244,7 +245,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
                 replica_id=me,
                 check_every=spec.check_every,
                 outcome_timeout_s=wcfg.outcome_timeout_s,
-                discard_on_redo=spec.mode == "shrink",
+                discard_on_redo=WORKLOADS.get(spec.mode, WORKLOADS["recover"]).discards,
             ),
             # A writer reports the next step only once its checkpoint is durable: the coordinator
             # then counts its step as recorded (a gap is filled only after a lost writer).
