@@ -22,6 +22,7 @@ from recover.data import (
     prepare_dataset,
     validation_batches,
 )
+from recover.data.prepare import read_documents
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -163,7 +164,7 @@ def test_different_seeds_give_different_orders(dataset_dir: Path) -> None:
 
 def test_train_and_validation_are_disjoint(dataset_dir: Path) -> None:
     ds = TokenDataset.open(dataset_dir)
-    docs = ds.meta["documents"]
+    docs = read_documents(dataset_dir)
     val_docs = {d["path"] for d in docs if d["split"] == "val"}
     train_docs = {d["path"] for d in docs if d["split"] == "train"}
     assert val_docs and train_docs and not (val_docs & train_docs)

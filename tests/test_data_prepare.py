@@ -21,9 +21,10 @@ from recover.data import (
     load_tokenizer,
     prepare_dataset,
 )
-from recover.data import prepare as prepare_module
+from recover.data import shards as shards_module
 from recover.data.cli import add_prepare_parser, run_prepare
 from recover.data.corpus import compute_content_hash
+from recover.data.prepare import read_documents
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -55,11 +56,12 @@ def test_byte_dataset_is_byte_identical_across_runs_and_meta_is_complete(tmp_pat
     assert tree_bytes(a) == tree_bytes(b)
 
     meta = json.loads((a / "meta.json").read_text())
-    assert meta["format_version"] == 1
+    assert meta["format_version"] == 2
     assert meta["source"] == str(src)
     assert meta["tokenizer"]["kind"] == "byte" and meta["vocab_size"] == 256
     assert meta["dtype"] == "uint8"
-    paths = [d["path"] for d in meta["documents"]]
+    documents = read_documents(a)
+    paths = [d["path"] for d in documents]
     assert paths == sorted(paths) and len(paths) == 12  # hidden files and folders skipped
     assert not any(p.startswith(".") for p in paths)
     assert meta["train"]["documents"] + meta["val"]["documents"] == 12
@@ -72,7 +74,7 @@ def test_byte_dataset_is_byte_identical_across_runs_and_meta_is_complete(tmp_pat
     for split in ("train", "val"):
         expected = b"".join(
             d.data + b"\x00"
-            for d, e in zip(docs, meta["documents"], strict=True)
+            for d, e in zip(docs, documents, strict=True)
             if e["split"] == split
         )
         got = b"".join((a / s["file"]).read_bytes() for s in meta["shards"][split])
@@ -109,7 +111,7 @@ def test_bpe_dataset_is_deterministic_and_roundtrips(tmp_path: Path) -> None:
     train = np.concatenate(
         [np.fromfile(a / s["file"], dtype=np.uint16) for s in meta["shards"]["train"]]
     )
-    first_train = next(d for d in meta["documents"] if d["split"] == "train")
+    first_train = next(d for d in read_documents(a) if d["split"] == "train")
     first_ids = tok.encode((src / first_train["path"]).read_text(encoding="utf-8"))
     assert train[: len(first_ids)].tolist() == first_ids and train[len(first_ids)] == 0
 
@@ -208,16 +210,16 @@ def test_bad_source_is_a_data_error_naming_the_path_and_leaves_nothing(
 
 def test_failure_while_writing_removes_the_temporary_folder(tmp_path, monkeypatch) -> None:
     src = write_corpus(tmp_path / "src")
-    real_write = prepare_module._write_file
+    real_open = shards_module._open_shard
     calls = []
 
-    def failing_write(path: Path, data: bytes) -> None:
+    def failing_open(path: Path):
         calls.append(path)
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        real_write(path, data)
+        return real_open(path)
 
-    monkeypatch.setattr(prepare_module, "_write_file", failing_write)
+    monkeypatch.setattr(shards_module, "_open_shard", failing_open)
     out_parent = tmp_path / "out"
     out_parent.mkdir()
     with pytest.raises(OSError, match="No space"):
@@ -279,7 +281,7 @@ def test_single_text_file_is_split_into_line_chunks(tmp_path: Path) -> None:
     assert meta["source"] == str(book)
     assert meta["train"]["documents"] > 0 and meta["val"]["documents"] > 0
     assert meta["train"]["tokens"] + meta["val"]["tokens"] == book.stat().st_size + len(
-        meta["documents"]
+        read_documents(ds)
     )
 
     tiny = tmp_path / "tiny.txt"
@@ -308,7 +310,7 @@ def test_ensure_dataset_on_the_python_stdlib_is_idempotent(tmp_path: Path) -> No
     assert ds == tmp_path / "stdlib-byte"
     meta = json.loads((ds / "meta.json").read_text())
     assert meta["source"] == "python-stdlib" and meta["python_version"]
-    paths = [d["path"] for d in meta["documents"]]
+    paths = [d["path"] for d in read_documents(ds)]
     assert len(paths) > 100 and paths == sorted(paths)
     assert all(p.endswith(".py") for p in paths)
     excluded = {"test", "tests", "idlelib", "site-packages"}

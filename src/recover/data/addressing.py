@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from recover.data.corpus import DataError
-from recover.data.prepare import FORMAT_VERSION, META_FILE, SPLITS
+from recover.data.prepare import META_FILE, READABLE_FORMAT_VERSIONS, SPLITS
 
 _PERMUTATION_CACHE_SIZE = 4
 _ALLOWED_DTYPES = ("uint8", "uint16", "uint32")
@@ -77,8 +77,11 @@ def _validate_meta(meta: Any, meta_path: Path) -> None:
 
     if not isinstance(meta, dict):
         raise bad("not a JSON object")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise bad(f"format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+    if meta.get("format_version") not in READABLE_FORMAT_VERSIONS:
+        raise bad(
+            f"format_version {meta.get('format_version')!r}, expected one of "
+            f"{READABLE_FORMAT_VERSIONS}"
+        )
     if meta.get("dtype") not in _ALLOWED_DTYPES:
         raise bad(f"dtype {meta.get('dtype')!r} not one of {_ALLOWED_DTYPES}")
     vocab = meta.get("vocab_size")
@@ -100,6 +103,8 @@ def _validate_meta(meta: Any, meta_path: Path) -> None:
                 or "/" in entry["file"]
                 or not isinstance(entry.get("tokens"), int)
                 or entry["tokens"] < 1
+                or not isinstance(entry.get("offset", 0), int)
+                or entry.get("offset", 0) < 0
             ):
                 raise bad(f"bad {split} shard entry {entry!r}")
 
@@ -136,12 +141,23 @@ class TokenDataset:
                     size = shard_path.stat().st_size
                 except OSError as exc:
                     raise DataError(f"cannot read shard {shard_path}: {exc}") from exc
-                if size != entry["tokens"] * dtype.itemsize:
+                # A shard is a whole file, or (an adopted token file) a range of one.
+                offset = entry.get("offset")
+                end = entry["tokens"] + (offset or 0)
+                if size != end * dtype.itemsize and (offset is None or size < end * dtype.itemsize):
                     raise DataError(
                         f"shard {shard_path} holds {size} bytes, meta says "
-                        f"{entry['tokens']} tokens of {dtype.name}"
+                        f"{end} tokens of {dtype.name}"
                     )
-                shards[split].append(np.memmap(shard_path, dtype=dtype, mode="r"))
+                shards[split].append(
+                    np.memmap(
+                        shard_path,
+                        dtype=dtype,
+                        mode="r",
+                        offset=(offset or 0) * dtype.itemsize,
+                        shape=(entry["tokens"],),
+                    )
+                )
         return cls(path, meta, shards)
 
     @property

@@ -1,16 +1,24 @@
-"""prepare: turn a corpus into a token dataset folder (shards, meta.json, tokenizer.json).
+"""prepare: turn a corpus into a token dataset folder, streaming, with bounded memory.
 
-Job: read the corpus, split it into train and validation *by document*, tokenize, and write
+Job: read the source one document at a time, split it into train and validation *by document*,
+tokenize in batches, and write shards as they fill (format: docs/data.md):
 
     train_000.bin, train_001.bin, ...   raw token arrays (np.memmap-able), dtype by vocab size
     val_000.bin, ...
-    tokenizer.json                      only for bpe
-    meta.json                           format version, source, tokenizer, dtype, shards and counts,
-                                        documents and their split, skipped files, content hash of
-                                        the input, hash of the produced tokens
+    tokenizer.json                      bpe (trained here) or hf (a copy of the user's file)
+    documents.jsonl                     one line per document: path, split, tokens
+    meta.json                           format version, source and its format, tokenizer, dtype,
+                                        shards and counts, settings, skipped files, content hash
+                                        of the input, hash of the produced tokens
 
-Each document's tokens are followed by the end-of-document separator (byte 0, or
-``<|endoftext|>`` for bpe). Shards hold at most ``shard_tokens`` tokens of one split's stream.
+Each document's tokens are followed by the end-of-document separator (byte 0 for byte tokens,
+the tokenizer's ``eod_token`` otherwise). Shards hold at most ``shard_tokens`` tokens of one
+split's stream.
+
+Passes over the source: (1) read: validate every document, compute the content hash, count, and
+settle the splits; an existing dataset with this hash and these settings is returned here. (2)
+bpe only: train the tokenizer on the train documents. (3) tokenize and write; the content hash is
+computed again and must match pass 1 (a source that changed meanwhile is an error).
 
 Invariants:
 
@@ -25,8 +33,9 @@ Invariants:
 * Idempotent: an existing folder holding the same complete dataset (same content hash and
   settings) is returned unchanged; any other existing content is a DataError naming the path.
 
-Costs and limits: the corpus and its tokens are held in memory (tens of MB by design). Checking
-idempotency re-reads and hashes the source (well under a second for the stdlib).
+Costs and limits: memory is bounded by one batch of documents (about ``BATCH_BYTES`` of text,
+or one larger document) and its tokens, whatever the corpus size (docs/data.md has the measured
+figures). The source is read twice (three times for bpe); reading is cheap next to tokenizing.
 """
 
 from __future__ import annotations
@@ -36,7 +45,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,25 +54,36 @@ from typing import Any
 import numpy as np
 
 from recover.data.corpus import (
+    DEFAULT_TEXT_FIELD,
+    SOURCE_FORMATS,
     STDLIB_SOURCE,
-    Corpus,
+    ContentHasher,
+    CorpusListing,
     DataError,
+    Document,
+    iter_documents,
     list_corpus_files,
-    read_corpus,
 )
+from recover.data.shards import SplitWriter, compute_tokens_hash
 from recover.data.tokenizer import (
     BPE_FILE,
+    EOD_TOKEN,
     ByteTokenizer,
     Tokenizer,
+    load_tokenizer_file,
     train_bpe,
     validate_vocab_size,
 )
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)  # 1: documents listed inside meta.json, no settings block
 META_FILE = "meta.json"
+DOCUMENTS_FILE = "documents.jsonl"
 DEFAULT_SHARD_TOKENS = 1 << 24
 DEFAULT_DATASET_NAME = "stdlib-byte"
 SPLITS = ("train", "val")
+BATCH_BYTES = 1 << 20  # text tokenized per batch (HF tokenizers encode a batch on all cores)
+_BATCH_DOCUMENTS = 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,28 +91,58 @@ class PrepareConfig:
     """What to prepare; validated on construction (ValueError naming the field)."""
 
     source: Path | None = None  # None: the embedded python-stdlib corpus
-    tokenizer: str = "byte"  # "byte" or "bpe"
+    tokenizer: str = "byte"  # "byte", "bpe" (trained here) or "hf" (tokenizer_file)
     vocab_size: int | None = None  # bpe only: requested size, >= 257
     val_fraction: float = 0.05  # expected share of documents in validation, in (0, 1)
     shard_tokens: int = DEFAULT_SHARD_TOKENS  # most tokens per shard file
+    tokenizer_file: Path | None = None  # hf only: the user's tokenizer.json
+    eod_token: str = EOD_TOKEN  # hf only: the token that separates documents
+    format: str = "auto"  # the source's format, one of SOURCE_FORMATS
+    text_field: str = DEFAULT_TEXT_FIELD  # jsonl/parquet/hf-disk: the field holding the text
 
     def __post_init__(self) -> None:
         validate_vocab_size(self.tokenizer, self.vocab_size)
+        if (self.tokenizer == "hf") != (self.tokenizer_file is not None):
+            raise ValueError("tokenizer_file is needed with tokenizer 'hf' and only with it")
         if not isinstance(self.val_fraction, int | float) or not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
         if isinstance(self.shard_tokens, bool) or not isinstance(self.shard_tokens, int):
             raise ValueError(f"shard_tokens must be an int >= 2, got {self.shard_tokens!r}")
         if self.shard_tokens < 2:
             raise ValueError(f"shard_tokens must be >= 2, got {self.shard_tokens}")
+        if self.format not in SOURCE_FORMATS:
+            raise ValueError(
+                f"format must be one of {', '.join(SOURCE_FORMATS)}, got {self.format!r}"
+            )
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ValueError(f"text_field must be a non-empty string, got {self.text_field!r}")
 
-    def settings(self) -> dict[str, Any]:
-        """The settings an existing dataset must match to be reused."""
-        return {
-            "tokenizer": self.tokenizer,
-            "requested_vocab_size": self.vocab_size,
-            "val_fraction": float(self.val_fraction),
-            "shard_tokens": self.shard_tokens,
-        }
+
+@dataclass(frozen=True)
+class PrepareResult:
+    """Where the dataset is and what it took; ``reused`` when it was already there."""
+
+    path: Path
+    reused: bool
+    documents: int
+    tokens: int
+    shards: int
+    source_bytes: int
+    seconds: float
+
+    def summary(self) -> str:
+        """One line for people: documents, tokens, shards and throughput."""
+        if self.reused:
+            return (
+                f"reused    {self.path} already holds this dataset ({self.documents:,} documents, "
+                f"{self.tokens:,} tokens, {self.shards} shards; checked in {self.seconds:.1f} s)"
+            )
+        secs = max(self.seconds, 1e-9)
+        return (
+            f"prepared  {self.documents:,} documents ({self.source_bytes / 1e6:,.1f} MB) -> "
+            f"{self.tokens:,} tokens in {self.shards} shards in {self.seconds:.1f} s "
+            f"({self.tokens / secs / 1e6:,.2f} M tokens/s, {self.source_bytes / secs / 1e6:,.1f} MB/s)"
+        )
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -127,9 +178,9 @@ def assign_splits(relpaths: list[str], val_fraction: float) -> list[str]:
 
 
 class _Progress:
-    """A rich progress bar over files on stderr, or nothing when disabled.
+    """rich progress bars on stderr when it is a terminal, or nothing.
 
-    The bar starts with its first task, so an early error prints nothing but the error.
+    The first bar starts with its first task, so an early error prints nothing but the error.
     """
 
     def __init__(self, enabled: bool) -> None:
@@ -143,45 +194,205 @@ class _Progress:
         if self._progress is not None:
             self._progress.stop()
 
-    def task(self, description: str, total: int) -> Callable[[], None] | None:
+    def task(self, description: str, total: int) -> Callable[[int], None] | None:
         if not self._enabled:
             return None
         if self._progress is None:
             from rich.console import Console
             from rich.progress import Progress
 
-            self._progress = Progress(console=Console(stderr=True))
+            console = Console(stderr=True)
+            if not console.is_terminal:
+                self._enabled = False
+                return None
+            self._progress = Progress(console=console)
             self._progress.start()
         progress = self._progress
         task_id = progress.add_task(description, total=total)
-        return lambda: progress.advance(task_id)
+        return lambda n=1: progress.advance(task_id, n)
 
 
-def _build_tokenizer(config: PrepareConfig, corpus: Corpus, splits: list[str]) -> Tokenizer:
+@dataclass(frozen=True)
+class _Scan:
+    """What pass 1 learned about the source."""
+
+    content_hash: str
+    documents: int
+    source_bytes: int
+    skipped: tuple[str, ...]
+    overrides: dict[str, str]  # relpath -> split, where the hash rule left a split empty
+
+
+def _scan(listing: CorpusListing, val_fraction: float, advance: Any) -> _Scan:
+    hasher = ContentHasher()
+    skipped: list[str] = []
+    count = val = nbytes = 0
+    lowest: tuple[float, str] | None = None
+    highest: tuple[float, str] | None = None
+    for doc in iter_documents(listing, skipped=skipped, advance=advance):
+        hasher.add(doc)
+        count += 1
+        nbytes += len(doc.data)
+        key = (_split_key(doc.relpath), doc.relpath)
+        val += key[0] < val_fraction
+        lowest = key if lowest is None or key < lowest else lowest
+        highest = key if highest is None or key > highest else highest
+    if nbytes == 0:
+        raise DataError(f"source {listing.root} holds no text (all files empty or skipped)")
+    if count < 2:
+        raise DataError(f"need at least 2 documents to split train and validation, got {count}")
+    overrides = {}
+    if val == 0:
+        overrides[lowest[1]] = "val"  # type: ignore[index]
+    elif val == count:
+        overrides[highest[1]] = "train"  # type: ignore[index]
+    return _Scan(hasher.hexdigest(), count, nbytes, tuple(skipped), overrides)
+
+
+def _split_of(relpath: str, val_fraction: float, overrides: dict[str, str]) -> str:
+    forced = overrides.get(relpath)
+    if forced is not None:
+        return forced
+    return "val" if _split_key(relpath) < val_fraction else "train"
+
+
+def _build_tokenizer(
+    config: PrepareConfig, listing: CorpusListing, scan: _Scan, advance: Any
+) -> Tokenizer:
     if config.tokenizer == "byte":
         return ByteTokenizer()
+    if config.tokenizer == "hf":
+        return load_tokenizer_file(config.tokenizer_file, eod_token=config.eod_token)  # type: ignore[arg-type]
+
     # Train on the train split only, so validation text never shapes the vocabulary.
-    texts = [d.text for d, s in zip(corpus.documents, splits, strict=True) if s == "train"]
-    return train_bpe(texts, vocab_size=config.vocab_size)  # type: ignore[arg-type]
+    def train_texts() -> Iterator[str]:
+        for doc in iter_documents(listing, advance=advance):
+            if _split_of(doc.relpath, config.val_fraction, scan.overrides) == "train":
+                yield doc.text
+
+    return train_bpe(train_texts(), vocab_size=config.vocab_size)  # type: ignore[arg-type]
 
 
-def _tokenize(
-    tokenizer: Tokenizer, corpus: Corpus, dtype: np.dtype, advance: Callable[[], None] | None
-) -> list[np.ndarray]:
-    """The tokens of each document followed by the separator, as arrays of ``dtype``."""
-    out = []
-    for doc in corpus.documents:
-        if isinstance(tokenizer, ByteTokenizer):
-            ids = np.frombuffer(doc.data, dtype=np.uint8)
-        else:
-            ids = np.asarray(tokenizer.encode(doc.text), dtype=np.int64)
-        arr = np.empty(len(ids) + 1, dtype=dtype)
-        arr[:-1] = ids
-        arr[-1] = tokenizer.eod_id
-        out.append(arr)
-        if advance is not None:
-            advance()
-    return out
+def _batches(docs: Iterator[Document]) -> Iterator[list[Document]]:
+    batch: list[Document] = []
+    size = 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc.data)
+        if size >= BATCH_BYTES or len(batch) >= _BATCH_DOCUMENTS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encode(tokenizer: Tokenizer, batch: list[Document]) -> list[np.ndarray]:
+    if isinstance(tokenizer, ByteTokenizer):
+        return [np.frombuffer(doc.data, dtype=np.uint8) for doc in batch]
+    encoded = tokenizer.encode_batch([doc.text for doc in batch])
+    return [np.asarray(ids, dtype=np.int64) for ids in encoded]
+
+
+def _settings(config: PrepareConfig, listing: CorpusListing, tokenizer_sha: str | None) -> dict:
+    """The settings an existing dataset must match to be reused."""
+    records = listing.format != "text"
+    return {
+        "tokenizer": config.tokenizer,
+        "requested_vocab_size": config.vocab_size,
+        "val_fraction": float(config.val_fraction),
+        "shard_tokens": config.shard_tokens,
+        "source_format": listing.format,
+        "text_field": listing.text_field if records else None,
+        "tokenizer_sha256": tokenizer_sha,
+        "eod_token": config.eod_token if config.tokenizer == "hf" else None,
+    }
+
+
+def _write_dataset(
+    tmp: Path,
+    config: PrepareConfig,
+    listing: CorpusListing,
+    scan: _Scan,
+    tokenizer: Tokenizer,
+    settings: dict[str, Any],
+    tokenizer_json: bytes | None,
+    advance: Any,
+) -> dict[str, Any]:
+    """Pass 3: tokenize and write every file of the dataset into ``tmp``; returns its meta."""
+    dtype = dtype_for_vocab(tokenizer.vocab_size)
+    writers = {split: SplitWriter(tmp, split, dtype, config.shard_tokens) for split in SPLITS}
+    documents = dict.fromkeys(SPLITS, 0)
+    hasher = ContentHasher()
+    try:
+        with open(tmp / DOCUMENTS_FILE, "x", encoding="utf-8") as index:
+            for batch in _batches(iter_documents(listing)):
+                for doc, ids in zip(batch, _encode(tokenizer, batch), strict=True):
+                    hasher.add(doc)
+                    if ids.size and int(ids.max()) >= tokenizer.vocab_size:
+                        raise DataError(
+                            f"the tokenizer gave id {int(ids.max())} >= its vocab size "
+                            f"{tokenizer.vocab_size} for {doc.relpath}"
+                        )
+                    tokens = np.empty(ids.size + 1, dtype=dtype)
+                    tokens[:-1] = ids
+                    tokens[-1] = tokenizer.eod_id
+                    split = _split_of(doc.relpath, config.val_fraction, scan.overrides)
+                    writers[split].append(tokens)
+                    documents[split] += 1
+                    entry = {"path": doc.relpath, "split": split, "tokens": int(ids.size)}
+                    index.write(json.dumps(entry, sort_keys=True) + "\n")
+                if advance is not None:
+                    advance(len(batch))
+            index.flush()
+            os.fsync(index.fileno())
+        for writer in writers.values():
+            writer.close()
+    finally:
+        for writer in writers.values():
+            writer.abort()
+    if hasher.hexdigest() != scan.content_hash:
+        raise DataError(f"source {listing.root} changed while it was being prepared; run again")
+    if tokenizer_json is not None:
+        _write_file(tmp / BPE_FILE, tokenizer_json)
+    tok_meta: dict[str, Any] = {
+        "kind": tokenizer.kind,
+        "vocab_size": tokenizer.vocab_size,
+        "requested_vocab_size": config.vocab_size,
+        "eod_id": tokenizer.eod_id,
+        "file": None if tokenizer_json is None else BPE_FILE,
+    }
+    if config.tokenizer == "hf":
+        tok_meta.update(
+            eod_token=config.eod_token,
+            origin=str(Path(os.path.abspath(config.tokenizer_file))),  # type: ignore[arg-type]
+            sha256=settings["tokenizer_sha256"],
+        )
+    entries = [
+        (shard["file"], shard["tokens"], digest)
+        for split in SPLITS
+        for shard, digest in zip(writers[split].shards, writers[split].digests, strict=True)
+    ]
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "source": listing.label,
+        "source_format": listing.format,
+        "python_version": listing.python_version,
+        "tokenizer": tok_meta,
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": dtype.name,
+        "val_fraction": float(config.val_fraction),
+        "shard_tokens": config.shard_tokens,
+        "settings": settings,
+        "shards": {split: writers[split].shards for split in SPLITS},
+        **{s: {"tokens": writers[s].tokens, "documents": documents[s]} for s in SPLITS},
+        "documents_file": DOCUMENTS_FILE,
+        "skipped_files": list(scan.skipped),
+        "skipped_count": len(scan.skipped),
+        "content_hash": scan.content_hash,
+        "tokens_hash": compute_tokens_hash(entries),
+    }
+    write_meta(tmp, meta)
+    return meta
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -191,69 +402,19 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _write_dataset(
-    tmp: Path,
-    config: PrepareConfig,
-    corpus: Corpus,
-    splits: list[str],
-    tokenizer: Tokenizer,
-    advance: Callable[[], None] | None,
-) -> None:
-    dtype = dtype_for_vocab(tokenizer.vocab_size)
-    doc_tokens = _tokenize(tokenizer, corpus, dtype, advance)
-    tokens_hash = hashlib.sha256()
-    shards: dict[str, list[dict[str, Any]]] = {}
-    counts: dict[str, dict[str, int]] = {}
-    for split in SPLITS:
-        parts = [t for t, s in zip(doc_tokens, splits, strict=True) if s == split]
-        stream = np.concatenate(parts)
-        counts[split] = {"tokens": int(stream.size), "documents": len(parts)}
-        shards[split] = []
-        for index, start in enumerate(range(0, stream.size, config.shard_tokens)):
-            name = f"{split}_{index:03d}.bin"
-            chunk = np.ascontiguousarray(stream[start : start + config.shard_tokens])
-            data = chunk.tobytes()
-            _write_file(tmp / name, data)
-            tokens_hash.update(name.encode() + len(data).to_bytes(8, "little") + data)
-            shards[split].append({"file": name, "tokens": int(chunk.size)})
-    if not isinstance(tokenizer, ByteTokenizer):
-        _write_file(tmp / BPE_FILE, tokenizer.to_json().encode("utf-8"))
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "source": corpus.label,
-        "python_version": corpus.python_version,
-        "tokenizer": {
-            "kind": tokenizer.kind,
-            "vocab_size": tokenizer.vocab_size,
-            "requested_vocab_size": config.vocab_size,
-            "eod_id": tokenizer.eod_id,
-            "file": None if isinstance(tokenizer, ByteTokenizer) else BPE_FILE,
-        },
-        "vocab_size": tokenizer.vocab_size,
-        "dtype": dtype.name,
-        "val_fraction": float(config.val_fraction),
-        "shard_tokens": config.shard_tokens,
-        "shards": shards,
-        "train": counts["train"],
-        "val": counts["val"],
-        "documents": [
-            {"path": d.relpath, "split": s, "tokens": int(t.size - 1)}
-            for d, s, t in zip(corpus.documents, splits, doc_tokens, strict=True)
-        ],
-        "skipped_files": list(corpus.skipped),
-        "skipped_count": len(corpus.skipped),
-        "content_hash": corpus.content_hash,
-        "tokens_hash": "sha256:" + tokens_hash.hexdigest(),
-    }
-    _write_file(tmp / META_FILE, (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
+def write_meta(folder: Path, meta: dict[str, Any]) -> None:
+    """meta.json, sorted keys, fsynced (written last into a temporary folder)."""
+    _write_file(folder / META_FILE, (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
 
 
 def _expected_files(meta: dict[str, Any]) -> set[str]:
     names = {META_FILE}
     for split in SPLITS:
         names.update(s["file"] for s in meta["shards"][split])
-    if meta["tokenizer"]["kind"] == "bpe":
-        names.add(BPE_FILE)
+    if meta["tokenizer"].get("file"):
+        names.add(meta["tokenizer"]["file"])
+    if meta.get("documents_file"):
+        names.add(meta["documents_file"])
     return names
 
 
@@ -261,22 +422,41 @@ def _read_complete_meta(out_dir: Path) -> dict[str, Any] | None:
     """meta.json of out_dir if it holds exactly one complete dataset, else None."""
     try:
         meta = json.loads((out_dir / META_FILE).read_text(encoding="utf-8"))
-        if meta.get("format_version") != FORMAT_VERSION:
+        if meta.get("format_version") not in READABLE_FORMAT_VERSIONS:
             return None
-        expected = _expected_files(meta)
-        if set(os.listdir(out_dir)) != expected:
+        if set(os.listdir(out_dir)) != _expected_files(meta):
             return None
         itemsize = np.dtype(meta["dtype"]).itemsize
         for split in SPLITS:
             for shard in meta["shards"][split]:
-                if (out_dir / shard["file"]).stat().st_size != shard["tokens"] * itemsize:
+                size = (out_dir / shard["file"]).stat().st_size
+                if "offset" in shard:  # an adopted file shared by both splits
+                    if size < (shard["offset"] + shard["tokens"]) * itemsize:
+                        return None
+                elif size != shard["tokens"] * itemsize:
                     return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return meta
 
 
-def _check_out_dir_early(out_dir: Path) -> None:
+def meta_settings(meta: dict[str, Any]) -> dict[str, Any]:
+    """The settings a dataset was made with (derived for format 1, which did not record them)."""
+    if "settings" in meta:
+        return meta["settings"]
+    return {
+        "tokenizer": meta["tokenizer"]["kind"],
+        "requested_vocab_size": meta["tokenizer"].get("requested_vocab_size"),
+        "val_fraction": meta.get("val_fraction"),
+        "shard_tokens": meta.get("shard_tokens"),
+        "source_format": "text",
+        "text_field": None,
+        "tokenizer_sha256": None,
+        "eod_token": None,
+    }
+
+
+def check_out_dir_early(out_dir: Path) -> None:
     """Fail before any work when out_dir cannot possibly be reused or created."""
     if not os.path.lexists(out_dir):
         return
@@ -287,87 +467,165 @@ def _check_out_dir_early(out_dir: Path) -> None:
         raise DataError(f"output {out_dir} exists and holds other files; choose another --out")
 
 
-def _reuse_existing(out_dir: Path, config: PrepareConfig, corpus: Corpus) -> bool:
-    """True when out_dir already holds this dataset; DataError when it holds something else."""
+def reuse_existing(out_dir: Path, settings: dict[str, Any], content_hash: str) -> dict | None:
+    """out_dir's meta when it already holds this dataset; None when it is absent or empty;
+    DataError when it holds something else."""
     if not os.path.lexists(out_dir):
-        return False
-    _check_out_dir_early(out_dir)
+        return None
+    check_out_dir_early(out_dir)
     if not os.listdir(out_dir):
-        return False  # an empty folder is replaced by the rename
+        return None  # an empty folder is replaced by the rename
     meta = _read_complete_meta(out_dir)
     if meta is None:
         raise DataError(f"output {out_dir} holds an incomplete or unknown dataset; remove it")
-    found = {
-        "tokenizer": meta["tokenizer"]["kind"],
-        "requested_vocab_size": meta["tokenizer"].get("requested_vocab_size"),
-        "val_fraction": meta.get("val_fraction"),
-        "shard_tokens": meta.get("shard_tokens"),
-    }
-    if meta.get("content_hash") != corpus.content_hash or found != config.settings():
+    found = meta_settings(meta)
+    if meta.get("content_hash") != content_hash or found != settings:
         raise DataError(
             f"output {out_dir} holds another dataset (content {meta.get('content_hash')}, "
             f"settings {found}); remove it or choose another --out"
         )
-    return True
+    return meta
+
+
+def result_of(
+    path: Path, meta: dict, *, reused: bool, source_bytes: int, t0: float
+) -> PrepareResult:
+    return PrepareResult(
+        path=path,
+        reused=reused,
+        documents=sum(int(meta[s].get("documents") or 0) for s in SPLITS),
+        tokens=sum(int(meta[s]["tokens"]) for s in SPLITS),
+        shards=len({s["file"] for split in SPLITS for s in meta["shards"][split]}),
+        source_bytes=source_bytes,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def publish(tmp: Path, out_dir: Path, reuse: Callable[[], dict | None]) -> bool:
+    """Rename the finished ``tmp`` to ``out_dir``; False when someone else published the same
+    dataset meanwhile (``reuse()`` says so), in which case ``tmp`` is removed."""
+    try:
+        os.rename(tmp, out_dir)
+        return True
+    except OSError:
+        if reuse() is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        raise
+
+
+def make_temporary_folder(out_dir: Path) -> Path:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    os.chmod(tmp, 0o755)
+    return tmp
+
+
+def prepare(
+    out_dir: Path | str, config: PrepareConfig, *, show_progress: bool = True
+) -> PrepareResult:
+    """Prepare (or reuse) the token dataset of ``config`` in ``out_dir``."""
+    t0 = time.perf_counter()
+    out_dir = Path(os.path.abspath(out_dir))
+    check_out_dir_early(out_dir)
+    listing = list_corpus_files(config.source, format=config.format, text_field=config.text_field)
+    tokenizer_json = tokenizer_sha = None
+    if config.tokenizer == "hf":
+        tokenizer_json = Path(config.tokenizer_file).read_bytes()  # type: ignore[arg-type]
+        tokenizer_sha = "sha256:" + hashlib.sha256(tokenizer_json).hexdigest()
+        load_tokenizer_file(config.tokenizer_file, eod_token=config.eod_token)  # type: ignore[arg-type]
+    settings = _settings(config, listing, tokenizer_sha)
+    with _Progress(show_progress) as progress:
+        scan = _scan(listing, config.val_fraction, progress.task("reading", listing.total_bytes))
+        meta = reuse_existing(out_dir, settings, scan.content_hash)
+        if meta is not None:
+            return result_of(out_dir, meta, reused=True, source_bytes=scan.source_bytes, t0=t0)
+        advance = progress.task("training bpe", listing.total_bytes)
+        tok = _build_tokenizer(config, listing, scan, advance)
+        if config.tokenizer == "bpe":
+            tokenizer_json = tok.to_json().encode("utf-8")  # type: ignore[union-attr]
+        tmp = make_temporary_folder(out_dir)
+        try:
+            advance = progress.task("tokenizing", scan.documents)
+            meta = _write_dataset(
+                tmp, config, listing, scan, tok, settings, tokenizer_json, advance
+            )
+            if not publish(
+                tmp, out_dir, lambda: reuse_existing(out_dir, settings, scan.content_hash)
+            ):
+                return result_of(out_dir, meta, reused=True, source_bytes=scan.source_bytes, t0=t0)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return result_of(out_dir, meta, reused=False, source_bytes=scan.source_bytes, t0=t0)
+
+
+def resolve_tokenizer(tokenizer: str | Path) -> tuple[str, Path | None]:
+    """``byte``/``bpe``, or a path to a tokenizer.json -> ("hf", path)."""
+    if isinstance(tokenizer, Path) or (
+        isinstance(tokenizer, str)
+        and tokenizer not in ("byte", "bpe")
+        and tokenizer.endswith(".json")
+    ):
+        return "hf", Path(tokenizer)
+    return tokenizer, None
 
 
 def prepare_dataset(
     out_dir: Path | str,
     *,
     source: Path | str | None = None,
-    tokenizer: str = "byte",
+    tokenizer: str | Path = "byte",
     vocab_size: int | None = None,
     val_fraction: float = 0.05,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    format: str = "auto",
+    text_field: str = DEFAULT_TEXT_FIELD,
+    eod_token: str = EOD_TOKEN,
     show_progress: bool = True,
 ) -> Path:
     """Prepare (or reuse) the token dataset of ``source`` in ``out_dir``; returns its path.
 
+    ``tokenizer`` is ``byte``, ``bpe`` (with ``vocab_size``) or the path of a ``tokenizer.json``.
     Raises ValueError for bad settings and DataError (a ValueError) for a bad source or an
     ``out_dir`` that holds anything other than this very dataset.
     """
+    kind, tokenizer_file = resolve_tokenizer(tokenizer)
     config = PrepareConfig(
         source=None if source is None else Path(source),
-        tokenizer=tokenizer,
+        tokenizer=kind,
         vocab_size=vocab_size,
         val_fraction=val_fraction,
         shard_tokens=shard_tokens,
+        tokenizer_file=tokenizer_file,
+        eod_token=eod_token,
+        format=format,
+        text_field=text_field,
     )
-    out_dir = Path(os.path.abspath(out_dir))
-    _check_out_dir_early(out_dir)
-    with _Progress(show_progress) as progress:
-        listing = list_corpus_files(config.source)
-        corpus = read_corpus(listing, advance=progress.task("reading", len(listing.files)))
-        if _reuse_existing(out_dir, config, corpus):
-            return out_dir
-        splits = assign_splits([d.relpath for d in corpus.documents], config.val_fraction)
-        tok = _build_tokenizer(config, corpus, splits)
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-        try:
-            os.chmod(tmp, 0o755)
-            advance = progress.task("tokenizing", len(corpus.documents))
-            _write_dataset(tmp, config, corpus, splits, tok, advance)
-            try:
-                os.rename(tmp, out_dir)
-            except OSError:
-                # Someone else created out_dir meanwhile: reuse it if it is this dataset.
-                if _reuse_existing(out_dir, config, corpus):
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    return out_dir
-                raise
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return out_dir
+    return prepare(out_dir, config, show_progress=show_progress).path
+
+
+def read_documents(dataset_dir: Path | str) -> list[dict[str, Any]]:
+    """The per-document index of a dataset (path, split, tokens), whatever its format version."""
+    dataset_dir = Path(dataset_dir)
+    meta = json.loads((dataset_dir / META_FILE).read_text(encoding="utf-8"))
+    if "documents" in meta:  # format 1
+        return list(meta["documents"])
+    if not meta.get("documents_file"):
+        return []  # an adopted token file: its documents are not known
+    with open(dataset_dir / meta["documents_file"], encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
 
 
 def default_dataset_name(
-    source: Path | str | None = None, tokenizer: str = "byte", vocab_size: int | None = None
+    source: Path | str | None = None, tokenizer: str | Path = "byte", vocab_size: int | None = None
 ) -> str:
-    """Folder name like ``stdlib-byte``, ``stdlib-bpe4096`` or ``<source stem>-byte``."""
+    """Folder name like ``stdlib-byte``, ``stdlib-bpe4096``, ``<source stem>-byte`` or ``-hf``."""
     stem = "stdlib" if source is None else (Path(source).stem or "corpus")
-    return f"{stem}-byte" if tokenizer == "byte" else f"{stem}-bpe{vocab_size}"
+    kind, _ = resolve_tokenizer(tokenizer)
+    if kind == "hf":
+        return f"{stem}-hf"
+    return f"{stem}-byte" if kind == "byte" else f"{stem}-bpe{vocab_size}"
 
 
 def ensure_dataset(root: Path | str, *, show_progress: bool = True) -> Path:
@@ -378,12 +636,16 @@ def ensure_dataset(root: Path | str, *, show_progress: bool = True) -> Path:
 __all__ = [
     "DEFAULT_DATASET_NAME",
     "DEFAULT_SHARD_TOKENS",
+    "DOCUMENTS_FILE",
     "FORMAT_VERSION",
     "PrepareConfig",
+    "PrepareResult",
     "STDLIB_SOURCE",
     "assign_splits",
     "default_dataset_name",
     "dtype_for_vocab",
     "ensure_dataset",
+    "prepare",
     "prepare_dataset",
+    "read_documents",
 ]

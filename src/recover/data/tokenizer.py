@@ -1,4 +1,4 @@
-"""Tokenizers: ``byte`` (the UTF-8 bytes, vocab 256) and ``bpe`` (byte-level BPE trained on the corpus).
+"""Tokenizers: ``byte`` (UTF-8 bytes, vocab 256), ``bpe`` (trained here) and ``hf`` (the user's file).
 
 Job: a small common interface, ``encode(text) -> list[int]``, ``decode(ids) -> str``,
 ``vocab_size`` and ``eod_id`` (the end-of-document separator), plus training, saving and loading.
@@ -12,6 +12,10 @@ Invariants:
   that literally contains "<|endoftext|>" cannot fake a document boundary. Training is
   deterministic: the same texts and vocab size give the same ``tokenizer.json`` and the same ids
   (checked by the tests, not promised by HF in general; keep it tested when upgrading).
+* ``hf``: a ``tokenizer.json`` of HF ``tokenizers`` that the user brings (any model: BPE,
+  WordPiece, Unigram). The separator is its ``eod_token`` (default ``<|endoftext|>``), which must
+  be in its vocabulary; ``encode`` never produces it (nor any other special token) from text, and
+  adds no special tokens of its own (no BOS/EOS from the post-processor).
 
 Costs and limits: BPE training reads all texts into the HF trainer (multi-threaded, seconds for
 the ~11 MB stdlib corpus). The trained vocabulary can be smaller than requested when the corpus
@@ -29,7 +33,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from recover.data.corpus import DataError
 
-TOKENIZER_KINDS = ("byte", "bpe")
+TOKENIZER_KINDS = ("byte", "bpe", "hf")
 BPE_FILE = "tokenizer.json"
 EOD_TOKEN = "<|endoftext|>"
 MIN_BPE_VOCAB = 257  # the special separator plus the 256 byte symbols
@@ -52,19 +56,23 @@ class ByteTokenizer:
         """Nothing to save: the byte tokenizer has no state."""
 
 
-class BpeTokenizer:
-    """A byte-level BPE from HF ``tokenizers``; id 0 is ``<|endoftext|>``."""
+class JsonTokenizer:
+    """A tokenizer of HF ``tokenizers`` (a ``tokenizer.json``) whose ``eod_token`` is the separator."""
 
-    kind = "bpe"
+    kind = "hf"
 
-    def __init__(self, hf: HFTokenizer) -> None:
-        eod = hf.token_to_id(EOD_TOKEN)
+    def __init__(self, hf: HFTokenizer, eod_token: str = EOD_TOKEN) -> None:
+        eod = hf.token_to_id(eod_token)
         if eod is None:
-            raise DataError(f"BPE tokenizer has no {EOD_TOKEN} token")
+            raise DataError(
+                f"the tokenizer has no {eod_token!r} token to separate documents; "
+                "name one of its tokens with --eod-token"
+            )
         hf.encode_special_tokens = True  # text never maps to the separator; not serialized
         self._hf = hf
+        self.eod_token = eod_token
         self.eod_id: int = eod
-        self.vocab_size: int = hf.get_vocab_size()
+        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
         return self._hf.encode(text, add_special_tokens=False).ids
@@ -82,16 +90,46 @@ class BpeTokenizer:
         (Path(out_dir) / BPE_FILE).write_text(self._hf.to_str(), encoding="utf-8")
 
 
-Tokenizer = ByteTokenizer | BpeTokenizer
+class BpeTokenizer(JsonTokenizer):
+    """A byte-level BPE trained here (``train_bpe``); id 0 is ``<|endoftext|>``."""
+
+    kind = "bpe"
+
+    def __init__(self, hf: HFTokenizer) -> None:
+        super().__init__(hf, EOD_TOKEN)
+
+
+def load_tokenizer_file(path: Path | str, *, eod_token: str = EOD_TOKEN) -> JsonTokenizer:
+    """A user's ``tokenizer.json``; DataError naming the file when it cannot be used."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"tokenizer file {path} does not exist or is not a file")
+    try:
+        hf = HFTokenizer.from_file(str(path))
+    except Exception as exc:  # HF raises a bare Exception for bad files
+        raise DataError(f"cannot load the tokenizer {path}: {exc}") from exc
+    try:
+        return JsonTokenizer(hf, eod_token)
+    except DataError as exc:
+        raise DataError(f"{path}: {exc}") from exc
+
+
+Tokenizer = ByteTokenizer | JsonTokenizer
 
 
 def validate_vocab_size(kind: str, vocab_size: int | None) -> None:
     """ValueError naming ``tokenizer``/``vocab_size`` for an impossible combination."""
     if kind not in TOKENIZER_KINDS:
-        raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZER_KINDS)}, got {kind!r}")
+        raise ValueError(
+            f"tokenizer must be byte, bpe or the path of a tokenizer.json, got {kind!r}"
+        )
     if kind == "byte":
         if vocab_size not in (None, 256):
             raise ValueError(f"vocab_size applies only to the bpe tokenizer, got {vocab_size}")
+        return
+    if kind == "hf":
+        if vocab_size is not None:
+            raise ValueError("vocab_size applies only to the bpe tokenizer (a file has its own)")
         return
     if vocab_size is None or isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise ValueError(
@@ -142,4 +180,7 @@ def load_tokenizer(dataset_dir: Path | str) -> Tokenizer:
             return BpeTokenizer(HFTokenizer.from_file(str(path)))
         except Exception as exc:  # HF raises a bare Exception for missing or bad files
             raise DataError(f"cannot load the BPE tokenizer {path}: {exc}") from exc
+    if kind == "hf":
+        eod_token = meta["tokenizer"].get("eod_token") or EOD_TOKEN
+        return load_tokenizer_file(dataset_dir / BPE_FILE, eod_token=eod_token)
     raise DataError(f"{meta_path} names an unknown tokenizer kind {kind!r}")
