@@ -26,8 +26,8 @@ torch.set_num_threads(1)
 TIERS = {
     "unit": (
         "test_addressing", "test_architecture", "test_cli_help", "test_coordinator_decide",
-        "test_data_prepare", "test_policy", "test_report", "test_simulate", "test_spec",
-        "test_units",
+        "test_data_formats", "test_data_prepare", "test_policy", "test_report", "test_simulate",
+        "test_spec", "test_units",
     ),
     "inprocess": (
         "test_api_usage", "test_coordinator_server", "test_step_machine", "test_train_single",
