@@ -57,7 +57,7 @@ from recover.coordinator.client import (
     Evicted,
     RequestRefused,
 )
-from recover.coordinator.client import QuorumLost as _ClientQuorumLost
+from recover.coordinator.client import QuorumLost as _QuorumLost
 from recover.policy import deal_round_robin
 from recover.runtime.collective import GroupCache
 from recover.runtime.env import ReplicaEnv
@@ -67,7 +67,6 @@ from recover.runtime.script_work import ScriptWork
 from recover.runtime.stall import StallGuard
 from recover.runtime.step_machine import (
     DivergedError,
-    QuorumLostError,
     StepHooks,
     StepMachine,
     StepOptions,
@@ -86,8 +85,9 @@ class CoordinatorLost(RuntimeError):
     """No coordinator can be reached; the model holds the last committed state (save it)."""
 
 
-class QuorumLost(QuorumLostError):
-    """Too few replicas survive; the model holds the last committed state (save it, resume)."""
+class QuorumLost(_QuorumLost):
+    """Too few replicas survive; the model holds the last committed state (save it, resume).
+    (The coordinator client's QuorumLost, with what a script does about it in its message.)"""
 
 
 class Replica:
@@ -466,7 +466,7 @@ class Replica:
                 f"the model holds the state after step {self._committed} (is_writer: save it), "
                 f"then resume with start_step={self._committed + 1}"
             ) from None
-        except (QuorumLostError, _ClientQuorumLost) as e:
+        except _QuorumLost as e:
             raise QuorumLost(
                 f"replica {self.replica_id}: {e}; the model holds the state after step "
                 f"{self._committed} (save it on the writer, then resume with start_step="

@@ -41,15 +41,11 @@ from typing import Any, Protocol
 
 import torch
 
-from recover.coordinator.client import Committed, Redo, Stopped
+from recover.coordinator.client import Committed, QuorumLost, Redo, Stopped
 from recover.coordinator.protocol import View
 from recover.runtime.collective import CollectiveAborted, GroupCache
 from recover.runtime.links import replica_hash
 from recover.runtime.transfer import transfer_state
-
-
-class QuorumLostError(RuntimeError):
-    """Fewer than min_replicas survive: the run stopped; resume it from its last checkpoint."""
 
 
 class DivergedError(RuntimeError):
@@ -476,7 +472,7 @@ def _writer(step: int, attempt: View, latest: View) -> int:
 
 def _stop(status: str, reason: str) -> None:
     if status == "quorum_lost":
-        raise QuorumLostError(f"quorum lost: {reason}. Resume from the last checkpoint")
+        raise QuorumLost(f"quorum lost: {reason}. Resume from the last checkpoint")
     if status == "diverged":
         raise DivergedError(f"REPLICAS DIVERGED, training stopped: {reason}")
     raise RuntimeError(f"the run stopped ({status}): {reason}")
@@ -486,7 +482,6 @@ __all__ = [
     "CommittedStep",
     "DivergedError",
     "Link",
-    "QuorumLostError",
     "StepAttempt",
     "StepHooks",
     "StepMachine",

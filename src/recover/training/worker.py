@@ -28,9 +28,9 @@ from recover.coordinator.client import (
     CoordinatorClient,
     CoordinatorUnreachable,
     Evicted,
+    QuorumLost,
     RequestRefused,
 )
-from recover.coordinator.client import QuorumLost as ClientQuorumLost
 from recover.data.addressing import TokenDataset
 from recover.policy import WORKLOADS
 from recover.record import MetricsWriter, read_metrics
@@ -43,7 +43,6 @@ from recover.runtime.stall import StallGuard
 from recover.runtime.step_machine import (
     CommittedStep,
     DivergedError,
-    QuorumLostError,
     StepHooks,
     StepMachine,
     StepOptions,
@@ -322,7 +321,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             flush=True,
         )
         return exits.EVICTED
-    except (QuorumLostError, ClientQuorumLost) as e:
+    except QuorumLost as e:
         # Every survivor holds the last committed state (the optimizer steps only on commits);
         # the lowest survivor saves it, so that --resume continues from the last committed step.
         save_last_committed()
