@@ -73,9 +73,7 @@ def test_byte_dataset_is_byte_identical_across_runs_and_meta_is_complete(tmp_pat
     assert meta["content_hash"] == compute_content_hash(docs)
     for split in ("train", "val"):
         expected = b"".join(
-            d.data + b"\x00"
-            for d, e in zip(docs, documents, strict=True)
-            if e["split"] == split
+            d.data + b"\x00" for d, e in zip(docs, documents, strict=True) if e["split"] == split
         )
         got = b"".join((a / s["file"]).read_bytes() for s in meta["shards"][split])
         assert got == expected

@@ -14,7 +14,8 @@ Sources (``format``; ``auto`` picks by the file name, see ``detect_format``):
   files and folders skipped, symlinked folders not followed). One text file is read in blocks and
   cut at line ends into documents of about ``FILE_CHUNK_BYTES`` (named ``<file>#00000``, ...), so
   that it can be split into train and validation like a folder.
-* ``jsonl``, ``parquet``, ``hf-disk``: one record is one document; see ``recover.data.records``.
+* ``jsonl``, ``parquet``, ``hf-disk``: one record is one document; read by
+  ``recover.data.records``, whose ``iter_documents`` streams any source.
 
 A user source is strict: a missing path, no files, only empty documents, a file that cannot be
 read, a special file (FIFO, socket, device) or a binary document (NUL byte or not UTF-8) raises
@@ -33,6 +34,7 @@ longest line of a single text file) or one record batch. It never writes anythin
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import stat
 import sys
@@ -170,6 +172,22 @@ def _walk_files(root: Path) -> list[tuple[str, Path]]:
     return files
 
 
+def list_hf_disk_files(root: Path) -> list[tuple[str, Path]]:
+    """The Arrow files of a folder saved by ``datasets``, in the order its state.json lists them."""
+    state_path = root / "state.json"
+    try:
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+        names = [entry["filename"] for entry in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{state_path}: not a datasets state file ({exc})") from exc
+    files = []
+    for name in names:
+        if not isinstance(name, str) or "/" in name or name.startswith("."):
+            raise DataError(f"{state_path}: bad data file name {name!r}")
+        files.append((name, root / name))
+    return files
+
+
 def detect_format(root: Path, files: list[tuple[str, Path]]) -> str:
     """``auto``: ``hf-disk`` for a folder saved by ``datasets``; ``jsonl``/``parquet`` when every
     file ends in ``.jsonl``/``.parquet``; else ``text``."""
@@ -199,8 +217,6 @@ def _list_user_source(source: Path, fmt: str, text_field: str) -> CorpusListing:
     if fmt == "auto":
         fmt = detect_format(root, files)
     if fmt == "hf-disk":
-        from recover.data.records import list_hf_disk_files
-
         files = list_hf_disk_files(root)
     if not files:
         raise DataError(f"source {root} holds no files")
@@ -347,32 +363,30 @@ def _iter_text(
             skipped.append(relpath)
 
 
-def iter_documents(
+def iter_text_documents(
     listing: CorpusListing,
     *,
     skipped: list[str] | None = None,
     advance: Advance | None = None,
 ) -> Iterator[Document]:
-    """The documents of a listing, one at a time, in corpus order.
+    """The documents of a ``text`` listing, one at a time, in corpus order.
 
-    Strict listings raise DataError naming the first bad file (and record); the stdlib listing
-    appends a bad file's path to ``skipped`` instead. ``advance(n)`` is told the source bytes
-    consumed, for a progress bar.
+    Strict listings raise DataError naming the first bad file; the stdlib listing appends a bad
+    file's path to ``skipped`` instead. ``advance(n)`` is told the source bytes consumed.
+    Other formats: ``recover.data.records.iter_documents``.
     """
-    if listing.format == "text":
-        return _iter_text(listing, skipped, advance)
-    from recover.data.records import iter_record_documents
-
-    return iter_record_documents(listing, advance)
+    if listing.format != "text":
+        raise ValueError(f"not a text listing: {listing.format!r}")
+    return _iter_text(listing, skipped, advance)
 
 
 def read_corpus(listing: CorpusListing, *, advance: Callable[[], None] | None = None) -> Corpus:
-    """Read a whole (small) source into memory: the documents, the skipped files, the hash.
+    """Read a whole (small) text source into memory: the documents, the skipped files, the hash.
 
     ``prepare`` streams instead; this is for tests and tools that want the documents in hand.
     """
     skipped: list[str] = []
-    documents = tuple(iter_documents(listing, skipped=skipped))
+    documents = tuple(iter_text_documents(listing, skipped=skipped))
     if advance is not None:
         for _ in listing.files:
             advance()

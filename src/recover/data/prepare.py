@@ -61,9 +61,9 @@ from recover.data.corpus import (
     CorpusListing,
     DataError,
     Document,
-    iter_documents,
     list_corpus_files,
 )
+from recover.data.records import iter_documents
 from recover.data.shards import SplitWriter, compute_tokens_hash
 from recover.data.tokenizer import (
     BPE_FILE,

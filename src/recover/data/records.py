@@ -1,7 +1,8 @@
 """Records: documents from JSONL, parquet and a Hugging Face ``datasets`` folder saved to disk.
 
 Job: stream the records of record-shaped sources as ``Document``s, one record one document, read
-in batches so that memory holds one batch, never a file.
+in batches so that memory holds one batch, never a file. ``iter_documents`` streams the
+documents of any listing (a ``text`` one through ``corpus``).
 
 * ``jsonl``: one JSON object per line; its ``text_field`` (default ``text``) is the document.
   Blank lines are skipped. A document is named ``<file>#L<line number>`` (1-based).
@@ -28,6 +29,7 @@ from recover.data.corpus import (
     CorpusListing,
     DataError,
     Document,
+    iter_text_documents,
     open_source_file,
 )
 
@@ -136,29 +138,28 @@ def _iter_arrow_stream(
         advance(path.stat().st_size)
 
 
-def list_hf_disk_files(root: Path) -> list[tuple[str, Path]]:
-    """The Arrow files of a folder saved by ``datasets``, in the order its state.json lists them."""
-    state_path = root / "state.json"
-    try:
-        state = json.loads(state_path.read_text(encoding="utf-8"))
-        names = [entry["filename"] for entry in state["_data_files"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DataError(f"{state_path}: not a datasets state file ({exc})") from exc
-    files = []
-    for name in names:
-        if not isinstance(name, str) or "/" in name or name.startswith("."):
-            raise DataError(f"{state_path}: bad data file name {name!r}")
-        files.append((name, root / name))
-    return files
-
-
 _READERS = {"jsonl": _iter_jsonl, "parquet": _iter_parquet, "hf-disk": _iter_arrow_stream}
 
 
-def iter_record_documents(listing: CorpusListing, advance: Advance | None) -> Iterator[Document]:
-    """The documents of a ``jsonl``, ``parquet`` or ``hf-disk`` listing, in order."""
-    read = _READERS.get(listing.format)
-    if read is None:
-        raise ValueError(f"not a record format: {listing.format!r}")
+def _iter_records(listing: CorpusListing, advance: Advance | None) -> Iterator[Document]:
+    read = _READERS[listing.format]
     for relpath, path in listing.files:
         yield from read(relpath, path, listing.text_field, advance)
+
+
+def iter_documents(
+    listing: CorpusListing,
+    *,
+    skipped: list[str] | None = None,
+    advance: Advance | None = None,
+) -> Iterator[Document]:
+    """The documents of any listing, one at a time, in corpus order (see ``corpus``).
+
+    ``skipped`` collects the stdlib files left out; ``advance(n)`` is told the source bytes
+    consumed, for a progress bar.
+    """
+    if listing.format == "text":
+        return iter_text_documents(listing, skipped=skipped, advance=advance)
+    if listing.format not in _READERS:
+        raise ValueError(f"unknown source format {listing.format!r}")
+    return _iter_records(listing, advance)
