@@ -167,3 +167,26 @@ def test_tensorboard_follows_the_pen_when_the_writer_dies(tiny_dataset, tmp_path
     ]
     assert [e.step for e in acc.Scalars("val/loss")] == [2, 5]
     assert [(e.step, e.value) for e in acc.Scalars("events/failures")] == [(3, 1)]
+
+
+def test_a_toml_job_file_reruns_the_reference(runs, tiny_dataset, tmp_path):
+    # The reference run's flags as a job file; only --out on the command line.
+    path = tmp_path / "job.toml"
+    path.write_text(
+        f'[train]\npreset = "tiny"\nseq_len = 32\nmicrobatch_size = 2\nmicrobatches = {M}\n'
+        f"steps = {STEPS}\neval_every = 3\neval_batches = 2\nwarmup_steps = 2\n"
+        f'[run]\ndata = "{tiny_dataset}"\nquiet = true\n'
+    )
+    out = tmp_path / "again"
+    r = run_cli(["train", "--config", str(path), "--out", str(out)])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "step 1/" not in r.stdout  # [run] quiet = true
+    again, reference = (committed_steps(p / "metrics.jsonl") for p in (out, runs["reference"]))
+    assert [again[s]["loss"] for s in range(STEPS)] == [reference[s]["loss"] for s in range(STEPS)]
+    # The multi-replica run's saved config.json is a job too: its flags come back.
+    from recover.cli import parse_args
+
+    a = parse_args(["train", "--config", str(runs["faulty"] / "config.json")])
+    assert (a.replicas, a.steps, a.microbatches, a.peak_tflops) == (3, STEPS, M, PEAK)
+    assert a.fault == ["kill:replica=2,step=2,phase=backward,microbatch=0"]  # (as it was read)
+    assert Path(a.tensorboard) == runs["tb"].resolve() and a.data == tiny_dataset.resolve()

@@ -150,6 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a GPT. With no --data, the built-in corpus (the Python standard "
         "library's source) is prepared under data/ on first use.",
     )
+    train.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a job file: TOML with one table per flag group ([train], [run], [replica], "
+        "[supervision], [launch]; keys are the flags without dashes), or a run folder's "
+        "config.json; flags given here override it (--fault specs add to its list)",
+    )
     add_train_config_flags(train)
     run = train.add_argument_group("run")
     run.add_argument(
@@ -695,11 +704,29 @@ HANDLERS = {
 }
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with a job file's values (`--config`) as the defaults of its flags:
+    the flags given override the file. ValueError for a bad job file."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) is None:
+        return args
+    from recover.jobconfig import job_defaults, read_job_file
+
+    command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = command.choices[args.command]
+    tables = read_job_file(args.config)
+    command.set_defaults(**job_defaults(command, tables, source=str(args.config)))
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     from importlib import import_module
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ValueError as e:  # a bad job file
+        return _error(str(e))
     if args.command in ("worker", "coordinator"):
         from recover.runtime.env import die_with_launcher
 

@@ -20,6 +20,7 @@ It must not touch the trajectory: it only starts, watches and stops processes.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -388,7 +389,8 @@ class LocalLauncher:
             data_info=self.data_info,
             resume=self.resume,
             launch={"mode": lc.mode, "replicas": lc.replicas, "min_replicas": lc.min_replicas,
-                    "faults": [fault_flag(f) for f in lc.faults]},
+                    "faults": [fault_flag(f) for f in lc.faults],
+                    "replica": json.loads(lc.replica.to_json())},  # (recover train --config)
         )  # fmt: skip
 
     def run(self) -> int:

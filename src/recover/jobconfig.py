@@ -1,0 +1,155 @@
+"""Job files: `recover train --config job.toml` (or a run folder's `config.json`).
+
+Job: turn a job file into defaults for the command's flags, so that a job can be described by a
+file and any flag given on the command line overrides it. A TOML file has one table per flag
+group of `recover train --help`; its keys are the long flags without their dashes (`-` or `_`
+alike):
+
+    [train]          # the trajectory: preset, steps, microbatches, lr, warmup_steps, ...
+    [run]            # data, data_root, out, resume, quiet
+    [replica]        # what a replica is: shard, tp, pp, mode, device, stall_timeout, ...
+    [supervision]    # min_replicas, lease, respawn, max_restarts, balance
+    [launch]         # replicas, fault (a list of specs), cold_start
+
+A run folder's `config.json` (what `recover train` saved) is read as the same sections: its
+`train` settings, its dataset's path, and its `launch` (the replica count and spec, the mode, the
+faults); what it holds only for people (`model`, the dataset's hash) is left out.
+
+Invariants: an unknown table or key is refused with the nearest valid name; a value of the wrong
+type or outside a flag's choices is refused naming its table and key. The values go through each
+flag's own type, and the configs built from the flags check them as they check flags. Parsing is
+stdlib `tomllib`; nothing here reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+# argparse group title (its start) -> the job file's table
+SECTIONS = {
+    "trajectory": "train",
+    "run": "run",
+    "what a replica": "replica",
+    "supervision": "supervision",
+    "options": "launch",
+}
+NOT_IN_FILES = {"help", "config"}  # flags a job file cannot set
+
+
+def _key(action: argparse.Action) -> str:
+    long = [o for o in action.option_strings if o.startswith("--")]
+    return long[0][2:].replace("-", "_") if long else action.dest
+
+
+def job_keys(parser: argparse.ArgumentParser) -> dict[str, dict[str, argparse.Action]]:
+    """table -> key -> the flag's action, for a command's parser."""
+    tables: dict[str, dict[str, argparse.Action]] = {}
+    for group in parser._action_groups:
+        section = next((s for t, s in SECTIONS.items() if group.title.startswith(t)), None)
+        if section is None:
+            continue
+        for action in group._group_actions:
+            if action.option_strings and action.dest not in NOT_IN_FILES:
+                tables.setdefault(section, {})[_key(action)] = action
+    return tables
+
+
+def read_job_file(path: Path) -> dict[str, dict[str, Any]]:
+    """A job file's tables: TOML, or a run folder's config.json (by its suffix)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror or e}") from None
+    if path.suffix == ".json":
+        try:
+            return tables_of_saved_config(json.loads(text))
+        except (ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"--config {path}: not a run folder's config.json ({e})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path}: not TOML: {e}") from None
+
+
+def tables_of_saved_config(saved: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The job tables of what `recover train` saved as RUN/config.json."""
+    from dataclasses import fields
+
+    from recover.runtime.spec import ReplicaSpec
+
+    tables: dict[str, dict[str, Any]] = {"train": dict(saved["train"])}
+    if saved.get("data", {}).get("path"):
+        tables["run"] = {"data": saved["data"]["path"]}
+    launch = saved.get("launch", {})
+    tables["launch"] = {"replicas": launch.get("replicas", 1), "fault": launch.get("faults", [])}
+    if "min_replicas" in launch:
+        tables["supervision"] = {"min_replicas": launch["min_replicas"]}
+    replica: dict[str, Any] = {"mode": launch["mode"]} if "mode" in launch else {}
+    spec = launch.get("replica") or {}
+    replica.update(spec.pop("layout", {}))
+    flags = {f.name: f.metadata["flag"] for f in fields(ReplicaSpec) if "flag" in f.metadata}
+    replica.update({flags[name][2:].replace("-", "_"): v for name, v in spec.items()})
+    if replica:
+        tables["replica"] = replica
+    return tables
+
+
+def _nearest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(choices))}"
+
+
+def job_defaults(
+    parser: argparse.ArgumentParser, tables: dict[str, Any], *, source: str
+) -> dict[str, Any]:
+    """dest -> value for `parser.set_defaults`, from a job file's tables. ValueError names the
+    file (`source`), the table and the key of the first thing wrong."""
+    known = job_keys(parser)
+    defaults: dict[str, Any] = {}
+    for section, table in tables.items():
+        if section not in known:
+            raise ValueError(f"{source}: unknown table [{section}]{_nearest(section, known)}")
+        if not isinstance(table, dict):
+            raise ValueError(f"{source}: [{section}] must be a table of keys")
+        for raw_key, value in table.items():
+            key = raw_key.replace("-", "_")
+            action = known[section].get(key)
+            if action is None:
+                raise ValueError(
+                    f"{source}: [{section}] unknown key {raw_key!r}{_nearest(key, known[section])}"
+                )
+            defaults[action.dest] = _value(action, value, f"{source}: [{section}] {raw_key}")
+    return defaults
+
+
+def _value(action: argparse.Action, value: Any, where: str) -> Any:
+    """`value` as the flag of `action` would give it."""
+    if isinstance(action, argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where} must be true or false, got {value!r}")
+        return value
+    if isinstance(action, argparse._AppendAction):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{where} must be a list of strings, got {value!r}")
+        return [action.type(v) if action.type else v for v in value]
+    if value is None or isinstance(value, dict | list):
+        raise ValueError(f"{where} must be a single value, got {value!r}")
+    kind = action.type
+    if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise ValueError(f"{where} must be a number, got {value!r}")
+    if kind is int and not isinstance(value, int):
+        raise ValueError(f"{where} must be an integer, got {value!r}")
+    try:
+        value = kind(value) if kind is not None else value
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    if action.choices is not None and value not in action.choices:
+        allowed = ", ".join(map(str, action.choices))
+        raise ValueError(f"{where} must be one of {allowed}, got {value!r}")
+    return value

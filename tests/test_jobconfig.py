@@ -1,0 +1,108 @@
+"""Job files (`recover train --config`): TOML tables per flag group, flags override the file,
+unknown tables and keys refused with the nearest valid name, and a run folder's config.json read
+back as a job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from recover.cli import parse_args
+from recover.runtime.spec import ReplicaSpec
+from recover.training.config import TrainConfig
+
+JOB = """
+[train]
+preset = "tiny"
+steps = 12
+warmup-steps = 2      # dashes or underscores alike
+lr = 1e-3
+
+[run]
+data = "datasets/tiny"
+quiet = true
+
+[replica]
+shard = 2
+stall_timeout = 60
+reduce_deadline = 12.5
+
+[supervision]
+lease = 2
+balance = "equal"
+
+[launch]
+replicas = 3
+fault = ["kill:replica=1,step=3,phase=backward"]
+"""
+
+
+def job(tmp_path: Path, text: str, name: str = "job.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_job_file_sets_every_group_and_flags_override_it(tmp_path):
+    path = job(tmp_path, JOB)
+    a = parse_args(["train", "--config", str(path)])
+    assert (a.preset, a.steps, a.warmup_steps, a.lr) == ("tiny", 12, 2, 1e-3)
+    assert a.data == Path("datasets/tiny") and a.quiet is True
+    assert (a.shard, a.stall_s, a.reduce_deadline_s) == (2, 60.0, 12.5)
+    assert (a.lease, a.balance, a.replicas) == (2.0, "equal", 3)
+    assert a.fault == ["kill:replica=1,step=3,phase=backward"]
+    assert a.min_replicas == 1 and a.seed == TrainConfig().seed  # what the file leaves out
+    b = parse_args(["train", "--config", str(path), "--steps", "7", "--balance", "throughput"])
+    assert (b.steps, b.balance, b.warmup_steps) == (7, "throughput", 2)  # the flags win
+    c = parse_args(
+        ["train", "--config", str(path), "--fault", "exit:replica=0,step=1,phase=commit"]
+    )
+    assert len(c.fault) == 2  # specs add up
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "[train]\nwarmup_step = 3\n",
+            "[train] unknown key 'warmup_step'; did you mean 'warmup_steps'?",
+        ),
+        ("[trian]\nsteps = 3\n", "unknown table [trian]; did you mean 'train'?"),
+        ("[replica]\nstall_timeot = 3\n", "did you mean 'stall_timeout'?"),
+        ("[train]\nsteps = 'ten'\n", "[train] steps must be a number, got 'ten'"),
+        ("[train]\nsteps = 2.5\n", "[train] steps must be an integer"),
+        ("[supervision]\nbalance = 'fast'\n", "balance must be one of throughput, equal"),
+        ("[launch]\nfault = 'kill:replica=0,step=1,phase=commit'\n", "must be a list of strings"),
+        ("[run]\nquiet = 1\n", "[run] quiet must be true or false"),
+        ("[train\n", "not TOML"),
+    ],
+)
+def test_a_bad_job_file_is_refused_naming_what_is_wrong(tmp_path, text, message):
+    path = job(tmp_path, text)
+    with pytest.raises(ValueError) as e:
+        parse_args(["train", "--config", str(path)])
+    assert message in str(e.value) and str(path) in str(e.value)
+
+
+def test_a_saved_config_json_is_a_job(tmp_path):
+    spec = ReplicaSpec.from_json('{"layout": {"tp": 2}, "stall_s": 42.0, "peak_tflops": 3.5}')
+    train = TrainConfig(preset="tiny", steps=9, microbatches=6)
+    saved = {
+        "format": 1,
+        "train": train.to_dict(),
+        "data": {"path": "/data/tiny", "content_hash": "sha256:x", "vocab_size": 256},
+        "model": {"n_layer": 2},
+        "launch": {"mode": "recover", "replicas": 2, "min_replicas": 2,
+                   "faults": ["kill:replica=1,step=3,phase=backward"],
+                   "replica": json.loads(spec.to_json())},
+    }  # fmt: skip
+    path = job(tmp_path, json.dumps(saved), "config.json")
+    a = parse_args(["train", "--config", str(path), "--out", str(tmp_path / "again")])
+    from recover.cli import train_config_from_args
+
+    assert train_config_from_args(a) == train
+    assert ReplicaSpec.from_args(a) == spec
+    assert (a.replicas, a.min_replicas, a.data) == (2, 2, Path("/data/tiny"))
+    assert a.fault == ["kill:replica=1,step=3,phase=backward"]
