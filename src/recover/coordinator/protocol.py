@@ -16,8 +16,10 @@ heartbeat may carry `hold_s` (the server holds the reply until the epoch or stat
 most that long). Every request may carry `view_version`, the view its sender holds; the view in
 the reply is then relative to it (`merge_view`): without the plan (`"pulse": true`) when the
 plan is the one of that version (`plan_version`), and with `live_from` (the ids gone and new since
-that version's epoch) instead of `live`. `Heartbeats` and `Tick(due=...)` are not wire messages:
-the server builds them for the rules. Relays (relay.py) add `done_batch` (`ReportsDone`: the done
+that version's epoch) instead of `live`. The whole view travels compact (views.py):
+`live_runs` for `live`, and `plan` for the holdings: the rule {"assign": M, "members", "weight"}
+that `assign` recomputes, or {"holding_runs", "weights"}. `Heartbeats` and `Tick(due=...)` are
+not wire messages: the server builds them for the rules. Relays (relay.py) add `done_batch` (`ReportsDone`: the done
 reports of several replicas in one message) and `lease_expired` (`LeaseExpired`: a lease judged
 at the relay).
 

@@ -29,12 +29,10 @@ its replicas hold. Limits: forwarded requests share one upstream connection (in 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import json
 import logging
 import struct
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -50,6 +48,7 @@ from recover.coordinator.protocol import (
     merge_view,
     read_frame_async,
 )
+from recover.coordinator.service import LoopService
 from recover.coordinator.views import ViewCache, frame, split_plan
 
 __all__ = ["RelayServer"]
@@ -113,8 +112,10 @@ class _Upstream:
             self.writer.close()
 
 
-class RelayServer:
+class RelayServer(LoopService):
     """`RelayServer((host, port)).start()`; `.address`; `.stop()`. See the module docstring."""
+
+    _what = "relay"
 
     def __init__(
         self,
@@ -134,20 +135,14 @@ class RelayServer:
         for name, v in (("beat_s", beat_s), ("batch_s", batch_s), ("tick_s", tick_s)):
             if not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
+        super().__init__(token=token, max_wait_s=max_wait_s)
         self._upstream_addr = upstream
         self._host, self._port = host, port
-        self._token = token
+        self._up_token = token
         self.relay_id = relay_id or uuid.uuid4().hex[:12]
         self._beat_s, self._batch_s, self._tick_s = beat_s, batch_s, tick_s
-        self._max_wait_s, self._body_timeout_s = max_wait_s, body_timeout_s
+        self._body_timeout_s = body_timeout_s
         self._up_timeout_s = upstream_timeout_s
-        self._address: tuple[str, int] | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop_event: asyncio.Event | None = None
-        self._stopping = False
         self._members: dict[int, _Member] = {}
         self._leases = LeaseQueue(1.0)
         self._heard: dict[int, float] = {}  # replica -> when its last heartbeat was read
@@ -157,7 +152,6 @@ class RelayServer:
         self._view: View | None = None  # the coordinator's view, without its plan
         self._views = ViewCache()
         self._plan = b""
-        self._waiters = Waiters()  # long-polls: any change of epoch, attempt, step, status
         self._held = Waiters()  # held heartbeats: epoch or status changes
         self._batches: dict[tuple[int, int], list[tuple[dict, asyncio.Future]]] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -167,47 +161,9 @@ class RelayServer:
     # ------------------------------------------------------------ lifecycle
 
     def start(self, timeout_s: float = 30.0) -> None:
-        if self._thread is not None:
-            raise RuntimeError("RelayServer.start() called twice")
-        self._thread = threading.Thread(target=self._run, name="relay", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"relay did not start within {timeout_s} s")
-        if self._error is not None:
-            self.stop()
-            raise RuntimeError(f"relay failed to start: {self._error!r}") from self._error
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self._loop is not None and self._stop_event is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop_event.set)
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-    def __enter__(self) -> RelayServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def address(self) -> tuple[str, int]:
-        if self._address is None:
-            raise RuntimeError("relay not started")
-        return self._address
-
-    @property
-    def failed(self) -> BaseException | None:
-        """Set when the relay stopped on its own (its upstream connection broke)."""
-        return self._error
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as e:  # recorded; start() or the owner reads self.failed
-            log.exception("relay loop failed")
-            self._error = e
-            self._ready.set()
+        """Connect upstream, then listen; returns when listening."""
+        self._start_loop()
+        self._wait_ready(timeout_s)
 
     async def _main(self) -> None:
         self._loop = loop = asyncio.get_running_loop()
@@ -249,8 +205,8 @@ class RelayServer:
 
     def _up(self, req: dict[str, Any]) -> dict[str, Any]:
         req = {**req, "relay": self.relay_id}
-        if self._token is not None:
-            req["token"] = self._token
+        if self._up_token is not None:
+            req["token"] = self._up_token
         return req
 
     async def _beat(self, hold: bool) -> None:
@@ -395,12 +351,6 @@ class RelayServer:
                 self._lost(conn)
             writer.close()
 
-    def _token_ok(self, req: dict[str, Any]) -> bool:
-        if self._token is None:
-            return True
-        got = req.get("token")
-        return isinstance(got, str) and hmac.compare_digest(got.encode(), self._token.encode())
-
     def _reply(self, reply: dict[str, Any], known: Any = -1) -> bytes:
         return frame(reply, self._views.encoded(known))
 
@@ -529,17 +479,6 @@ class RelayServer:
             if not fut.done():
                 fut.set_result(head)
 
-    async def _park_until(self, ready: Any, deadline_s: float) -> dict[str, Any] | None:
-        end = time.monotonic() + min(deadline_s, self._max_wait_s)
-        while True:
-            result = ready()
-            if result is not None:
-                return result
-            remaining = end - time.monotonic()
-            if remaining <= 0 or self._stopping:
-                return None
-            await self._waiters.park(remaining)
-
     def _deadline(self, req: dict[str, Any]) -> float:
         v = req.get("deadline_s")
         if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
@@ -563,7 +502,7 @@ class RelayServer:
                 return {"ok": True}
             return None
 
-        return await self._park_until(ready, self._deadline(req)) or {"ok": True, "timeout": True}
+        return await self._wait_for(ready, self._deadline(req)) or {"ok": True, "timeout": True}
 
     async def _wait_outcome(self, req: dict[str, Any]) -> dict[str, Any]:
         who = (
@@ -583,5 +522,5 @@ class RelayServer:
                 return {"ok": False, "code": "stale", "reason": out[1]}
             return {"ok": True, "outcome": out[0], "reason": out[1]}
 
-        result = await self._park_until(ready, self._deadline(req))
+        result = await self._wait_for(ready, self._deadline(req))
         return result or {"ok": True, "outcome": "timeout", "reason": "deadline passed"}

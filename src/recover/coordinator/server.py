@@ -48,7 +48,6 @@ a crash (etcd) must also hold back the replies that reveal a commit until its re
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import json
 import logging
@@ -57,7 +56,6 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +85,7 @@ from recover.coordinator.protocol import (
     decode_message,
     read_frame_async,
 )
+from recover.coordinator.service import LoopService
 from recover.coordinator.state_store import (
     LIVE,
     PENDING,
@@ -136,12 +135,14 @@ def _number(req: dict[str, Any], name: str) -> float:
     return float(v)
 
 
-class CoordinatorServer:
+class CoordinatorServer(LoopService):
     """`CoordinatorServer(options).start()`; `.address`, `.store_address`; `.stop()`.
 
     `store_port=None` hosts no TCPStore (tools and tests that build no process groups);
     `state_store` defaults to an `InMemoryStateStore`.
     """
+
+    _what = "coordinator"
 
     def __init__(
         self,
@@ -170,25 +171,18 @@ class CoordinatorServer:
         ):
             if not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
+        super().__init__(token=token, max_wait_s=max_wait_s)
         self._options = options
         self._host, self._port, self._store_port = host, port, store_port
-        self._token = token.encode() if token else None
         self._events_path = events_path
         self._state_store = state_store if state_store is not None else InMemoryStateStore()
-        self._tick_s, self._max_wait_s, self._body_timeout_s = tick_s, max_wait_s, body_timeout_s
+        self._tick_s, self._body_timeout_s = tick_s, body_timeout_s
         self._log: deque[dict[str, Any]] = deque(maxlen=log_size)
         self._log_lock = threading.Lock()
         self._state: CoordinatorState | None = None
-        self._address: tuple[str, int] | None = None
         self._store_address: tuple[str, int] | None = None
         self._tcp_store: Any = None
         self._events_fd: int | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop_event: asyncio.Event | None = None
-        self._stopping = False
         self._sessions: dict[tuple[int, str], int] = {}
         self._conn_ids = itertools.count(1)
         self._writers: set[asyncio.StreamWriter] = set()
@@ -199,7 +193,6 @@ class CoordinatorServer:
         # Leases in deadline order: replica -> coordinator clock of its last heartbeat (read).
         self._leases = LeaseQueue(options.lease_s)
         self._beats: list[tuple[int, str, float]] = []  # read, not yet applied (one per tick)
-        self._waiters = Waiters()  # long-polls
         self._held = Waiters()  # held heartbeats: woken by epoch or status changes only
         self._wake_key: tuple = ()
         # replica -> the newest view version a reply to it carried (on any connection), so a
@@ -246,23 +239,13 @@ class CoordinatorServer:
         if self._events_path is not None:
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
             self._events_fd = os.open(self._events_path, flags, 0o644)
-        self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
-        self._thread.start()
+        self._start_loop()
         self._saver = threading.Thread(target=self._save_loop, name="coordinator-save", daemon=True)
         self._saver.start()
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"coordinator did not start listening within {timeout_s} s")
-        if self._error is not None:
-            self.stop()
-            raise RuntimeError(f"coordinator failed to start: {self._error!r}") from self._error
+        self._wait_ready(timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self._loop is not None and self._stop_event is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop_event.set)
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                log.error("coordinator thread did not stop within %s s", timeout_s)
+        self._stop_loop(timeout_s)
         self._save_stop.set()
         if self._saver is not None:
             self._saver.join(timeout_s)
@@ -271,26 +254,9 @@ class CoordinatorServer:
             self._events_fd = None
         self._tcp_store = None
 
-    def __enter__(self) -> CoordinatorServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def address(self) -> tuple[str, int]:
-        if self._address is None:
-            raise RuntimeError("coordinator not started")
-        return self._address
-
     @property
     def store_address(self) -> tuple[str, int] | None:
         return self._store_address
-
-    @property
-    def failed(self) -> BaseException | None:
-        return self._error
 
     def state(self) -> CoordinatorState:
         """The current state (never mutated after publication: safe to read from any thread)."""
@@ -301,14 +267,6 @@ class CoordinatorServer:
             return list(self._log)
 
     # ------------------------------------------------------------ the event loop
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as e:  # recorded; start() or the owner reads self.failed
-            log.exception("coordinator loop failed")
-            self._error = e
-            self._ready.set()
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -444,18 +402,6 @@ class CoordinatorServer:
             }
             os.write(self._events_fd, (json.dumps(line) + "\n").encode())  # one whole line
 
-    async def _wait_for(self, pred: Callable[[], Any], deadline_s: float) -> Any:
-        """Poll `pred` at every view change until it returns non-None or the deadline passes."""
-        end = time.monotonic() + min(deadline_s, self._max_wait_s)
-        while True:
-            result = pred()
-            if result is not None:
-                return result
-            remaining = end - time.monotonic()
-            if remaining <= 0 or self._stopping:
-                return None
-            await self._waiters.park(remaining)
-
     # ------------------------------------------------------------ connections
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -498,12 +444,6 @@ class CoordinatorServer:
             if conn.relay is not None and not self._stopping:
                 self._relay_lost(conn.relay, "exit")
             writer.close()
-
-    def _token_ok(self, req: dict[str, Any]) -> bool:
-        if self._token is None:
-            return True
-        got = req.get("token")
-        return isinstance(got, str) and hmac.compare_digest(got.encode(), self._token)
 
     async def _reply_and_close(self, writer: asyncio.StreamWriter, code: str, why: str) -> None:
         try:
