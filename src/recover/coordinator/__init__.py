@@ -3,8 +3,10 @@
 - `decide.py`: the pure rules `decide(now, state, message)`; `state_store.py`: options, state,
   JSON form, stores; `protocol.py`: messages, the view, framing; `server.py`: the asyncio server
   (also hosts the torch TCPStore); `pacing.py`: its lease queue, parked waiters and peer-EOF
-  protocol; `client.py`: what a replica's training loop uses (torch-free);
-  `cli.py`: `recover coordinator serve|status`.
+  protocol; `views.py`: the view encoded once per version and sent relative to the one a peer
+  holds; `relay.py`: a relay that holds 64-128 replicas' sessions and leases in front of the
+  server; `service.py`: the loop thread both run on; `client.py`: what a replica's training loop
+  uses (torch-free); `cli.py`: `recover coordinator serve|relay|status`.
 
 Importing this package does not import torch (the server imports it only when it starts a store).
 """
@@ -24,6 +26,7 @@ from recover.coordinator.client import (
     Stopped,
 )
 from recover.coordinator.protocol import View
+from recover.coordinator.relay import RelayServer
 from recover.coordinator.server import CoordinatorServer
 from recover.coordinator.state_store import CoordinatorOptions, InMemoryStateStore, StateStore
 
@@ -40,6 +43,7 @@ __all__ = [
     "Outcome",
     "QuorumLost",
     "Redo",
+    "RelayServer",
     "RequestRefused",
     "StateStore",
     "Stopped",
