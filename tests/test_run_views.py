@@ -83,7 +83,7 @@ def test_tensorboard_mirrors_the_record_once(runs):
         return [(e.step, e.value) for e in acc.Scalars(tag)]
 
     record = committed_steps(runs["faulty"] / "metrics.jsonl")
-    # Every committed step once (whoever held the pen), with the record's figures.
+    # Every committed step once (whichever replica was the writer), with the record's figures.
     loss = scalars("train/loss")
     assert [s for s, _ in loss] == list(range(STEPS))
     for step, value in loss:

@@ -5,7 +5,7 @@ later tool) and read it back. Replicas (steps, evals, checkpoints, the library's
 launcher and the tools share this one module; the terminal lines are `recover.training.console`.
 
 Invariants: every record is written as one whole line in one `write` on a file opened in append
-mode, so several writers (the coordinator and the replica that holds the pen) never interleave
+mode, so several writers (the coordinator and the writer replica) never interleave
 within a line. Records are never rewritten; a reader takes the last record of a step when a step
 appears twice (a resumed run re-commits the steps after its checkpoint).
 

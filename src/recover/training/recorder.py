@@ -62,13 +62,14 @@ class RunRecorder:
     writer: MetricsWriter
     console: TextIO | None = None
     start_step: int = 0
-    # The pen: only the replica holding it writes step and eval records, checkpoints and the final
-    # model (the lowest live replica of a multi-replica run). Events are written by every replica.
-    holds_pen: bool = True
-    # False on the other ranks of a replica of several ranks: they hold the pen with their
-    # replica (evaluation, gathering the state to save and the final model are collectives
-    # inside it) but only its first rank writes records and files.
-    writes: bool = True
+    # Whether this replica is the writer (docs/design.md): only the writer writes step and eval
+    # records, checkpoints and the final model (the replica the coordinator names at each commit;
+    # the lowest live one). Events are written by every replica.
+    is_writer: bool = True
+    # Whether this rank leads its replica (its first rank). The other ranks of a writer replica
+    # take part in what the writer does (evaluation, gathering the state to save and the final
+    # model are collectives inside the replica) but only the leading rank writes records and files.
+    leads: bool = True
     replica: int | None = None  # a replica of a multi-replica run: named in its step records
     peak_tflops: float = 0.0  # --peak-tflops (0: from the GPU's name where known)
     devices_per_replica: int = 1  # its ranks, one device each: the MFU's denominator
@@ -87,7 +88,7 @@ class RunRecorder:
         trainer = self.trainer
         self._flops_per_token = training_flops_per_token(trainer.model_config, trainer.model_values)
         self._peak = device_peak_tflops(str(trainer.device), self.peak_tflops)
-        if self.tensorboard and self.writes:
+        if self.tensorboard and self.leads:
             self._sink = TensorBoardSink(
                 Path(self.tensorboard), self.writer.path, replica=self.replica
             )
@@ -97,7 +98,7 @@ class RunRecorder:
             on_saved=self._on_saved,
             fence=self.writer.allowed,  # an evicted incarnation publishes no checkpoint
         )
-        if self.writes:  # a writer of this host killed mid-save left its temporary file
+        if self.leads:  # a writer of this host killed mid-save left its temporary file
             for stale in remove_stale_tmp(self.paths.checkpoints):
                 self.event("checkpoint_tmp_removed", path=str(stale))
         self._t_start = self._t_last = time.perf_counter()
@@ -105,11 +106,12 @@ class RunRecorder:
         self.last_committed = self.start_step - 1
 
     @property
-    def pen_writes(self) -> bool:
-        return self.holds_pen and self.writes
+    def writes_records(self) -> bool:
+        """This process writes the run's records: the writer replica's leading rank."""
+        return self.is_writer and self.leads
 
     def say(self, line: str) -> None:
-        if self.console is not None and self.pen_writes:
+        if self.console is not None and self.writes_records:
             print(line, file=self.console, flush=True)
 
     def event(self, name: str, **fields) -> None:
@@ -153,7 +155,7 @@ class RunRecorder:
         self._recent[stats.step] = record
         for old in [k for k in self._recent if k <= stats.step - _RECENT_KEPT]:
             del self._recent[old]
-        if self.pen_writes and self._write_step(record):  # (nothing when fenced)
+        if self.writes_records and self._write_step(record):  # (nothing when fenced)
             self.say(
                 format_step_line(
                     step=stats.step,
@@ -199,7 +201,7 @@ class RunRecorder:
         evaluation and checkpoint due after `upto - 1` when the run folder lacks them. Every rank
         of the replica calls it (evaluating and saving are collectives inside a replica) and reads
         the same run folder, so they agree on what is missing."""
-        if not self.holds_pen or first >= upto:
+        if not self.is_writer or first >= upto:
             return
         steps, evals = set(), set()
         for rec in read_metrics(self.writer.path):
@@ -210,7 +212,7 @@ class RunRecorder:
             elif rec.get("kind") == "eval":
                 evals.add(int(rec["step"]))
         filled = [s for s in range(first, upto) if s not in steps and s in self._recent]
-        if self.writes:
+        if self.leads:
             for s in filled:
                 self._write_step(self._recent[s])
         before = upto - 1
@@ -221,7 +223,7 @@ class RunRecorder:
         saved = ckpt_due and not checkpoint_path(self.paths.checkpoints, upto).exists()
         if saved:
             self.checkpoint(upto)
-        if self.writes and (filled or evaluated or saved):
+        if self.leads and (filled or evaluated or saved):
             self.event(
                 "records_filled", replica=self.replica, steps=filled,
                 eval=before if evaluated else None, checkpoint=upto if saved else None,
@@ -236,18 +238,18 @@ class RunRecorder:
             )
 
     def evaluate(self, step: int) -> float | None:
-        if not self.holds_pen:  # the parameters are identical everywhere: one evaluation is enough
+        if not self.is_writer:  # the parameters are identical everywhere: one evaluation is enough
             return None
         loss = self.trainer.evaluate()
         self._last_eval = loss
-        if self.writes:
+        if self.leads:
             self.writer.eval(step=step, val_loss=loss)
         self.say(f"eval step {step + 1} | val loss {loss:.4f}")
         return loss
 
     def checkpoint(self, next_step: int, *, block: bool = False) -> Path | None:
-        """Save the committed state; only the replica holding the pen writes to disk."""
-        if not self.holds_pen:
+        """Save the committed state; only the writer replica writes to disk."""
+        if not self.is_writer:
             return None
         state = {
             "step": next_step,
@@ -255,7 +257,7 @@ class RunRecorder:
             "data_hash": self.data_hash,
             **self.trainer.state_dict(),
         }
-        if not self.writes or not self.writer.allowed():  # (an evicted incarnation saves nothing)
+        if not self.leads or not self.writer.allowed():  # (an evicted incarnation saves nothing)
             return None
         # `checkpoint_saved` is written by _on_saved once the file is durable, not here.
         return self._ckpt.save(next_step, state, block=block)
@@ -304,8 +306,8 @@ class RunRecorder:
         }
         # Nothing from an evicted incarnation, not even the temporary file (every rank of the
         # replica still takes part in gathering the model).
-        publish = self.pen_writes and self.writer.allowed()
-        if self.holds_pen:
+        publish = self.writes_records and self.writer.allowed()
+        if self.is_writer:
             self.paths.final_model.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.paths.final_model.with_name("model.safetensors.tmp")
             self.trainer.save_model(str(tmp) if publish else None)

@@ -5,12 +5,12 @@ step time, achieved TFLOP/s and MFU, live replicas) and its events (failures, re
 joins, epochs: as cumulative-count scalars and one text entry each), from the run's own record.
 
 How: `metrics.jsonl` stays the record; the sink only follows it. It is held by the replica that
-writes step records (RunRecorder, where the pen is), and each time that replica has written a step
+writes step records (RunRecorder: the writer), and each time that replica has written a step
 record it reads what the file gained since its last read. The file is cut into segments, each
 ending at a step record; the segment of a step record is mirrored by the replica named in it as
 its writer (the coordinator named it with the commit), so every record the file gains is
-mirrored once, whoever wrote it (the coordinator, another replica, the launcher) and whoever held
-the pen before. Records that were in the file when the sink started (a resumed run's history)
+mirrored once, whoever wrote it (the coordinator, another replica, the launcher) and whichever
+replica was the writer before. Records that were in the file when the sink started (a resumed run's history)
 are counted for the cumulative markers but not mirrored again. What the file gains after the
 summary (the launcher's last events) is not mirrored.
 

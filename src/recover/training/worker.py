@@ -180,8 +180,8 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         writer=writer,
         console=console,
         start_step=start,
-        holds_pen=False,
-        writes=rank == 0,
+        is_writer=False,
+        leads=rank == 0,
         replica=me,
         peak_tflops=spec.peak_tflops,
         devices_per_replica=layout.ranks,
@@ -199,10 +199,10 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             return False
         view = link.step_view()
         live = view.live if view is not None else ()
-        recorder.holds_pen = not live or me == min(live)
-        if recorder.holds_pen:
+        recorder.is_writer = not live or me == min(live)
+        if recorder.is_writer:
             recorder.checkpoint(recorder.last_committed + 1, block=True)
-        return recorder.pen_writes
+        return recorder.writes_records
 
     try:
         view = link.register(
@@ -283,13 +283,13 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
                 if not asked_to_leave.is_set():
                     asked_to_leave.set()
                     continue
-                if recorder.holds_pen and not commit.released:
+                if recorder.is_writer and not commit.released:
                     recorder.checkpoint(step, block=True)
                 recorder.event("replica_stopped", replica=me, rank=rank, step=step)
                 print(
                     f"replica {me}: stopped as asked at the boundary of step {step}"
                     + (f"; the committed state is checkpointed in {paths.checkpoints}"
-                       if recorder.pen_writes else ""),
+                       if recorder.writes_records else ""),
                     file=sys.stderr, flush=True,
                 )  # fmt: skip
                 link.leave(step=step)
@@ -297,16 +297,16 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         if not machine.has_state:  # admitted at the very end: it never held the run's state
             link.leave(step=step)
             return exits.OK
-        # The pen stays where the last commit put it (replicas that already left are not in
-        # the view any more, so recomputing it here could hand out a second pen).
-        pen = recorder.pen_writes
+        # The writer stays the one the last commit named (replicas that already left are not in
+        # the view any more, so recomputing it here could name a second writer).
+        writes = recorder.writes_records
         recorder.finish(
             unigram_loss=unigram_loss(
                 dataset.shards("train"), dataset.shards("val"), dataset.vocab_size
             )
-            if pen
+            if writes
             else None,
-            extra=run_recovery_summary(paths.metrics) if pen else {},
+            extra=run_recovery_summary(paths.metrics) if writes else {},
         )
         phash = machine.replica_hash()
         if rank == 0:
@@ -351,7 +351,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     except NonFiniteError as e:
         # Every replica holds the same last finite state (no skipped step was applied); the
         # writer of the last step saves it, so that a resume starts from it.
-        if recorder.holds_pen:
+        if recorder.is_writer:
             recorder.checkpoint(recorder.last_committed + 1, block=True)
         print(f"replica {me}: {e}", file=sys.stderr, flush=True)
         return exits.NONFINITE
@@ -391,7 +391,7 @@ def apply_commit(
     commit: CommittedStep, *, replica: int, trainer, recorder: RunRecorder, guard
 ) -> None:
     """The update of a committed step, then its records (the writer was named with the commit)."""
-    recorder.holds_pen = commit.writer
+    recorder.is_writer = commit.writer
     # A previous writer died or left before its records were known written: what the run folder
     # lacks is written now, while the state is still the one committed before this step.
     recorder.fill_gaps(commit.records_from, commit.step)
