@@ -2,6 +2,9 @@
 
 Subcommands: train, prepare, compare, coordinator, worker, bench. Each builds validated configs
 and passes them down; errors a user can fix are printed as one `error: ...` line with exit 2.
+
+Size: every command's flags and entry point in one module, by design: it is the only place that
+reads flags and the environment.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ Supervision rules:
 - the coordinator's death ends the run (it is the one process that must not die here).
 
 It must not touch the trajectory: it only starts, watches and stops processes.
+
+Size: one local launcher for both `recover train` and `recover run` (they differ in the replica's
+command and environment only): start, supervision, respawns, stops and the verdict.
 """
 
 from __future__ import annotations

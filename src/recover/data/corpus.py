@@ -29,6 +29,9 @@ input of a dataset.
 
 Costs and limits: memory holds one document (a whole file of a ``text`` folder; 16 KB plus the
 longest line of a single text file) or one record batch. It never writes anything.
+
+Size: reading every input format (text, JSONL, parquet, saved datasets), each with the errors that
+name the file and record; one concern, one function family per format.
 """
 
 from __future__ import annotations

@@ -36,6 +36,9 @@ Invariants:
 Costs and limits: memory is bounded by one batch of documents (about ``BATCH_BYTES`` of text,
 or one larger document) and its tokens, whatever the corpus size (docs/data.md has the measured
 figures). The source is read twice (three times for bpe); reading is cheap next to tokenizing.
+
+Size: the passes of a streaming prepare (check and hash, train a tokenizer, tokenize and write) and
+its atomic, idempotent publish.
 """
 
 from __future__ import annotations

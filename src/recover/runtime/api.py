@@ -33,6 +33,9 @@ the replica's own group and a device mesh (`replica.mesh`, dims "shard" and "tp"
 applies FSDP2 (`fully_shard(..., mesh=replica.mesh["shard"])`) and/or tensor parallelism over it.
 The ids of the replica are dealt over the shard dimension (a rank with one fewer runs a padding
 pass whose gradient `backward()` scales by 0); the ranks along tp compute the same ids.
+
+Size: the public API (`Replica`) and its checks of misuse, each with the message a user needs; the
+machinery is in the step machine.
 """
 
 from __future__ import annotations

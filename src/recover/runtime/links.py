@@ -27,6 +27,9 @@ within milliseconds of that; the other replicas recover as for a single-rank rep
 finishes marks itself done first, so a clean end is not mistaken for a death.
 
 Costs per step: one small all-gather and one small broadcast inside the replica.
+
+Size: the replica's own group, its watchdog and the relay of the coordinator's view to every rank
+are one protocol among a replica's ranks; split, that protocol would be read in three places.
 """
 
 from __future__ import annotations

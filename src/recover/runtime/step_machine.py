@@ -29,6 +29,9 @@ Invariants kept here:
 
 What it must not do: decide membership or plans (the coordinator does), or apply the update (the
 caller does, from the `CommittedStep` it gets back).
+
+Size: one state machine (plan, compute, snapshot, reduce, vote, commit or redo, transfer) and the
+two small interfaces it runs over.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ Checkpoints and the final model hold the full state (torch.distributed.checkpoin
 helpers, keyed by parameter name); a checkpoint resumes into a replica of the same layout.
 Dropout under TP draws each rank's attention masks for its own heads: deterministic per
 (seed, step, j) and layout, but not the single-rank masks (use dropout 0 to compare layouts).
+
+Size: the layouts inside a replica (FSDP2, TP, PP and their combinations) share one trainer base;
+each class is short, and their differences read best next to each other.
 """
 
 from __future__ import annotations

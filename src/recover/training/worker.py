@@ -8,6 +8,10 @@ checkpoint of the last committed state when the quorum is lost, and an exit stat
 
 What it must not do: the step's recovery logic (the step machine's), decide membership or plans
 (the coordinator's), or reach into the model (the trainer's).
+
+Size: one replica process from start to exit: set-up, the step loop as a client of the step
+machine, and every way out with its exit status; the step's own logic is in
+recover.runtime.step_machine.
 """
 
 from __future__ import annotations

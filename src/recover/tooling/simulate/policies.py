@@ -22,6 +22,9 @@ failure-free steps analytically (`_begin_run` / `_interrupt_run`).
 
 Limits: replicas are fungible counts, not identities; a failure picks its victim uniformly among
 the replica slots the job holds (live, spare, repaired-but-not-yet-joined).
+
+Size: the four policies the simulator compares (recover, checkpoint-restart, shrink, spares), side
+by side so that their differences read in one place.
 """
 
 from __future__ import annotations
