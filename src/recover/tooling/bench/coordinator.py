@@ -391,7 +391,10 @@ async def _drive_part(cfg: BenchCoordinatorConfig, rids: range, addrs: list) -> 
                 hung.silent = True
                 await asyncio.sleep(cfg.heartbeat_s * 2)  # an in-flight heartbeat completes
                 out["t_hang"] = hung.last_hb_sent
-            await d.until(lambda: d.all_saw_without(1) is not None, cfg.step_timeout_s, "hang")
+            # The faulting part hangs replica 1 only once its own survivors saw the kill: the
+            # others, which may have seen it sooner, wait for that too.
+            wait = cfg.step_timeout_s * (1 if faulter else 2)
+            await d.until(lambda: d.all_saw_without(1) is not None, wait, "hang")
             out["saw_without"] = {str(v): d.all_saw_without(v) for v in _FAULTED}
             n = max(d.commits)
             await d.until(lambda: n + 1 in d.commits, cfg.step_timeout_s, "commit after faults")
