@@ -149,24 +149,34 @@ def bench_rejoin(args: argparse.Namespace) -> dict:
             flags = [*train_flags(cfg), "--replicas", str(args.replicas), "--data", str(data),
                      "--respawn", "0", "--fault",
                      f"kill:replica={args.replicas - 1},step={REJOIN_KILL_STEP},phase=backward"]  # fmt: skip
-            figures = []
+            # Warm (the respawn forked from the zygote) and cold (a fresh process) alternate, so
+            # both see the same machine.
+            figures: dict[str, list[dict]] = {"warm": [], "cold": []}
             for i in range(args.repeats):
-                out = run_recover(flags, Path(tmp) / f"{preset}-{i}", timeout_s=args.timeout)
-                figures.append(rejoin_figures(out))
+                for start, extra in (("warm", []), ("cold", ["--cold-start"])):
+                    run = Path(tmp) / f"{preset}-{start}-{i}"
+                    out = run_recover([*flags, *extra], run, timeout_s=args.timeout)
+                    figures[start].append(rejoin_figures(out))
             row = {"preset": preset, "microbatches": M, "microbatch_size": B, "seq_len": T}
-            for key in figures[0]:
-                row[key] = statistics.median(f[key] for f in figures)
+            for key in figures["warm"][0]:
+                row[key] = statistics.median(f[key] for f in figures["warm"])
+            row["cold_start_to_first_commit_s"] = statistics.median(
+                f["start_to_first_commit_s"] for f in figures["cold"]
+            )
             rows.append(row)
             print(f"  {preset:<10} state {row['transfer_bytes'] / 2**20:.1f} MiB in "
                   f"{row['transfer_s']:.3f} s; joiner start -> first commit "
-                  f"{row['start_to_first_commit_s']:.2f} s", flush=True)  # fmt: skip
+                  f"{row['start_to_first_commit_s']:.2f} s warm, "
+                  f"{row['cold_start_to_first_commit_s']:.2f} s cold", flush=True)  # fmt: skip
     print(format_rejoin_table(rows))
     return {
         "benchmark": "rejoin",
         "method": f"{args.replicas} replicas; the last is SIGKILLed at step {REJOIN_KILL_STEP} and "
         "respawned at once (--respawn 0); transfer = the joiner's state_transfer event; start -> "
         "first commit = from the launcher's respawn to the first commit after the transfer "
-        f"(includes process start and torch import); median of {args.repeats}",
+        "(includes process start, the model build and, cold, the torch import); warm: the "
+        "respawn is forked from the launcher's zygote (the default), cold: --cold-start; the two "
+        f"alternate; median of {args.repeats} each",
         "machine": machine_info(),
         "rows": rows,
     }
@@ -174,12 +184,14 @@ def bench_rejoin(args: argparse.Namespace) -> dict:
 
 def format_rejoin_table(rows: list[dict]) -> str:
     lines = [
-        "| preset | state transferred | transfer time (s) | joiner start -> first commit (s) |",
-        "|---|---|---|---|",
+        "| preset | state transferred | transfer time (s) | joiner start -> first commit, warm "
+        "(s) | cold (s) |",
+        "|---|---|---|---|---|",
     ]
     for r in rows:
+        cold = r.get("cold_start_to_first_commit_s")
         lines.append(
             f"| {r['preset']} | {r['transfer_bytes'] / 2**20:.1f} MiB | {r['transfer_s']:.3f} | "
-            f"{r['start_to_first_commit_s']:.2f} |"
+            f"{r['start_to_first_commit_s']:.2f} | {'-' if cold is None else f'{cold:.2f}'} |"
         )
     return "\n".join(lines)
