@@ -57,6 +57,7 @@ __all__ = [
     "format_table",
     "message_costs",
     "run_once",
+    "start_coordinator",
 ]
 
 _HEADER = struct.Struct(">I")
@@ -488,14 +489,21 @@ def _wait_file(path: Path, proc: subprocess.Popen, timeout_s: float, what: str) 
     return json.loads(path.read_text())
 
 
-def _coordinator_cmd(cfg: BenchCoordinatorConfig, workdir: Path) -> list[str]:
-    return [
+def start_coordinator(
+    cfg: BenchCoordinatorConfig, workdir: Path, procs: list[subprocess.Popen]
+) -> tuple[subprocess.Popen, dict]:
+    """A `recover coordinator serve` subprocess for `cfg` (added to `procs`, for the caller to
+    reap); returns it and its address file's contents once it listens."""
+    cmd = [
         sys.executable, "-m", "recover.cli", "coordinator", "serve",
         "--port", "0", "--no-store", "--replicas", str(cfg.replicas),
         "--microbatches", str(cfg.m), "--lease", str(cfg.lease_s), "--min-replicas", "1",
         "--start-deadline", str(cfg.form_timeout_s), "--events", str(workdir / "events.jsonl"),
         "--address-file", str(workdir / "address.json"),
     ]  # fmt: skip
+    proc = _spawn(cmd, workdir / "coordinator.log")
+    procs.append(proc)
+    return proc, _wait_file(workdir / "address.json", proc, 60, "the coordinator")
 
 
 def _stop_all(procs: list[subprocess.Popen]) -> None:
@@ -537,9 +545,7 @@ def run_once(cfg: BenchCoordinatorConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="recover-bench-coord-") as tmp:
         work = Path(tmp)
         try:
-            coord = _spawn(_coordinator_cmd(cfg, work), work / "coordinator.log")
-            procs.append(coord)
-            info = _wait_file(work / "address.json", coord, 60, "the coordinator")
+            coord, info = start_coordinator(cfg, work, procs)
             addrs = [(info["host"], info["port"])]
             relays = []
             for i in range(cfg.relays):

@@ -33,14 +33,12 @@ from pathlib import Path
 from recover.tooling.bench.coordinator import (
     BenchCoordinatorConfig,
     _Conn,
-    _coordinator_cmd,
     _CpuSampler,
     _false_deaths,
     _parse_view,
     _pct,
-    _spawn,
     _stop_all,
-    _wait_file,
+    start_coordinator,
 )
 
 __all__ = ["run_tier"]
@@ -244,9 +242,7 @@ def run_tier(cfg: BenchCoordinatorConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="recover-bench-tier-") as tmp:
         work = Path(tmp)
         try:
-            coord = _spawn(_coordinator_cmd(cfg, work), work / "coordinator.log")
-            procs.append(coord)
-            info = _wait_file(work / "address.json", coord, 60, "the coordinator")
+            coord, info = start_coordinator(cfg, work, procs)
             sampler = _CpuSampler([coord.pid, os.getpid()])
             out = asyncio.run(_drive_tier(cfg, info["host"], info["port"]))
             sampler.close()
