@@ -2,8 +2,8 @@
 
 Job: `export_hf(run, out)` writes a folder that `transformers.GPT2LMHeadModel.from_pretrained`
 loads as it is: `config.json` and `model.safetensors` in GPT-2's layout, plus the tokenizer
-(`tokenizer.json` for a BPE run; a byte run's tokenizer is documented in the folder's README, since
-GPT-2's own vocabulary is not ours). `sample(run, prompt, ...)` generates text from a run's final
+(`tokenizer.json` for a BPE run or one prepared with `--tokenizer`; a byte run's tokenizer is
+documented in the folder's README, since GPT-2's own vocabulary is not ours). `sample(run, prompt, ...)` generates text from a run's final
 model or newest checkpoint, greedily or with temperature and top-k.
 
 The model is GPT-2 exactly (nanoGPT's): the conversion fuses our separate q, k, v projections into
@@ -130,9 +130,13 @@ def export_hf(run: Path, out: Path) -> Path:
     hf.save_pretrained(out)
     tokenizer = config["data"].get("tokenizer") or {}
     data_path = Path(config["data"].get("path", ""))
-    if tokenizer.get("kind") == "bpe" and (data_path / "tokenizer.json").exists():
+    if tokenizer.get("kind") in ("bpe", "hf") and (data_path / "tokenizer.json").exists():
         shutil.copy(data_path / "tokenizer.json", out / "tokenizer.json")
-        how = "`tokenizer.json` (HF tokenizers, byte-level BPE; id 0 is `<|endoftext|>`)"
+        how = (
+            "`tokenizer.json` (HF tokenizers, byte-level BPE; id 0 is `<|endoftext|>`)"
+            if tokenizer.get("kind") == "bpe"
+            else "`tokenizer.json` (HF tokenizers: the one the dataset was prepared with)"
+        )
     else:
         how = (
             "bytes: token id = UTF-8 byte value (vocab 256), id 0 separates documents. Encode "
