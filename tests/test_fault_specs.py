@@ -8,6 +8,7 @@ lists the deaths. A run record with a missing step fails the verdict with a line
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 
 from conftest import child_env, events, finish, leftover_processes
 from recover.launch import LaunchConfig, LocalLauncher
+from recover.logs import setup_logging
 from recover.record import MetricsWriter, committed_steps
 from recover.runtime.faults import check_faults_fit, parse_fault
 from recover.training.config import TrainConfig
@@ -170,11 +172,14 @@ def test_a_run_record_missing_a_step_fails_the_verdict_with_a_line(tmp_path, cap
         console=sys.stdout,  # (capsys's)
     )  # fmt: skip
     launcher.writer = MetricsWriter(launcher.paths.metrics)
+    log = logging.getLogger("recover")
+    saved = (list(log.handlers), log.level, log.propagate)
+    setup_logging("info")  # as `recover train` does: the launcher's lines are logged
     try:
         for step, microbatches in ((0, M), (1, M), (3, M - 2)):
             launcher.writer.step(step=step, loss=1.0, microbatches=microbatches)
         assert launcher._verdict([(0, 0, 0), (1, 0, -signal.SIGTERM)]) == 1
-        line = capsys.readouterr().out
+        line = capsys.readouterr().err  # an error
         assert "training failed: no step record for step(s) 2" in line, line
         assert f"step(s) 3 did not sum all {M} microbatches" in line
         assert "replica 1 killed by SIGTERM" in line
@@ -182,6 +187,7 @@ def test_a_run_record_missing_a_step_fails_the_verdict_with_a_line(tmp_path, cap
         launcher.writer.step(step=3, loss=1.0, microbatches=M)
         assert launcher._verdict([(0, 0, 0), (1, 0, -signal.SIGTERM)]) == 0
         assert launcher._verdict([(0, 0, 3), (1, 0, 3)]) == 1  # quorum lost
-        assert "replica 0: quorum lost" in capsys.readouterr().out
+        assert "replica 0: quorum lost" in capsys.readouterr().err
     finally:
+        log.handlers[:], log.level, log.propagate = saved
         launcher.writer.close()

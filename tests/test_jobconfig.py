@@ -106,3 +106,60 @@ def test_a_saved_config_json_is_a_job(tmp_path):
     assert ReplicaSpec.from_args(a) == spec
     assert (a.replicas, a.min_replicas, a.data) == (2, 2, Path("/data/tiny"))
     assert a.fault == ["kill:replica=1,step=3,phase=backward"]
+
+
+RUN_JOB = """
+[launch]
+replicas = 3
+ranks_per_replica = 2
+start_timeout = 20
+fault = ["exit:replica=1,step=2,phase=forward"]
+[supervision]
+respawn = 0.5
+[replica]
+stall_timeout = 30
+log_level = "warning"
+"""
+
+
+def test_recover_run_takes_a_job_file_and_saves_its_resolved_job(tmp_path):
+    from recover.jobconfig import read_job_file
+
+    path = job(tmp_path, RUN_JOB)
+    a = parse_args(["run", "--config", str(path), "--replicas", "4", "--", "python", "t.py"])
+    assert (a.replicas, a.ranks_per_replica, a.start_timeout, a.respawn) == (4, 2, 20.0, 0.5)
+    assert (a.stall_s, a.log_level) == (30.0, "warning")
+    assert a.fault == ["exit:replica=1,step=2,phase=forward"]
+    assert a.script_command == ["--", "python", "t.py"]
+    # what `recover run` saves as RUN/job.json is a job file that gives the same flags back
+    assert a.resolved_job["launch"]["replicas"] == 4
+    saved = job(tmp_path, json.dumps({"job": a.resolved_job, "command": ["python"]}), "job.json")
+    assert read_job_file(saved) == a.resolved_job
+    b = parse_args(["run", "--config", str(saved), "--", "python", "t.py"])
+    assert {k: v for k, v in vars(b).items() if k != "config"} == {
+        k: v for k, v in vars(a).items() if k != "config"
+    }
+    with pytest.raises(ValueError, match=r"\[train\].*did you mean 'run'|unknown table \[train\]"):
+        parse_args(["run", "--config", str(job(tmp_path, "[train]\nsteps = 3\n")), "--", "x"])
+
+
+def test_coordinator_serve_takes_a_job_file_with_one_table(tmp_path):
+    text = '[coordinator]\nreplicas = 3\nlease = 2.5\nbalance = "equal"\nlog-level = "debug"\n'
+    path = job(tmp_path, text)
+    a = parse_args(["coordinator", "serve", "--config", str(path), "--lease", "4"])
+    assert (a.replicas, a.lease, a.balance, a.log_level) == (3, 4.0, "equal", "debug")
+    assert a.resolved_job["coordinator"]["lease"] == 4.0
+    for bad, message in (
+        ("[launch]\nreplicas = 3\n", r"unknown table \[launch\]"),
+        ("[coordinator]\nreplica = 3\n", "did you mean 'replicas'"),
+        ('[coordinator]\nreplicas = 3\nlog_level = "loud"\n', "must be one of debug"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_args(["coordinator", "serve", "--config", str(job(tmp_path, bad))])
+
+
+def test_the_resolved_job_is_kept_for_recover_train(tmp_path):
+    a = parse_args(["train", "--config", str(job(tmp_path, JOB)), "--steps", "20"])
+    assert a.resolved_job["train"]["steps"] == 20
+    assert a.resolved_job["launch"]["fault"] == ["kill:replica=1,step=3,phase=backward"]
+    assert "out" not in a.resolved_job["run"]  # unset (None) values are left out

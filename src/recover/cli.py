@@ -10,6 +10,7 @@ reads flags and the environment.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from dataclasses import fields
@@ -264,6 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
         "train.py --steps 100",
     )
     script.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a job file: TOML with one table per flag group ([launch], [supervision], "
+        "[replica]; keys are the flags without dashes), or a run folder's job.json; flags given "
+        "here override it (--fault specs add to its list)",
+    )
+    script.add_argument(
         "--replicas", type=int, default=2, help="replicas started on this machine (default: 2)"
     )
     script.add_argument(
@@ -459,11 +469,15 @@ def run_train(args: argparse.Namespace) -> int:
         return _error("--resume needs --out: the run folder to continue")
     out = args.out or default_out()
     console = None if args.quiet else sys.stdout
+    solo = lcfg.replicas == 1 and lcfg.ranks == 1 and not lcfg.faults and lcfg.mode == "recover"
+    # One replica trains in this process (its lines bare, as a replica's); else this process is
+    # the launcher, and its children log with the same level.
+    _start_logging(args, "" if solo else "[launcher] ")
     try:
         data = args.data
         if data is None:
             data = ensure_dataset(args.data_root, show_progress=sys.stderr.isatty())
-        if lcfg.replicas == 1 and lcfg.ranks == 1 and not lcfg.faults and lcfg.mode == "recover":
+        if solo:
             from recover import exits
             from recover.training.checkpoint import CheckpointError
             from recover.training.solo import train_single
@@ -518,12 +532,14 @@ def run_script(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         return _error(str(e))
+    _start_logging(args, "[launcher] ")
     launcher = ScriptLauncher(
         command,
         lcfg,
         out=args.out or default_out(),
         console=None if args.quiet else sys.stdout,
         token=os.environ.get(TOKEN_ENV) or None,
+        job={"job": args.resolved_job, "command": command},
     )
     return launcher.run()
 
@@ -612,6 +628,12 @@ def run_worker_cli(args: argparse.Namespace) -> int:
         check_layout_fits(cfg.preset, env.spec.layout.tp, env.spec.layout.pp)
     except ValueError as e:
         return _error(str(e))
+    from recover.logs import process_prefix, replica_name, setup_logging
+
+    ranks = env.ranks.world_size if env.ranks is not None else 1
+    rank = env.ranks.rank if env.ranks is not None else 0
+    name = replica_name(env.replica_id, rank, ranks)
+    setup_logging(env.spec.log_level, prefix=process_prefix(name, os.environ))
     import torch
 
     torch.set_num_threads(1)  # one core per replica process
@@ -707,20 +729,58 @@ HANDLERS = {
 }
 
 
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The parser of the (sub)command `args` came from, and its words: ("coordinator", "serve")."""
+    words: list[str] = []
+    while True:
+        sub = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not sub or getattr(args, sub[0].dest, None) is None:
+            return parser, tuple(words)
+        words.append(getattr(args, sub[0].dest))
+        parser = sub[0].choices[words[-1]]
+
+
+# commands that take a job file (--config); their parsed args carry the resolved job
+JOB_COMMANDS = (("train",), ("run",), ("coordinator", "serve"))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with a job file's values (`--config`) as the defaults of its flags:
-    the flags given override the file. ValueError for a bad job file."""
+    the flags given override the file; `args.resolved_job` is the job both describe, as a job
+    file's tables. ValueError for a bad job file."""
+    from recover.jobconfig import (
+        COORDINATOR_SECTIONS,
+        SECTIONS,
+        job_defaults,
+        read_job_file,
+        resolved_job,
+    )
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "config", None) is None:
+    command, words = _command_parser(parser, args)
+    if words not in JOB_COMMANDS:
         return args
-    from recover.jobconfig import job_defaults, read_job_file
+    sections = COORDINATOR_SECTIONS if words == ("coordinator", "serve") else SECTIONS
+    if args.config is not None:
+        tables = read_job_file(Path(args.config))
+        command.set_defaults(
+            **job_defaults(command, tables, source=str(args.config), sections=sections)
+        )
+        args = parser.parse_args(argv)
+    args.resolved_job = resolved_job(command, args, sections)
+    return args
 
-    command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    command = command.choices[args.command]
-    tables = read_job_file(args.config)
-    command.set_defaults(**job_defaults(command, tables, source=str(args.config)))
-    return parser.parse_args(argv)
+
+def _start_logging(args: argparse.Namespace, prefix: str) -> None:
+    """This process's terminal lines at --log-level, and the resolved job among them (debug)."""
+    import json
+
+    from recover.logs import setup_logging
+
+    setup_logging(args.log_level, prefix=prefix)
+    job = getattr(args, "resolved_job", None)  # (parse_args; absent for a hand-built Namespace)
+    logging.getLogger("recover.cli").debug("job: %s", json.dumps(job, sort_keys=True))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""Job files: `recover train --config job.toml` (or a run folder's `config.json`).
+"""Job files: `recover train|run|coordinator serve --config job.toml` (or a run folder's
+`config.json` or `job.json`).
 
 Job: turn a job file into defaults for the command's flags, so that a job can be described by a
 file and any flag given on the command line overrides it. A TOML file has one table per flag
@@ -11,9 +12,13 @@ alike):
     [supervision]    # min_replicas, lease, respawn, max_restarts, balance
     [launch]         # replicas, fault (a list of specs), cold_start
 
+`recover run` has the same tables but [train] (its [launch] holds replicas, ranks_per_replica,
+out, fault, start_timeout, quiet); `recover coordinator serve` has one, [coordinator].
+
 A run folder's `config.json` (what `recover train` saved) is read as the same sections: its
 `train` settings, its dataset's path, and its `launch` (the replica count and spec, the mode, the
-faults); what it holds only for people (`model`, the dataset's hash) is left out.
+faults); what it holds only for people (`model`, the dataset's hash) is left out. A run folder's
+`job.json` (what `recover run` saved: `resolved_job`'s tables under "job") is read as it is.
 
 Invariants: an unknown table or key is refused with the nearest valid name; a value of the wrong
 type or outside a flag's choices is refused naming its table and key. The values go through each
@@ -38,6 +43,8 @@ SECTIONS = {
     "supervision": "supervision",
     "options": "launch",
 }
+# `recover coordinator serve` has one flag group: its job file has one table
+COORDINATOR_SECTIONS = {"options": "coordinator"}
 NOT_IN_FILES = {"help", "config"}  # flags a job file cannot set
 
 
@@ -46,11 +53,14 @@ def _key(action: argparse.Action) -> str:
     return long[0][2:].replace("-", "_") if long else action.dest
 
 
-def job_keys(parser: argparse.ArgumentParser) -> dict[str, dict[str, argparse.Action]]:
-    """table -> key -> the flag's action, for a command's parser."""
+def job_keys(
+    parser: argparse.ArgumentParser, sections: dict[str, str] = SECTIONS
+) -> dict[str, dict[str, argparse.Action]]:
+    """table -> key -> the flag's action, for a command's parser (`sections`: group title's
+    start -> table)."""
     tables: dict[str, dict[str, argparse.Action]] = {}
     for group in parser._action_groups:
-        section = next((s for t, s in SECTIONS.items() if group.title.startswith(t)), None)
+        section = next((s for t, s in sections.items() if group.title.startswith(t)), None)
         if section is None:
             continue
         for action in group._group_actions:
@@ -68,7 +78,10 @@ def read_job_file(path: Path) -> dict[str, dict[str, Any]]:
         raise ValueError(f"--config {path}: {e.strerror or e}") from None
     if path.suffix == ".json":
         try:
-            return tables_of_saved_config(json.loads(text))
+            saved = json.loads(text)
+            if "job" in saved:  # a `recover run` folder's job.json
+                return dict(saved["job"])
+            return tables_of_saved_config(saved)
         except (ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"--config {path}: not a run folder's config.json ({e})") from None
     try:
@@ -106,11 +119,15 @@ def _nearest(word: str, choices) -> str:
 
 
 def job_defaults(
-    parser: argparse.ArgumentParser, tables: dict[str, Any], *, source: str
+    parser: argparse.ArgumentParser,
+    tables: dict[str, Any],
+    *,
+    source: str,
+    sections: dict[str, str] = SECTIONS,
 ) -> dict[str, Any]:
     """dest -> value for `parser.set_defaults`, from a job file's tables. ValueError names the
     file (`source`), the table and the key of the first thing wrong."""
-    known = job_keys(parser)
+    known = job_keys(parser, sections)
     defaults: dict[str, Any] = {}
     for section, table in tables.items():
         if section not in known:
@@ -126,6 +143,25 @@ def job_defaults(
                 )
             defaults[action.dest] = _value(action, value, f"{source}: [{section}] {raw_key}")
     return defaults
+
+
+def resolved_job(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, sections: dict[str, str] = SECTIONS
+) -> dict[str, dict[str, Any]]:
+    """The job the parsed flags (file and command line together) describe, as a job file's
+    tables; paths as text, unset values (None) left out. `job_defaults` reads it back."""
+    tables: dict[str, dict[str, Any]] = {}
+    for section, keys in job_keys(parser, sections).items():
+        for key, action in keys.items():
+            value = getattr(args, action.dest, None)
+            if value is None:
+                continue
+            if isinstance(value, Path):
+                value = str(value)
+            elif isinstance(value, list | tuple):
+                value = [str(v) for v in value]
+            tables.setdefault(section, {})[key] = value
+    return tables
 
 
 def _value(action: argparse.Action, value: Any, where: str) -> Any:

@@ -24,6 +24,7 @@ command and environment only): start, supervision, respawns, stops and the verdi
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import signal
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import TextIO
 
 from recover import exits
+from recover.logs import replica_name
 from recover.record import MetricsWriter, committed_steps, read_metrics
 from recover.runtime.env import TOKEN_ENV, ReplicaEnv
 from recover.runtime.faults import FaultSpec, fault_flag, faults_for
@@ -54,6 +56,9 @@ _RECOVER = (sys.executable, "-m", "recover.cli")
 COORDINATOR_FILE = "coordinator.json"
 TOKEN_FILE = "coordinator.token"
 RESTART = -1000  # _supervise's answer in checkpoint-restart mode: restart the whole job
+JOB_FILE = "job.json"  # `recover run`'s resolved job (`recover run --config RUN/job.json` reads it)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,9 +253,11 @@ class LocalLauncher:
         env.update(PYTHONUNBUFFERED="1", RECOVER_LAUNCHER_PID=str(os.getpid()))
         self._zygote = Zygote(list(self.WARM_MODULES), env, tag=str(self.paths.out))
 
-    def say(self, line: str) -> None:
-        if self.console is not None:
-            print(f"[launcher] {line}", file=self.console, flush=True)
+    def say(self, line: str, level: int = logging.INFO) -> None:
+        """A launcher line (the process's log prefix says `[launcher]`); with --quiet (no
+        console), only warnings and errors."""
+        if self.console is not None or level >= logging.WARNING:
+            log.log(level, line)
 
     def _spawn(
         self, name: str, command: list[str], prefix: str, extra_env: dict | None = None
@@ -264,7 +271,7 @@ class LocalLauncher:
             try:  # the coordinator and the built-in workers: forked, torch already imported
                 proc = self._zygote.spawn(_RECOVER[2], command[len(_RECOVER) :], env)
             except RuntimeError as e:  # start afresh from now on (slower, same result)
-                self.say(f"warm start off: {e}")
+                self.say(f"warm start off: {e}", logging.WARNING)
                 self._zygote = None
             else:
                 return self._adopt(name, proc, prefix)
@@ -312,6 +319,7 @@ class LocalLauncher:
                 "--start-deadline", str(lc.start_timeout_s), "--balance", lc.balance,
                 "--mode", "shrink" if lc.mode == "shrink" else "recover",
                 "--events", str(self.paths.metrics), "--address-file", str(address_file),
+                "--log-level", lc.replica.log_level,
             ],
             "[coordinator] ",
         )  # fmt: skip
@@ -367,7 +375,7 @@ class LocalLauncher:
                 "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(master_port), "RECOVER_DEVICE_INDEX": str(r * ranks + k),
             }  # fmt: skip
-            self._spawn(_proc_name(r, k), command, f"[replica {r}.{k}] ", env)
+            self._spawn(_proc_name(r, k), command, f"[{replica_name(r, k, ranks)}] ", env)
 
     def _pending_faults(self, r: int) -> list[FaultSpec]:
         """Faults of replica r that have not fired yet (per the run's failure_injected events)."""
@@ -420,7 +428,9 @@ class LocalLauncher:
                 self._reap_all()
                 restarts += 1
                 if restarts > lc.max_restarts:
-                    self.say(f"training failed: more than {lc.max_restarts} restarts")
+                    self.say(
+                        f"training failed: more than {lc.max_restarts} restarts", logging.ERROR
+                    )
                     code = 1
                     return code
                 self.writer.event("launcher.restarted", restart=restarts)
@@ -492,7 +502,8 @@ class LocalLauncher:
             if coordinator.poll() is not None:
                 self.say(
                     f"the coordinator died (exit {coordinator.returncode}): nothing can commit "
-                    "any more; the replicas save the committed state and stop"
+                    "any more; the replicas save the committed state and stop",
+                    logging.ERROR,
                 )
                 self._stop_replicas()
                 self.say(f"stopped: {self._resume_hint()}")
@@ -509,7 +520,7 @@ class LocalLauncher:
                     # nobody is respawned any more.
                     finishing = finishing or code == 0 or code in exits.RUN_FAILURES
                     if code != 0:
-                        self.say(f"{who} exited with status {code}")
+                        self.say(f"{who} exited with status {code}", logging.WARNING)
                         if r in dead:
                             continue
                         dead.add(r)
@@ -567,7 +578,7 @@ class LocalLauncher:
         problems += self._record_problems()
         self.writer.event("launcher.verdict", ok=not problems, problems=problems, deaths=deaths)
         if problems:
-            self.say("training failed: " + "; ".join(problems + deaths))
+            self.say("training failed: " + "; ".join(problems + deaths), logging.ERROR)
             return 1
         if deaths:
             self.say(
@@ -670,12 +681,14 @@ class ScriptLauncher(LocalLauncher):
         out: Path,
         console: TextIO | None = sys.stdout,
         token: str | None = None,
+        job: dict | None = None,
     ) -> None:
         super().__init__(
             None, lcfg, data=Path(), out=out, resume=False, data_info={}, console=console,
             token=token,
         )  # fmt: skip
         self.command = list(command)
+        self.job = job  # the resolved job file (recover.jobconfig.resolved_job), saved as job.json
 
     @property
     def microbatches(self) -> int:
@@ -683,6 +696,8 @@ class ScriptLauncher(LocalLauncher):
 
     def _open_run_folder(self) -> None:
         self.paths.out.mkdir(parents=True, exist_ok=True)
+        if self.job is not None:
+            (self.paths.out / JOB_FILE).write_text(json.dumps(self.job, indent=2) + "\n")
 
     def _replica_command(self, r: int, host: str, port: int, *, fresh: bool) -> list[str]:
         return self.command

@@ -21,6 +21,7 @@ from typing import Any
 
 from recover.coordinator.client import CoordinatorUnreachable, request_once
 from recover.coordinator.state_store import CoordinatorOptions
+from recover.logs import LOG_LEVELS, process_prefix, setup_logging
 
 __all__ = [
     "add_coordinator_parser",
@@ -40,6 +41,13 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="coordinator_command", required=True)
 
     serve = sub.add_parser("serve", help="run the coordinator (and the torch TCPStore)")
+    serve.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a job file: TOML with one [coordinator] table whose keys are these flags without "
+        "dashes; flags given here override it",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve.add_argument(
         "--port", type=int, default=29400, help="port for replicas and relays (default 29400)"
@@ -50,7 +58,9 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="host no torch TCPStore (load tests and tools that build no process groups)",
     )
-    serve.add_argument("--replicas", type=int, required=True, help="replicas expected at start")
+    serve.add_argument(  # required, from the flag or the job file (checked once both are read)
+        "--replicas", type=int, default=None, help="replicas expected at start (required)"
+    )
     serve.add_argument(
         "--microbatches",
         type=int,
@@ -96,6 +106,12 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--token", default=None, help=f"shared secret (default: ${TOKEN_ENV})")
     serve.add_argument("--events", default=None, metavar="PATH", help="append decisions here")
     serve.add_argument("--address-file", default=None, help="write host/ports here when up")
+    serve.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="the least severe lines shown: debug, info (the decisions; default), warning, error",
+    )
 
     relay = sub.add_parser(
         "relay",
@@ -192,13 +208,18 @@ def format_status(
 def run_coordinator_cli(args: argparse.Namespace) -> int:
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     if args.coordinator_command == "serve":
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s.%(msecs)03d %(message)s", datefmt="%H:%M:%S"
-        )
-        if args.host != "127.0.0.1" and token is None:
+        if args.replicas is None:
             print(
-                f"warning: serving on {args.host} without a token; set --token or {TOKEN_ENV}",
-                file=sys.stderr,
+                "error: --replicas is required (or replicas in --config's table)", file=sys.stderr
+            )
+            return 2
+        prefix = process_prefix("coordinator", os.environ)
+        setup_logging(args.log_level, prefix=prefix, timestamps=True)
+        if getattr(args, "resolved_job", None) is not None:  # (recover.cli.parse_args)
+            log.debug("job: %s", json.dumps(args.resolved_job, sort_keys=True))
+        if args.host != "127.0.0.1" and token is None:
+            log.warning(
+                f"warning: serving on {args.host} without a token; set --token or {TOKEN_ENV}"
             )
         options = CoordinatorOptions(
             expected_replicas=args.replicas,
@@ -220,9 +241,7 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             address_file=args.address_file,
         )
     if args.coordinator_command == "relay":
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s.%(msecs)03d %(message)s", datefmt="%H:%M:%S"
-        )
+        setup_logging("info", prefix=process_prefix("relay", os.environ), timestamps=True)
         try:
             upstream = _parse_addr(args.upstream, "--upstream")
         except ValueError as e:

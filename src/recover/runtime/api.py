@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import logging
 import os
 import re
 import signal
@@ -61,6 +62,7 @@ from recover.coordinator.client import (
     RequestRefused,
 )
 from recover.coordinator.client import QuorumLost as _QuorumLost
+from recover.logs import process_prefix, replica_name, setup_logging
 from recover.policy import deal_round_robin
 from recover.runtime.collective import GroupCache
 from recover.runtime.env import ReplicaEnv
@@ -74,6 +76,8 @@ from recover.runtime.step_machine import (
     StepMachine,
     StepOptions,
 )
+
+log = logging.getLogger(__name__)
 
 
 class UsageError(RuntimeError):
@@ -134,6 +138,11 @@ class Replica:
             from recover.runtime.env import die_with_launcher
 
             die_with_launcher()  # started by the local launcher: die with it, never orphaned
+            ranks = self.env.ranks
+            name = replica_name(
+                self.env.replica_id, *((ranks.rank, ranks.world_size) if ranks else ())
+            )
+            setup_logging(self.env.spec.log_level, prefix=process_prefix(name, os.environ))
         self._own_signals = env is None  # SIGTERM/SIGINT become stop requests once it trains
         self.microbatches_per_step = microbatches
         self.layout = ReplicaLayout(shard=shard, tp=tp)
@@ -408,10 +417,9 @@ class Replica:
                 seconds=round(commit.recovered_s, 4), attempts=commit.attempts,
             )  # fmt: skip
             if self.is_writer:
-                print(
+                log.info(
                     f"[recover] step {step} committed with all {commit.count} microbatches, "
-                    f"{commit.recovered_s:.3f} s after this replica saw the failure",
-                    flush=True,
+                    f"{commit.recovered_s:.3f} s after this replica saw the failure"
                 )
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -477,7 +485,7 @@ class Replica:
             ) from None
 
     def _say(self, line: str, status: int) -> int:
-        print(f"replica {self.replica_id}: {line}", file=sys.stderr, flush=True)
+        log.error(f"replica {self.replica_id}: {line}")
         return status
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ be < M and `step` < steps.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -43,6 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from recover import exits
+
+log = logging.getLogger(__name__)
 
 KINDS = ("kill", "hang", "exit", "freeze", "slow", "nan")
 FREEZE_PHASES = ("forward", "backward", "reduce", "optimizer")
@@ -212,7 +215,7 @@ class FaultInjector:
             microbatch=spec.microbatch if spec.phase in ("forward", "backward") else None,
             description=spec.describe(),
         )
-        print(f"injecting fault: {spec.describe()}", file=sys.stderr, flush=True)
+        log.warning(f"injecting fault: {spec.describe()}")
         if spec.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.kind == "hang":

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -67,6 +67,8 @@ _KEY = "recover/alive/"
 # What gloo says when the other end of a connection is gone (measured: a SIGKILLed peer gives the
 # first within milliseconds; see docs/design.md's measured facts).
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+log = logging.getLogger(__name__)
 
 
 def replica_hash(hashes: list[str]) -> str:
@@ -188,11 +190,7 @@ class IntraReplica:
         self.emit(
             "replica_mate_lost", replica=self.replica_id, rank=self.rank, mate=mate, reason=why
         )
-        print(
-            f"replica {self.replica_id} rank {self.rank}: {why}; stopping this replica",
-            file=sys.stderr,
-            flush=True,
-        )
+        log.error(f"replica {self.replica_id} rank {self.rank}: {why}; stopping this replica")
         dump_stacks(f"replica {self.replica_id} rank {self.rank}")
         os._exit(exits.MATE_LOST)
 

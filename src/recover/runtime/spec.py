@@ -17,6 +17,7 @@ import json
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
+from recover.logs import LOG_LEVELS
 from recover.runtime.layout import ReplicaLayout
 
 MODES = ("recover", "checkpoint-restart", "shrink")
@@ -100,6 +101,14 @@ class ReplicaSpec:
         "replica that writes the step records; metrics.jsonl stays the record (needs the "
         "tensorboard package: pip install 'recover[tensorboard]'; default: none)",
         metavar="DIR",
+    )  # fmt: skip
+    # A replica-level setting like the others, so that one field reaches every replica process
+    # (built-in workers and `recover run`'s scripts alike) inside the spec's JSON, checked once.
+    log_level: str = _setting(
+        "info", "--log-level",
+        "the least severe terminal lines shown: debug, info (the step lines; default), warning "
+        "or error (the launcher and the coordinator use it too)",
+        choices=LOG_LEVELS, scripts=True,
     )  # fmt: skip
 
     def __post_init__(self) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import logging
 import os
 import sys
 import threading
@@ -32,6 +33,8 @@ import time
 from collections.abc import Callable, Iterator
 
 from recover import exits
+
+log = logging.getLogger(__name__)
 
 
 def check_stall(seconds: float) -> None:
@@ -95,7 +98,7 @@ class StallGuard:
         reason = f"no progress for {silent:.2f} s while {what} (deadline {self.deadline_s:g} s)"
         self.emit("stalled", replica=self.replica, rank=self.rank, reason=reason)
         who = f"replica {self.replica}" + (f" rank {self.rank}" if self.rank else "")
-        print(f"{who}: {reason}; ending this process", file=sys.stderr, flush=True)
+        log.error(f"{who}: {reason}; ending this process")
         dump_stacks(who)
         os._exit(exits.STALLED)
 
@@ -103,6 +106,6 @@ class StallGuard:
 def dump_stacks(who: str) -> None:
     """Write every thread's stack to stderr (the process's output, which the launcher keeps):
     called just before a guard ends a stuck process, so that its log says where it was stuck."""
-    print(f"{who}: the stacks of all threads, most recent call first:", file=sys.stderr, flush=True)
+    log.error(f"{who}: the stacks of all threads, most recent call first:")
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     sys.stderr.flush()

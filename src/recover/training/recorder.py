@@ -18,6 +18,7 @@ It must not decide anything about the trajectory: it only records and persists c
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -44,6 +45,8 @@ from recover.training.model import training_flops_per_token
 from recover.training.tensorboard import TensorBoardSink
 from recover.training.trainer import CommitStats, ReplicaTrainer
 
+log = logging.getLogger(__name__)
+
 
 def load_resume_state(paths: RunPaths) -> ResumePoint | None:
     """The newest valid checkpoint of the run, or None when it has none. Corrupt newer ones are
@@ -60,7 +63,7 @@ class RunRecorder:
     trainer: ReplicaTrainer
     data_hash: str
     writer: MetricsWriter
-    console: TextIO | None = None
+    console: TextIO | None = None  # None: no lines (--quiet); else logged at INFO
     start_step: int = 0
     # Whether this replica is the writer (docs/design.md): only the writer writes step and eval
     # records, checkpoints and the final model (the replica the coordinator names at each commit;
@@ -111,8 +114,10 @@ class RunRecorder:
         return self.is_writer and self.leads
 
     def say(self, line: str) -> None:
+        """A line for people (the step line, a recovery, the summary): logged at INFO by the
+        process that writes the records; none with --quiet (no console)."""
         if self.console is not None and self.writes_records:
-            print(line, file=self.console, flush=True)
+            log.info(line)
 
     def event(self, name: str, **fields) -> None:
         self.writer.event(name, **fields)

@@ -8,6 +8,7 @@ all-reduce (see `recover.training.worker`); the trajectory is the same.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,8 @@ from recover.training.recorder import (
 from recover.training.runfolder import open_run_folder, read_dataset_info
 from recover.training.trainer import NonFiniteError, ReplicaTrainer, pick_device
 
+log = logging.getLogger(__name__)
+
 
 def announce_resume(
     point: ResumePoint | None,
@@ -40,11 +43,7 @@ def announce_resume(
     skipped = point.skipped if point is not None else ()
     for path, why in skipped:
         emit("checkpoint_corrupt", path=str(path), error=why)
-        print(
-            f"WARNING: {why}; skipping it and resuming from the older {point.path}",
-            file=sys.stderr,
-            flush=True,
-        )
+        log.warning(f"WARNING: {why}; skipping it and resuming from the older {point.path}")
     emit(
         "resumed",
         step=start,
@@ -53,7 +52,7 @@ def announce_resume(
     )
     if console is not None:
         where = f"from {point.path}" if point is not None else "(no checkpoint: from the start)"
-        print(f"resuming at step {start + 1} {where}", file=console, flush=True)
+        log.info(f"resuming at step {start + 1} {where}")
 
 
 def build_trainer_for_run(
@@ -143,12 +142,10 @@ def train_single(
     )
     if console is not None:
         n = trainer.model.num_params()
-        print(
+        log.info(
             f"training {cfg.preset} ({n / 1e6:.2f}M parameters) for {cfg.steps} steps of "
             f"{cfg.microbatches} x {cfg.microbatch_size} x {cfg.seq_len} tokens; run folder {out}; "
-            "steps counted from 1 here, from 0 in metrics.jsonl",
-            file=console,
-            flush=True,
+            "steps counted from 1 here, from 0 in metrics.jsonl"
         )
     all_ids = range(cfg.microbatches)
     try:

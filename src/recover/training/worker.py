@@ -17,6 +17,7 @@ recover.runtime.step_machine.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import signal
 import sys
@@ -58,6 +59,8 @@ from recover.training.config import (
 from recover.training.recorder import RunRecorder, unigram_loss
 from recover.training.solo import build_trainer_for_run
 from recover.training.trainer import NonFiniteError, pick_device
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,13 +225,12 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         elif view.step != start:
             raise RuntimeError(f"replica {me} holds step {start}, the run is at step {view.step}")
         elif console is not None and rank == 0 and me == min(view.live):  # one header per run
-            print(
+            log.info(
                 f"training {cfg.preset} ({trainer.model_values / 1e6:.2f}M parameters) for "
                 f"{cfg.steps} steps of {cfg.microbatches} x {cfg.microbatch_size} x "
                 f"{cfg.seq_len} tokens on {len(view.live)} replicas"
                 + (f" of {ranks} ranks ({layout.name})" if ranks > 1 else "")
                 + f"; run folder {paths.out}; steps counted from 1 here, from 0 in metrics.jsonl",
-                file=console, flush=True,
             )  # fmt: skip
         store_host, store_port = link.store_address
         store = torch.distributed.TCPStore(
@@ -290,11 +292,10 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
                 if recorder.is_writer and not commit.released:
                     recorder.checkpoint(step, block=True)
                 recorder.event("replica_stopped", replica=me, rank=rank, step=step)
-                print(
+                log.info(
                     f"replica {me}: stopped as asked at the boundary of step {step}"
                     + (f"; the committed state is checkpointed in {paths.checkpoints}"
                        if recorder.writes_records else ""),
-                    file=sys.stderr, flush=True,
                 )  # fmt: skip
                 link.leave(step=step)
                 return exits.STOPPED
@@ -319,37 +320,34 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         return exits.OK
     except Evicted as e:
         recorder.settle()  # a save in flight publishes nothing now; its temporary file goes
-        print(
-            f"replica {me}: evicted by the coordinator ({e}); exiting without touching the run",
-            file=sys.stderr,
-            flush=True,
+        log.warning(
+            f"replica {me}: evicted by the coordinator ({e}); exiting without touching the run"
         )
         return exits.EVICTED
     except QuorumLost as e:
         # Every survivor holds the last committed state (the optimizer steps only on commits);
         # the lowest survivor saves it, so that --resume continues from the last committed step.
         save_last_committed()
-        print(f"replica {me}: {e} (run it again with --resume)", file=sys.stderr, flush=True)
+        log.error(f"replica {me}: {e} (run it again with --resume)")
         return exits.QUORUM_LOST
     except RequestRefused as e:
         if e.code == "finished":
-            print(f"replica {me}: nothing to join: {e}", file=sys.stderr, flush=True)
+            log.info(f"replica {me}: nothing to join: {e}")
             return exits.OK
-        print(f"replica {me}: refused by the coordinator: {e}", file=sys.stderr, flush=True)
+        log.error(f"replica {me}: refused by the coordinator: {e}")
         return exits.REFUSED
     except DivergedError as e:
-        print(f"replica {me}: {e}", file=sys.stderr, flush=True)
+        log.error(f"replica {me}: {e}")
         return exits.DIVERGED
     except CoordinatorUnreachable as e:
         # Nobody can commit any more. Every replica holds its last committed state; the lowest
         # replica of the last view saves it, so that a resume loses nothing that committed.
         saved = save_last_committed()
         where = f"; step {recorder.last_committed + 1} is checkpointed in {paths.checkpoints}"
-        print(
+        log.error(
             f"replica {me}: the coordinator cannot be reached ({str(e)[:120]})"
             + (where if saved else "")
             + "; run the same command again with --resume to continue",
-            file=sys.stderr, flush=True,
         )  # fmt: skip
         return exits.COORDINATOR_LOST
     except NonFiniteError as e:
@@ -357,7 +355,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         # writer of the last step saves it, so that a resume starts from it.
         if recorder.is_writer:
             recorder.checkpoint(recorder.last_committed + 1, block=True)
-        print(f"replica {me}: {e}", file=sys.stderr, flush=True)
+        log.error(f"replica {me}: {e}")
         return exits.NONFINITE
     except Exception:
         # In a replica of several ranks, a collective inside it fails when a replica-mate dies;
