@@ -109,3 +109,27 @@ def test_a_zygote_that_cannot_start_says_so(tmp_path):
     finally:
         z.close()
     assert z.proc.returncode not in (None, 0)
+
+
+def test_a_forked_script_runs_as_python_would_run_it(zygote, tmp_path):
+    """`recover run`'s warm start: `python SCRIPT ARGS` forked from the zygote runs the script as
+    __main__ with its argv, its folder first on sys.path, its exit status and exit handlers, and
+    an uncaught exception reaches its own sys.excepthook (recover.Replica hooks it)."""
+    script = tmp_path / "job" / "train.py"
+    script.parent.mkdir()
+    script.write_text(
+        "import atexit, os, sys\n"
+        "atexit.register(lambda: print('exit handler ran', flush=True))\n"
+        "here = os.path.dirname(os.path.abspath(__file__))\n"
+        "print(__name__, sys.argv[1:], sys.path[0] == here, flush=True)\n"
+        "if sys.argv[1] == 'raise':\n"
+        "    sys.excepthook = lambda *e: (print('hooked', e[1], flush=True), os._exit(7))\n"
+        "    raise RuntimeError('lost mate')\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    p = zygote.spawn(None, ["3", "x"], _env(), script=str(script))
+    assert p.stdout.read().splitlines() == ["__main__ ['3', 'x'] True", "exit handler ran"]
+    assert p.wait(timeout=30) == 3
+    q = zygote.spawn(None, ["raise"], _env(), script=str(script))
+    assert q.stdout.read().splitlines() == ["__main__ ['raise'] True", "hooked lost mate"]
+    assert q.wait(timeout=30) == 7

@@ -315,6 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     script.add_argument("--quiet", action="store_true", help="do not echo the replicas' output")
     script.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="start every process afresh instead of forking `python SCRIPT` (or `python -m "
+        "MODULE`) from one process that imported torch once (the default warm start; other "
+        "commands are always started afresh)",
+    )
+    script.add_argument(
         "script_command",
         nargs=argparse.REMAINDER,
         metavar="-- COMMAND ...",
@@ -528,6 +535,7 @@ def run_script(args: argparse.Namespace) -> int:
             replica=replace(spec, layout=ReplicaLayout(shard=args.ranks_per_replica)),
             faults=parse_faults(args.fault),
             start_timeout_s=args.start_timeout,
+            warm_start=not args.cold_start,
             **supervision(args),
         )
     except ValueError as e:

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -166,6 +167,21 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _forkable(command: list[str]):
+    """(module, argv, script) for Zygote.spawn when `command` is one the zygote can run as this
+    interpreter would: recover's own (`python -m recover.cli ...`), `python SCRIPT ...` or
+    `python -m MODULE ...` with this very interpreter; None otherwise (it is exec'ed)."""
+    if tuple(command[: len(_RECOVER)]) == _RECOVER:
+        return _RECOVER[2], list(command[len(_RECOVER) :]), ""
+    if len(command) < 2 or os.path.abspath(shutil.which(command[0]) or "") != sys.executable:
+        return None
+    if command[1] == "-m" and len(command) > 2:
+        return command[2], list(command[3:]), "-m"
+    if not command[1].startswith("-") and command[1].endswith(".py"):
+        return None, list(command[2:]), command[1]
+    return None
+
+
 def _proc_name(replica: int, rank: int) -> str:
     return f"replica {replica}" if rank == 0 else f"replica {replica}.{rank}"
 
@@ -267,9 +283,11 @@ class LocalLauncher:
         env["RECOVER_LAUNCHER_PID"] = str(os.getpid())  # children die with the launcher
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
-        if self._zygote is not None and tuple(command[: len(_RECOVER)]) == _RECOVER:
-            try:  # the coordinator and the built-in workers: forked, torch already imported
-                proc = self._zygote.spawn(_RECOVER[2], command[len(_RECOVER) :], env)
+        forkable = _forkable(command)
+        if self._zygote is not None and forkable is not None:
+            try:  # forked, torch already imported: recover's own commands, or a Python script
+                module, argv, script = forkable
+                proc = self._zygote.spawn(module, argv, env, script=script)
             except RuntimeError as e:  # start afresh from now on (slower, same result)
                 self.say(f"warm start off: {e}", logging.WARNING)
                 self._zygote = None
@@ -664,14 +682,22 @@ class LocalLauncher:
 class ScriptLauncher(LocalLauncher):
     """`recover run`: the same supervision over any training script that uses `recover.Replica`.
 
-    A script's processes are started afresh (exec'ed): no warm start, whose zygote can only fork
-    `recover`'s own worker.
+    A script run by this interpreter (`python SCRIPT ...`, `python -m MODULE ...`) is forked from
+    the zygote like the built-in worker (warm start; `--cold-start`: exec'ed); any other command
+    is exec'ed.
 
     Each process of replica r runs `command` with the job's variables (recover.runtime.env): the
     coordinator's address, its replica id, the token, its faults that have not fired yet, and
     the events file (the run folder's metrics.jsonl, where the coordinator writes too)."""
 
-    WARM_MODULES = ()  # its processes are the script's: nothing to fork them from
+    WARM_MODULES = (
+        "torch",
+        "torch.distributed",
+        "recover.cli",
+        "recover.coordinator.cli",
+        "recover.coordinator.server",
+        "recover.runtime.api",
+    )
 
     def __init__(
         self,

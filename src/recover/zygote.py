@@ -10,9 +10,11 @@ process group, no CUDA context, no open files besides its socket.
 
 Protocol (a socketpair between the launcher and the zygote; one JSON object per line):
 - launcher -> zygote: {"module": M, "argv": [...], "env": {...}} with the write end of the child's
-  output pipe attached (SCM_RIGHTS); the zygote forks, and the child runs `M.main(argv)` (as
-  `python -m M ARGV...` would) with exactly that environment, in its own session, its output on
-  that pipe;
+  output pipe attached (SCM_RIGHTS); the zygote forks, and the child runs `M.main(argv)`
+  (recover's own commands) with exactly that environment, in its own session, its output on that
+  pipe. Instead of "module": "script": PATH runs what `python PATH ARGV...` runs (runpy, as
+  `__main__`, the script's folder first on sys.path, exit handlers run at the end), and
+  "run_module": M what `python -m M ARGV...` runs: a user's training script under `recover run`;
 - zygote -> launcher: {"pid": P} for each request, in order; {"exit": P, "status": S} when a
   child ends (S as subprocess reports it: the exit code, or -N for signal N).
 
@@ -24,9 +26,11 @@ process outlives a SIGKILLed launcher.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -34,7 +38,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 
 from recover.runtime.env import die_with_launcher, die_with_parent
 
@@ -112,17 +115,38 @@ def _fork(request: dict, out_fd: int, sock: socket.socket, *closing: int) -> int
         os.environ.update(request["env"])
         if "RECOVER_LAUNCHER_PID" in os.environ:  # its parent is this zygote, which dies with
             os.environ["RECOVER_LAUNCHER_PID"] = str(zygote)  # the launcher
-        sys.argv = [request["module"], *request["argv"]]
-        code = importlib.import_module(request["module"]).main(request["argv"])
-    except SystemExit as e:
+        code = _run(request)
+    except SystemExit as e:  # as the interpreter treats it at exit
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # as the interpreter reports it (a program may hook it)
         code = 1
     finally:
+        if "script" in request or "run_module" in request:
+            atexit._run_exitfuncs()  # what the interpreter's own exit runs for a program
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code if isinstance(code, int) else 1)
+
+
+def _run(request: dict) -> int | None:
+    """Run what the request names, as the matching `python ...` command line would."""
+    argv = request["argv"]
+    if "script" in request:  # python SCRIPT ARGV...
+        script = request["script"]
+        sys.argv = [script, *argv]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+        return 0
+    if "run_module" in request:  # python -m MODULE ARGV... (as a program)
+        sys.argv = [request["run_module"], *argv]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(request["run_module"], run_name="__main__", alter_sys=True)
+        return 0
+    sys.argv = [request["module"], *argv]  # recover's own entry point: its main(argv)
+    return importlib.import_module(request["module"]).main(argv)
 
 
 def _main() -> None:
@@ -215,9 +239,12 @@ class Zygote:
         self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
         self._reader.start()
 
-    def spawn(self, module: str, argv: list[str], env: dict[str, str]) -> ForkedProcess:
-        """Fork `python -m MODULE ARGV...` (its `main(argv)`) with exactly `env`; its output on
-        the returned handle's stdout."""
+    def spawn(
+        self, module: str | None, argv: list[str], env: dict[str, str], *, script: str = ""
+    ) -> ForkedProcess:
+        """Fork a process with exactly `env`, its output on the returned handle's stdout: it
+        runs `module.main(argv)` (recover's own commands), or with `script`, what `python SCRIPT
+        ARGV...` runs (a path), or `python -m MODULE ARGV...` (`script="-m"`)."""
         with self._lock:
             if self._reader is None:
                 self._await_ready()
@@ -226,7 +253,12 @@ class Zygote:
             with self._spawned:
                 self._pending.append(proc)
             try:
-                line = json.dumps({"module": module, "argv": argv, "env": env}).encode() + b"\n"
+                what = {"module": module}
+                if script == "-m":
+                    what = {"run_module": module}
+                elif script:
+                    what = {"script": script}
+                line = json.dumps({**what, "argv": argv, "env": env}).encode() + b"\n"
                 socket.send_fds(self._sock, [line], [write_fd])
             finally:
                 os.close(write_fd)
