@@ -420,13 +420,22 @@ class EpochGroup:
         """
         self._check_buffer(flat, name="flat", one_dim=True)
         opts_factory = self._allreduce_options
-        self._run(flat, lambda chunk: self._pg.allreduce([chunk], opts_factory()), should_abort)
+        self._run([flat], lambda chunk: self._pg.allreduce([chunk], opts_factory()), should_abort)
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, should_abort: ShouldAbort) -> None:
         """Copy rank ``src``'s ``tensor`` into every rank's ``tensor`` in place, same abort rules."""
+        self.broadcast_many([tensor], src=src, should_abort=should_abort)
+
+    def broadcast_many(
+        self, tensors: list[torch.Tensor], *, src: int, should_abort: ShouldAbort
+    ) -> None:
+        """Broadcast every tensor of the list (each in place, from rank ``src``), all in flight
+        together and waited for as one op (same abort rules): a state of many tensors moves
+        without being packed into one buffer first."""
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
             raise ValueError(f"src must be an int in [0, {self.world_size}), got {src!r}")
-        self._check_buffer(tensor, name="tensor", one_dim=False)
+        for tensor in tensors:
+            self._check_buffer(tensor, name="tensor", one_dim=False)
 
         def issue(chunk: torch.Tensor) -> Any:
             opts = dist.BroadcastOptions()
@@ -435,7 +444,7 @@ class EpochGroup:
             opts.timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
             return self._pg.broadcast([chunk], opts)
 
-        self._run(tensor.view(-1), issue, should_abort)
+        self._run([tensor.view(-1) for tensor in tensors], issue, should_abort)
 
     def abandon(self) -> threading.Thread | None:
         """Poison the group and tear it down on a daemon thread; never blocks. Idempotent.
@@ -481,7 +490,10 @@ class EpochGroup:
             raise ValueError(f"{name} must be a contiguous tensor on {self.device}")
 
     def _run(
-        self, flat: torch.Tensor, issue: Callable[[torch.Tensor], Any], should_abort: ShouldAbort
+        self,
+        flats: list[torch.Tensor],
+        issue: Callable[[torch.Tensor], Any],
+        should_abort: ShouldAbort,
     ) -> None:
         if self._poison is not None:
             raise CollectiveAborted(
@@ -490,12 +502,13 @@ class EpochGroup:
                 epoch=self.epoch,
                 peer=self._poison.peer,
             )
-        buckets = compute_buckets(flat.numel(), flat.element_size(), self.config.bucket_bytes)
         verdict: CollectiveAborted | None = None
         caller_error: BaseException | None = None
         try:
-            for start, stop in buckets:
-                self._in_flight.append(issue(flat[start:stop]))
+            for flat in flats:
+                size = self.config.bucket_bytes
+                for start, stop in compute_buckets(flat.numel(), flat.element_size(), size):
+                    self._in_flight.append(issue(flat[start:stop]))
             verdict = self._wait_in_flight(should_abort)
         except RuntimeError as exc:  # gloo refused to issue (e.g. its connections are closed)
             verdict = compute_verdict(
@@ -513,9 +526,9 @@ class EpochGroup:
             return
         # No Work object may stay referenced by this frame or the exception: the graveyard owns them.
         self._graveyard.extend(self._in_flight)
-        self._graveyard.append(flat)
+        self._graveyard.extend(flats)
         self._in_flight.clear()
-        del flat
+        del flats
         # A copy: the raised exception's traceback pins the caller's frames (and buffer).
         self._poison = CollectiveAborted(
             verdict.kind, verdict.detail, epoch=verdict.epoch, peer=verdict.peer

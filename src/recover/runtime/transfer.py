@@ -12,9 +12,12 @@ holds, sent over the group of its position to the joiner's rank at the same posi
 during the transfer is a collective failure like any other (the caller reports it and the step is
 redone in the next epoch, where the transfer is repeated).
 
-Cost: one flat copy of the state (parameters plus two AdamW moments: about 12 bytes per
-parameter) and one broadcast of it, bucketed by the collective; members that already hold the state receive it too (a
-broadcast reaches every rank of the group), which costs them the same time as the joiners.
+Cost: one broadcast of the state (parameters plus two AdamW moments: about 12 bytes per
+parameter), every tensor sent from where it lies and received straight into a fresh buffer that
+becomes the joiner's tensor (no packing into one buffer, no unpacking copy: before, those two
+copies took most of the time), all in flight together and bucketed by the collective; members
+that already hold the state receive it too (a broadcast reaches every rank of the group), which
+costs them the same time as the joiners.
 """
 
 from __future__ import annotations
@@ -47,48 +50,36 @@ def _flatten(obj, tensors: list[torch.Tensor]):
     return obj
 
 
-def _unflatten(obj, flat: torch.Tensor, offsets: list[int]):
+def _unflatten(obj, parts: list[torch.Tensor]):
+    """The state dict of `_flatten`'s structure, each tensor a view of its received bytes."""
     if isinstance(obj, dict) and "__tensor__" in obj:
-        i = obj["__tensor__"]
         dtype = getattr(torch, obj["dtype"].removeprefix("torch."))
-        # clone first: a byte slice need not be aligned for a wider dtype's view
-        return flat[offsets[i] : offsets[i + 1]].clone().view(dtype).view(obj["shape"])
+        return parts[obj["__tensor__"]].view(dtype).view(obj["shape"])
     if isinstance(obj, dict) and "__dict__" in obj:
-        return {
-            _unflatten(k, flat, offsets): _unflatten(v, flat, offsets) for k, v in obj["__dict__"]
-        }
+        return {_unflatten(k, parts): _unflatten(v, parts) for k, v in obj["__dict__"]}
     if isinstance(obj, dict) and "__list__" in obj:
-        items = [_unflatten(v, flat, offsets) for v in obj["__list__"]]
+        items = [_unflatten(v, parts) for v in obj["__list__"]]
         return tuple(items) if obj["tuple"] else items
     return obj
 
 
-def pack_state(work) -> tuple[torch.Tensor, torch.Tensor]:
-    """The committed state of `work` (its `transfer_state_dict()`) as (header, flat): a small
-    uint8 JSON header that describes the state dict, and one flat uint8 tensor holding the bytes
-    of every tensor of it in order (any dtype: fp32 moments, bf16 weights, integer counters).
+def _bytes_of(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor on `device`: a view when it is contiguous and
+    there already (no copy), a copy otherwise."""
+    t = tensor.detach()
+    if t.device != device:
+        t = t.to(device)
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
-    One torch.cat instead of pickling: the copy runs in torch with the GIL released, so the
-    replica's heartbeat thread keeps beating while a large model is packed (a pickle of a GB-sized
-    state into bytes holds the GIL for seconds and let the lease expire).
-    """
+
+def describe_state(work, device: torch.device) -> tuple[bytes, list[torch.Tensor]]:
+    """The committed state of `work` (its `transfer_state_dict()`) as (header, parts): a JSON
+    header that describes the state dict, and each tensor's bytes (views where possible)."""
     tensors: list[torch.Tensor] = []
     structure = _flatten(work.transfer_state_dict(), tensors)
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    sizes = [part.numel() for part in parts]
-    header = json.dumps({"structure": structure, "sizes": sizes}).encode()
-    return torch.tensor(list(header), dtype=torch.uint8), flat
-
-
-def unpack_state(work, header: torch.Tensor, flat: torch.Tensor) -> None:
-    meta = json.loads(bytes(header.tolist()).decode())
-    offsets = [0]
-    for n in meta["sizes"]:
-        offsets.append(offsets[-1] + n)
-    if offsets[-1] != flat.numel():
-        raise ValueError(f"state transfer: {flat.numel()} bytes received, {offsets[-1]} described")
-    work.load_transfer_state(_unflatten(meta["structure"], flat, offsets))
+    parts = [_bytes_of(t, device) for t in tensors]
+    header = json.dumps({"structure": structure, "sizes": [p.numel() for p in parts]})
+    return header.encode(), parts
 
 
 def transfer_state(
@@ -111,21 +102,18 @@ def transfer_state(
     src_rank = members.index(source)
     t0 = time.perf_counter()
     device = group.device  # host memory for gloo, this rank's GPU for NCCL
-    header, flat = pack_state(work) if me == source else (None, None)
-    sizes = torch.tensor(
-        [header.numel(), flat.numel()] if header is not None else [0, 0],
-        dtype=torch.int64,
-        device=device,
-    )
-    group.broadcast(sizes, src=src_rank, should_abort=should_abort)
-    if header is None:
-        header = torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
-        flat = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
-    else:
-        header, flat = header.to(device), flat.to(device)
-    group.broadcast(header, src=src_rank, should_abort=should_abort)
-    group.broadcast(flat, src=src_rank, should_abort=should_abort)
+    header, parts = describe_state(work, device) if me == source else (b"", [])
+    size = torch.tensor([len(header)], dtype=torch.int64, device=device)
+    group.broadcast(size, src=src_rank, should_abort=should_abort)
+    raw = torch.empty(int(size[0]), dtype=torch.uint8, device=device)
+    if me == source:
+        raw.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    group.broadcast(raw, src=src_rank, should_abort=should_abort)
+    meta = json.loads(bytes(raw.cpu().numpy()).decode())
+    if me != source:  # received straight into their final buffers: no packing, no unpacking
+        parts = [torch.empty(n, dtype=torch.uint8, device=device) for n in meta["sizes"]]
+    group.broadcast_many(parts, src=src_rank, should_abort=should_abort)
     if me in joined:
-        unpack_state(work, header, flat)
-    nbytes = header.numel() + flat.numel()
+        work.load_transfer_state(_unflatten(meta["structure"], parts))
+    nbytes = raw.numel() + sum(p.numel() for p in parts)
     return TransferStats(bytes=nbytes, seconds=time.perf_counter() - t0, source=source)
