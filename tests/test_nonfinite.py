@@ -49,7 +49,7 @@ def test_two_replicas_skip_non_finite_steps_and_stop(tiny_dataset, tmp_path):
     flags = [*TINY_TRAIN_FLAGS, *DIVERGING, "--replicas", "2"]
     r = run_cli(["train", *flags, "--data", str(tiny_dataset), "--out", str(out)], timeout=100)
     assert_stopped_on_the_last_finite_state(out, r)
-    assert "steps not finite" in r.stdout
+    assert "steps not finite" in r.stdout + r.stderr  # the verdict (errors go to stderr)
     named = events(out, "nonfinite_microbatches")
     assert {e["replica"] for e in named} == {0, 1} and all(e["ids"] for e in named)
     assert leftover_processes(str(out)) == []
