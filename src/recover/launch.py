@@ -265,9 +265,16 @@ class LocalLauncher:
         as its children do (they share its command line), so every process of the run names it."""
         if not self.lcfg.warm_start or not self.WARM_MODULES:
             return
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        env.update(PYTHONUNBUFFERED="1", RECOVER_LAUNCHER_PID=str(os.getpid()))
+        env = self._child_env()
         self._zygote = Zygote(list(self.WARM_MODULES), env, tag=str(self.paths.out))
+
+    def _child_env(self, extra_env: dict | None = None) -> dict[str, str]:
+        """The environment of every process this launcher starts (the zygote's too)."""
+        env = dict(os.environ, **(extra_env or {}))
+        env["RECOVER_LAUNCHER_PID"] = str(os.getpid())  # children die with the launcher
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
 
     def say(self, line: str, level: int = logging.INFO) -> None:
         """A launcher line (the process's log prefix says `[launcher]`); with --quiet (no
@@ -278,11 +285,8 @@ class LocalLauncher:
     def _spawn(
         self, name: str, command: list[str], prefix: str, extra_env: dict | None = None
     ) -> subprocess.Popen:
-        env = dict(os.environ, **(extra_env or {}))
+        env = self._child_env(extra_env)
         env[TOKEN_ENV] = self.token  # never on the command line, where `ps` would show it
-        env["RECOVER_LAUNCHER_PID"] = str(os.getpid())  # children die with the launcher
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env["PYTHONUNBUFFERED"] = "1"
         forkable = _forkable(command)
         if self._zygote is not None and forkable is not None:
             try:  # forked, torch already imported: recover's own commands, or a Python script

@@ -221,7 +221,6 @@ class Zygote:
         self._lock = threading.Lock()  # one request in flight: replies come in request order
         self._pending: list[ForkedProcess] = []
         self._by_pid: dict[int, ForkedProcess] = {}
-        self._early: dict[int, int] = {}  # exits read before their spawn's reply was matched
         self._spawned = threading.Condition()
         self._buffer = b""
         self._ready_deadline = time.monotonic() + timeout_s
@@ -286,14 +285,9 @@ class Zygote:
                     proc.pid = msg["pid"]
                     self._by_pid[proc.pid] = proc
                     self._spawned.notify_all()
-                    if proc.pid in self._early:
-                        proc._ended_with(self._early.pop(proc.pid))
                 else:
-                    proc = self._by_pid.pop(msg["exit"], None)
-                    if proc is None:
-                        self._early[msg["exit"]] = msg["status"]
-                    else:
-                        proc._ended_with(msg["status"])
+                    # (the zygote reports a child's pid before its exit: always known here)
+                    self._by_pid.pop(msg["exit"])._ended_with(msg["status"])
 
     def _zygote_gone(self) -> None:
         with self._spawned:
