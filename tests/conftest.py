@@ -26,7 +26,7 @@ torch.set_num_threads(1)
 TIERS = {
     "unit": (
         "test_addressing", "test_architecture", "test_cli_help", "test_coordinator_decide",
-        "test_jobconfig",
+        "test_etcd_store", "test_jobconfig",
         "test_data_formats", "test_data_prepare", "test_policy", "test_report", "test_simulate",
         "test_spec", "test_units",
     ),

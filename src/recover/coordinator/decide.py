@@ -72,6 +72,7 @@ from recover.coordinator.protocol import (
     ReportFailed,
     ReportsDone,
     SuspectHardware,
+    Takeover,
     Tick,
 )
 from recover.coordinator.state_store import (
@@ -382,6 +383,29 @@ def _on_tick(s: CoordinatorState, now: float, m: Tick, out: list) -> str:
     return ""
 
 
+def _on_takeover(s: CoordinatorState, now: float, m: Takeover, out: list) -> str:
+    """A new leader's first rule: nobody is dead for the coordinator's absence (each member's
+    lease runs `grace_s` from now, time to find the new leader), and the in-flight attempt is
+    resolved by the commit rule. Reports are not durable, so an attempt is committed here only
+    if every live member's done is on record; otherwise it is redone in a new epoch, whose
+    process group the replicas build on the new leader's store."""
+    members = s.own("members")
+    seen = now + max(m.grace_s, s.options.lease_s) - s.options.lease_s
+    for r, member in members.items():
+        if member.state in (PENDING, LIVE):
+            members[r] = replace(member, last_seen=seen)
+    why = f"coordinator term {m.term} took over at step {s.step}"
+    if s.status != RUNNING:
+        return f"{why} (run {s.status})"
+    survivors = [r for r in s.attempt_members if _alive_in_attempt(s, r)]
+    if survivors and all(s.reports.get(r) == "done" for r in survivors):
+        _evaluate_attempt(s, out)
+        return why
+    _bump_epoch(s, out, f"{why}; its attempt in epoch {s.attempt_epoch} is redone")
+    _redo(s, out, survivors)
+    return why
+
+
 _HANDLERS = {
     Register: _on_register,
     Heartbeat: _on_heartbeat,
@@ -393,6 +417,7 @@ _HANDLERS = {
     ReportFailed: _on_failed,
     Leave: _on_leave,
     Tick: _on_tick,
+    Takeover: _on_takeover,
 }
 
 # ---------------------------------------------------------------- state transitions
@@ -559,7 +584,7 @@ def _redo(s: CoordinatorState, out: list, survivors: list[int]) -> None:
     t, a = s.step, s.attempt_epoch
     alive = set(survivors)
     dead = [r for r in s.attempt_members if r not in alive]
-    failed = [r for r in survivors if s.reports[r] == "failed"]
+    failed = [r for r in survivors if s.reports.get(r) == "failed"]
     if s.epoch == a:
         _bump_epoch(s, out, f"regroup to redo step {t}: replicas {failed} failed in epoch {a}")
     if tuple(survivors) != s.live:  # pragma: no cover - joiners only enter at commits

@@ -57,6 +57,7 @@ __all__ = [
     "LeaseExpired",
     "ReportsDone",
     "Tick",
+    "Takeover",
     "Message",
     "View",
     "Decision",
@@ -189,6 +190,18 @@ class Tick:
     due: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True)
+class Takeover:
+    """A new leader (term `term`) took the state over from a saved one: every member gets a
+    lease of `grace_s` from now to find it, and the in-flight attempt is resolved as after any
+    fault (committed if every live member's done is on record, else redone in a new epoch).
+
+    Not a wire message: the server of a new term applies it once, before it serves."""
+
+    term: int
+    grace_s: float
+
+
 Message = (
     Register
     | Heartbeat
@@ -200,6 +213,7 @@ Message = (
     | ReportFailed
     | Leave
     | Tick
+    | Takeover
 )
 
 MESSAGE_KINDS: dict[str, type] = {

@@ -56,6 +56,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,7 @@ from recover.coordinator.decide import (
     resume_state,
     view_of,
 )
+from recover.coordinator.etcd import Fenced
 from recover.coordinator.pacing import LeaseQueue, StreamProtocol, Waiters
 from recover.coordinator.protocol import (
     MESSAGE_KINDS,
@@ -79,6 +81,7 @@ from recover.coordinator.protocol import (
     ProtocolError,
     Refused,
     Register,
+    Takeover,
     Tick,
     check_field,
     decode_done_batch,
@@ -159,6 +162,9 @@ class CoordinatorServer(LoopService):
         body_timeout_s: float = 10.0,
         log_size: int = 200,
         save_interval_s: float = 0.1,
+        term: int | None = None,
+        authority: Callable[[], bool] | None = None,
+        takeover_grace_s: float = 5.0,
     ) -> None:
         if not isinstance(options, CoordinatorOptions):
             raise ValueError(f"options must be CoordinatorOptions, got {type(options).__name__}")
@@ -204,6 +210,20 @@ class CoordinatorServer(LoopService):
         self._relays: dict[str, _Relay] = {}
         self._relay_leases = LeaseQueue(options.lease_s)
         self._relay_held = Waiters()
+        # High availability (docs/coordinator.md, "The control plane in etcd"). `term`: this
+        # leader's term; a loaded state is then taken over (`Takeover`). `authority()`: whether
+        # it still leads (election.py); once False it decides nothing and serves nothing more.
+        # A durable store (etcd) holds every reply that shows the state back until the revision
+        # it shows is saved, so no replica acts on a decision a successor would not know.
+        self._term, self._authority = term, authority
+        self._takeover_grace_s = takeover_grace_s
+        self._durable = bool(getattr(self._state_store, "durable", False))
+        self._saved_revision = -1
+        self._save_waiters: list[tuple[int, asyncio.Future]] = []
+        self._dirty = threading.Event()
+        self._deposed: str | None = None
+        self.last_tick = time.monotonic()  # the loop's liveness (election.py stops renewing)
+        self._pending_records: list[Decision] = []
 
     # ------------------------------------------------------------ lifecycle
 
@@ -218,6 +238,12 @@ class CoordinatorServer(LoopService):
         self._state = (
             initial_state(self._options, now) if loaded is None else (resume_state(loaded, now))
         )
+        if loaded is not None and self._term is not None:
+            self._state, decisions, reason = decide(
+                now, self._state, Takeover(term=self._term, grace_s=self._takeover_grace_s)
+            )
+            self._pending_records = decisions  # recorded once the events file is open
+            log.warning("%s", reason)
         self._wake_key = self._key(self._state)
         alive = [m for m in self._state.members.values() if m.state in (PENDING, LIVE)]
         self._leases = LeaseQueue(
@@ -239,6 +265,8 @@ class CoordinatorServer(LoopService):
         if self._events_path is not None:
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
             self._events_fd = os.open(self._events_path, flags, 0o644)
+        for d in self._pending_records:
+            self._record(d)
         self._start_loop()
         self._saver = threading.Thread(target=self._save_loop, name="coordinator-save", daemon=True)
         self._saver.start()
@@ -257,6 +285,11 @@ class CoordinatorServer(LoopService):
     @property
     def store_address(self) -> tuple[str, int] | None:
         return self._store_address
+
+    @property
+    def deposed(self) -> str | None:
+        """Why this leader stopped leading (its term was superseded or its lease lost), or None."""
+        return self._deposed
 
     def state(self) -> CoordinatorState:
         """The current state (never mutated after publication: safe to read from any thread)."""
@@ -299,6 +332,10 @@ class CoordinatorServer(LoopService):
             await asyncio.sleep(self._tick_s)
             for _ in range(_DRAIN_ROUNDS):  # read what is readable before judging any lease
                 await asyncio.sleep(0)
+            self.last_tick = time.monotonic()
+            if self._authority is not None and not self._authority():
+                self._depose("its lease ran out (it was stalled or lost etcd)")
+                return
             try:
                 self._flush_beats()
                 now = time.monotonic()
@@ -309,13 +346,21 @@ class CoordinatorServer(LoopService):
                     self._requeue(due)
                 for relay in self._relay_leases.due(now):
                     self._relay_lost(relay, "lease")
+            except _Deposed:
+                return
             except Exception as e:  # a broken rule must stop the service loudly
                 log.critical("coordinator tick failed; stopping", exc_info=True)
                 self._error = e
                 self._stop_event.set()
                 return
 
+    def _check_authority(self) -> None:
+        if self._deposed is not None or (self._authority is not None and not self._authority()):
+            self._depose("its lease ran out (it was stalled or lost etcd)")
+            raise _Deposed(self._deposed)
+
     def _apply(self, msg: Any, now: float | None = None) -> tuple[list[Decision], str]:
+        self._check_authority()
         old = self._state
         new, decisions, reason = decide(time.monotonic() if now is None else now, old, msg)
         self._state = new
@@ -329,6 +374,8 @@ class CoordinatorServer(LoopService):
                 self._wake_key = key
                 self._waiters.wake()
                 self._relay_held.wake()
+        if self._durable and new.revision != old.revision:
+            self._dirty.set()  # saved at once (a reply waits for it), batched while it saves
         if new.accusations is not old.accusations and len(new.accusations) > len(old.accusations):
             self._relay_held.wake()  # a relay proves its accused replicas alive (relay_beat)
         return decisions, reason
@@ -359,16 +406,67 @@ class CoordinatorServer(LoopService):
         """Save the newest revision at most every save_interval_s, and once more at stop."""
         saved = None
         while True:
-            stopping = self._save_stop.wait(self._save_interval_s)
+            if self._durable:  # at once when dirty: replies wait for it (group commit)
+                self._dirty.wait(self._save_interval_s)
+                self._dirty.clear()
+                stopping = self._save_stop.is_set()
+            else:
+                stopping = self._save_stop.wait(self._save_interval_s)
             state = self._state
-            if state is not None and state.revision != saved:
+            if state is not None and state.revision != saved and self._deposed is None:
                 try:
                     self._state_store.save(state)
                     saved = state.revision
+                    if self._durable:
+                        self._call_in_loop(self._on_saved, saved)
+                except Fenced as e:
+                    self._call_in_loop(self._depose, str(e))
+                    return
                 except Exception:  # keep serving; the next round retries
                     log.exception("saving the coordinator state failed")
+                    self._save_stop.wait(self._save_interval_s)
+                    self._dirty.set()
             if stopping:
                 return
+
+    def _call_in_loop(self, fn: Callable, *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop has ended (stop): nobody waits any more
+            pass
+
+    def _on_saved(self, revision: int) -> None:
+        self._saved_revision = max(self._saved_revision, revision)
+        keep = []
+        for rev, fut in self._save_waiters:
+            if rev <= self._saved_revision:
+                if not fut.done():
+                    fut.set_result(True)
+            else:
+                keep.append((rev, fut))
+        self._save_waiters = keep
+
+    async def _saved(self, revision: int) -> bool:
+        """Wait until `revision` is durable; False when it never will be (deposed, stopping)."""
+        if revision <= self._saved_revision:
+            return True
+        if self._deposed is not None or self._stopping:
+            return False
+        fut = self._loop.create_future()
+        self._save_waiters.append((revision, fut))
+        return await fut
+
+    def _depose(self, why: str) -> None:
+        """Stop leading: decide nothing, reveal nothing, close every connection (loop thread)."""
+        if self._deposed is not None:
+            return
+        self._deposed = why
+        log.error("coordinator of term %s stands down: %s", self._term, why)
+        for _, fut in self._save_waiters:
+            if not fut.done():
+                fut.set_result(False)
+        self._save_waiters = []
+        self._stop_event.set()
 
     def _frame(self, reply: dict[str, Any], known: Any = None) -> bytes:
         """One reply frame; a `_VIEW` value is replaced by the current view, encoded once per
@@ -429,20 +527,26 @@ class CoordinatorServer(LoopService):
                     break
                 if reply.get("view") is _VIEW and isinstance(req.get("replica_id"), int):
                     self._delivered[req["replica_id"]] = self._state.view_version
-                writer.write(self._frame(reply, req.get("view_version")))
+                shows = self._durable and ("view" in reply or "outcome" in reply)
+                revision = self._state.revision
+                data = self._frame(reply, req.get("view_version"))
+                if shows and not await self._saved(revision):
+                    break  # deposed or stopping: what it shows may never be durable
+                writer.write(data)
                 await writer.drain()
-        except (ConnectionError, OSError):
-            pass  # the peer went away; a session's loss is handled below
+        except (ConnectionError, OSError, _Deposed):
+            pass  # the peer went away (a session's loss is handled below), or we stood down
         except Exception:
             log.exception("internal error serving %s; closing that connection", peer)
             await self._reply_and_close(writer, "internal", "internal coordinator error")
         finally:
             self._writers.discard(writer)
             self._tasks.discard(asyncio.current_task())
-            if conn.session is not None and not conn.left and not self._stopping:
-                self._session_lost(conn)
-            if conn.relay is not None and not self._stopping:
-                self._relay_lost(conn.relay, "exit")
+            if self._deposed is None:
+                if conn.session is not None and not conn.left and not self._stopping:
+                    self._session_lost(conn)
+                if conn.relay is not None and not self._stopping:
+                    self._relay_lost(conn.relay, "exit")
             writer.close()
 
     async def _reply_and_close(self, writer: asyncio.StreamWriter, code: str, why: str) -> None:
@@ -485,6 +589,7 @@ class CoordinatorServer(LoopService):
     async def _handle_heartbeat(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         msg = decode_message(req)
         r, inc = msg.replica_id, msg.incarnation
+        self._check_authority()
         st, now = self._state, time.monotonic()
         if check_member(st, r, inc)[0] or r in st.accusations:
             reply = self._handle_message(req, conn, msg)  # a refusal, or it answers an accusation
@@ -704,6 +809,10 @@ class CoordinatorServer(LoopService):
             "store": list(self._store_address) if self._store_address else None,
             "options": vars(s.options),
         }
+
+
+class _Deposed(Exception):
+    """Raised inside the loop when this leader may no longer decide (see `_depose`)."""
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:

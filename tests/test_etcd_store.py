@@ -1,0 +1,138 @@
+"""The etcd-backed state store and the leader election, against a real etcd.
+
+A fixture starts a private etcd (127.0.0.1, free ports, a temp data dir) and stops it by pid.
+Checked: the state round-trips through etcd; a save under a superseded term is refused and writes
+nothing; one candidate wins a term, the other waits and wins the next term when the leader's
+lease runs out (never while it is renewed); a leader whose process stalls lets its lease go; a
+frozen leader (no renewals past its TTL) knows it no longer leads before anyone tells it.
+Skipped where no etcd binary is installed (Debian: etcd-server; CI installs it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from recover.coordinator.decide import decide, initial_state
+from recover.coordinator.election import Election
+from recover.coordinator.etcd import (
+    EtcdClient,
+    EtcdStateStore,
+    EtcdUnavailable,
+    Fenced,
+    parse_state_url,
+)
+from recover.coordinator.etcd_local import find_etcd, start_local_etcd
+from recover.coordinator.protocol import Register, Takeover
+from recover.coordinator.state_store import CoordinatorOptions, state_to_json
+
+pytestmark = pytest.mark.skipif(
+    find_etcd() is None, reason="no etcd binary (apt-get install etcd-server)"
+)
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    server = start_local_etcd(tmp_path_factory.mktemp("etcd"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _client(etcd) -> EtcdClient:
+    return EtcdClient(etcd.endpoints, timeout_s=2.0)
+
+
+def _state(n: int):
+    opts = CoordinatorOptions(expected_replicas=2, microbatches=4)
+    s = initial_state(opts, 0.0)
+    for r in range(n):
+        s, _, _ = decide(
+            0.0, s, Register(replica_id=r, incarnation=f"i{r}", fingerprint={}, next_step=0)
+        )
+    return s
+
+
+def test_parse_state_url():
+    url = parse_state_url("etcd://a:1,b:2/jobs/run7")
+    assert url.endpoints == (("a", 1), ("b", 2)) and url.prefix == "/jobs/run7"
+    assert parse_state_url("etcd://h:2379").prefix == "/recover/default"
+    for bad in ("http://h:1", "etcd://h", "etcd://h:x", "etcd://:5"):
+        with pytest.raises(ValueError, match="--state"):
+            parse_state_url(bad)
+
+
+def test_state_round_trip_and_fencing(etcd):
+    a, b = EtcdStateStore(_client(etcd), "/t1"), EtcdStateStore(_client(etcd), "/t1")
+    assert a.load() is None
+    with pytest.raises(Fenced):  # never elected: no term
+        a.save(_state(1))
+    a.client.put("/t1/term", "1")
+    a.fence(1)
+    s2 = _state(2)  # the run formed: epoch 1, two live members
+    a.save(s2)
+    assert state_to_json(b.load()) == state_to_json(s2)
+    b.client.put("/t1/term", "2")  # a new leader's term
+    b.fence(2)
+    with pytest.raises(Fenced, match="term 1 was superseded"):
+        a.save(_state(1))
+    assert state_to_json(b.load()) == state_to_json(s2), "the fenced save wrote something"
+
+
+def test_unreachable_endpoint_is_named():
+    client = EtcdClient((("127.0.0.1", 1),), timeout_s=0.5)
+    with pytest.raises(EtcdUnavailable, match="127.0.0.1:1"):
+        client.get("/x")
+
+
+def test_one_leader_per_term_and_takeover_after_lease(etcd):
+    first = Election(_client(etcd), "/t2", identity="a", ttl_s=1, poll_s=0.05)
+    second = Election(_client(etcd), "/t2", identity="b", ttl_s=1, poll_s=0.05)
+    assert first.campaign() == 1 and first.holds()
+    won: list[int] = []
+    stop = threading.Event()
+    waiter = threading.Thread(target=lambda: won.append(second.campaign(stop)))
+    waiter.start()
+    try:
+        time.sleep(2.5)  # > 2 TTLs: renewed, so no takeover
+        assert not won and first.holds() and first.leader()["identity"] == "a"
+        first._stop.set()  # the leader stops renewing (as a SIGKILL would)
+        t0 = time.monotonic()
+        waiter.join(5.0)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        waiter.join(5.0)
+    assert won == [2], "the standby did not win the next term"
+    assert took < first.granted_ttl_s + 1.0, f"takeover took {took:.2f} s"
+    assert not first.holds(), "the old leader still believes it leads"
+    assert second.leader()["identity"] == "b"
+    second.resign()
+    assert second.leader() is None
+
+
+def test_stalled_service_lets_the_lease_go(etcd):
+    alive = threading.Event()
+    alive.set()
+    e = Election(_client(etcd), "/t3", identity="a", ttl_s=1, poll_s=0.05, alive=alive.is_set)
+    assert e.campaign() == 1
+    alive.clear()  # the coordinator's loop stopped ticking
+    deadline = time.monotonic() + 5
+    while e.leader() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert e.leader() is None and not e.holds()
+
+
+def test_takeover_redoes_the_attempt_without_deaths():
+    s = _state(2)  # formed: epoch 1, attempt of step 0 in epoch 1, nobody reported
+    assert s.status == "running"
+    t, out, why = decide(10.0, s, Takeover(term=2, grace_s=5.0))
+    assert t.epoch == s.epoch + 1 and t.attempt_epoch == t.epoch and t.step == 0
+    assert t.live == s.live and sorted(t.holdings) == sorted(s.holdings)
+    assert not any(d.name == "member_dead" for d in out), out
+    # every member's lease now runs 5 s from the takeover
+    assert all(m.last_seen + s.options.lease_s == pytest.approx(15.0) for m in t.members.values())
+    assert "term 2 took over" in why
