@@ -20,6 +20,7 @@ import threading
 from typing import Any
 
 from recover.coordinator.client import CoordinatorUnreachable, request_once
+from recover.coordinator.protocol import COORDINATOR_ENV, TOKEN_ENV
 from recover.coordinator.state_store import CoordinatorOptions
 from recover.logs import LOG_LEVELS, process_prefix, setup_logging
 
@@ -31,9 +32,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("recover.coordinator")
-
-TOKEN_ENV = "RECOVER_TOKEN"
-COORDINATOR_ENV = "RECOVER_COORDINATOR"  # HOST:PORT, wherever --coordinator or --addr is taken
 
 
 def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -44,7 +44,9 @@ from typing import Any, ClassVar
 from recover.policy import assign
 
 __all__ = [
+    "COORDINATOR_ENV",
     "MAX_FRAME",
+    "TOKEN_ENV",
     "FrameTooLarge",
     "ProtocolError",
     "Register",
@@ -81,6 +83,11 @@ __all__ = [
     "recv_frame",
     "send_frame",
 ]
+
+# Where every process of a job finds the coordinator and the job's shared secret when no flag
+# says it (the launcher sets both for its children; `coordinator serve` and `status` read them).
+COORDINATOR_ENV = "RECOVER_COORDINATOR"  # HOST:PORT
+TOKEN_ENV = "RECOVER_TOKEN"
 
 MAX_FRAME = 1 << 20
 _HEADER = struct.Struct(">I")

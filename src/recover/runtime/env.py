@@ -24,12 +24,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from recover.coordinator.protocol import COORDINATOR_ENV, TOKEN_ENV
 from recover.runtime.faults import FaultSpec, fault_flag, parse_fault
 from recover.runtime.spec import ReplicaSpec
 
-COORDINATOR_ENV = "RECOVER_COORDINATOR"
 REPLICA_ENV = "RECOVER_REPLICA_ID"
-TOKEN_ENV = "RECOVER_TOKEN"
 FAULTS_ENV = "RECOVER_FAULTS"
 EVENTS_ENV = "RECOVER_EVENTS"
 SPEC_ENV = "RECOVER_REPLICA_SPEC"
