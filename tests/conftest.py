@@ -28,7 +28,7 @@ TIERS = {
         "test_addressing", "test_architecture", "test_cli_help", "test_coordinator_decide",
         "test_etcd_store", "test_jobconfig",
         "test_data_formats", "test_data_prepare", "test_policy", "test_report", "test_simulate",
-        "test_spec", "test_units",
+        "test_spec", "test_tree_sum", "test_units",
     ),
     "inprocess": (
         "test_api_usage", "test_coordinator_server", "test_step_machine", "test_train_single",

@@ -477,6 +477,7 @@ def run_train(args: argparse.Namespace) -> int:
     out = args.out or default_out()
     console = None if args.quiet else sys.stdout
     solo = lcfg.replicas == 1 and lcfg.ranks == 1 and not lcfg.faults and lcfg.mode == "recover"
+    solo = solo and not lcfg.replica.deterministic  # that sum is the step machine's
     # One replica trains in this process (its lines bare, as a replica's); else this process is
     # the launcher, and its children log with the same level.
     _start_logging(args, "" if solo else "[launcher] ")

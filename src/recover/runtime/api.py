@@ -244,6 +244,7 @@ class Replica:
             "optimizer": type(self._work.optimizer).__name__,
             "layout": self.layout.describe(),
             "cross_reduce": "gloo",
+            **({"deterministic": True} if self.env.spec.deterministic else {}),
             **{f"config.{k}": v for k, v in sorted(self.config.items())},
         }
 
@@ -289,7 +290,11 @@ class Replica:
             work=self._work,
             link=self._link,
             groups=GroupCache(store, config=self.env.spec.collective(), scope=scope, device="cpu"),
-            options=StepOptions(replica_id=self.replica_id, check_every=self.check_every),
+            options=StepOptions(
+                replica_id=self.replica_id,
+                check_every=self.check_every,
+                deterministic=self.env.spec.deterministic,
+            ),
             hooks=StepHooks(phase=self._faults, event=self.event, guard=self._guard),
             has_state=not joining,
         )

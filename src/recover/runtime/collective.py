@@ -69,6 +69,8 @@ ShouldAbort = Callable[[], str | None]
 _ABORT_KINDS = ("error", "deadline", "epoch")
 _STORE_PREFIX = "recover/runtime/collective/epoch"
 _PEER_PATTERN = re.compile(r"\[([0-9A-Za-z.:_-]+)\]:(\d+)")
+# torch 2.13 does not export the all-gather's options from torch.distributed.
+_AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
 
 
 class CollectiveAborted(RuntimeError):
@@ -446,6 +448,52 @@ class EpochGroup:
 
         self._run([tensor.view(-1) for tensor in tensors], issue, should_abort)
 
+    def alltoall(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        *,
+        out_splits: list[int],
+        in_splits: list[int],
+        should_abort: ShouldAbort,
+    ) -> None:
+        """Send ``inp[sum(in_splits[:r]):][:in_splits[r]]`` to rank r and receive rank r's part
+        into ``out`` at ``sum(out_splits[:r])``, as one op (same abort rules as
+        ``allreduce_sum``; ``out`` is the buffer a failure leaves unusable). The deterministic
+        reduce's exchange (recover.runtime.tree_sum)."""
+        self._check_buffer(out, name="out", one_dim=True)
+        self._check_buffer(inp, name="inp", one_dim=True)
+        for name, splits, buf in (("out_splits", out_splits, out), ("in_splits", in_splits, inp)):
+            if len(splits) != self.world_size or sum(splits) != buf.numel():
+                raise ValueError(
+                    f"{name} must hold {self.world_size} sizes adding up to {buf.numel()}, "
+                    f"got {splits}"
+                )
+
+        def issue() -> None:
+            opts = dist.AllToAllOptions()
+            opts.timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
+            self._in_flight.append(self._pg.alltoall_base(out, inp, out_splits, in_splits, opts))
+
+        self._run_issued([out, inp], issue, should_abort)
+
+    def allgather(self, out: torch.Tensor, inp: torch.Tensor, *, should_abort: ShouldAbort) -> None:
+        """Every rank's ``inp`` (all of one size), in rank order, into every rank's ``out``, as
+        one op (same abort rules)."""
+        self._check_buffer(out, name="out", one_dim=True)
+        self._check_buffer(inp, name="inp", one_dim=True)
+        if out.numel() != inp.numel() * self.world_size:
+            raise ValueError(
+                f"out must hold {self.world_size} x {inp.numel()} values, got {out.numel()}"
+            )
+
+        def issue() -> None:
+            opts = _AllgatherOptions()
+            opts.timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
+            self._in_flight.append(self._pg._allgather_base(out, inp, opts))
+
+        self._run_issued([out, inp], issue, should_abort)
+
     def abandon(self) -> threading.Thread | None:
         """Poison the group and tear it down on a daemon thread; never blocks. Idempotent.
 
@@ -495,6 +543,21 @@ class EpochGroup:
         issue: Callable[[torch.Tensor], Any],
         should_abort: ShouldAbort,
     ) -> None:
+        """Issue one op per bucket of every buffer, then wait for them all (``_run_issued``)."""
+
+        def issue_all() -> None:
+            for flat in flats:
+                size = self.config.bucket_bytes
+                for start, stop in compute_buckets(flat.numel(), flat.element_size(), size):
+                    self._in_flight.append(issue(flat[start:stop]))
+
+        self._run_issued(flats, issue_all, should_abort)
+
+    def _run_issued(
+        self, flats: list[torch.Tensor], issue_all: Callable[[], None], should_abort: ShouldAbort
+    ) -> None:
+        """`issue_all()` puts its ops in ``_in_flight``; wait for them, or poison the group and
+        send them and ``flats`` (the buffers they touch) to the graveyard."""
         if self._poison is not None:
             raise CollectiveAborted(
                 self._poison.kind,
@@ -505,10 +568,7 @@ class EpochGroup:
         verdict: CollectiveAborted | None = None
         caller_error: BaseException | None = None
         try:
-            for flat in flats:
-                size = self.config.bucket_bytes
-                for start, stop in compute_buckets(flat.numel(), flat.element_size(), size):
-                    self._in_flight.append(issue(flat[start:stop]))
+            issue_all()
             verdict = self._wait_in_flight(should_abort)
         except RuntimeError as exc:  # gloo refused to issue (e.g. its connections are closed)
             verdict = compute_verdict(

@@ -104,6 +104,14 @@ class ReplicaSpec:
     )  # fmt: skip
     # A replica-level setting like the others, so that one field reaches every replica process
     # (built-in workers and `recover run`'s scripts alike) inside the spec's JSON, checked once.
+    deterministic: bool = _setting(
+        False, "--deterministic",
+        "make every committed gradient and loss the same bits whatever fails, joins or straggles "
+        "and whatever the replica count: each microbatch's gradient is a leaf of a tree fixed by "
+        "the microbatch count, summed across replicas by an ordered reduce (docs/design.md, "
+        "'Bitwise-identical recovery'); replicas of one rank, --mode recover (default: off)",
+        scripts=True,
+    )  # fmt: skip
     log_level: str = _setting(
         "info", "--log-level",
         "the least severe terminal lines shown: debug, info (the step lines; default), warning "
@@ -116,6 +124,10 @@ class ReplicaSpec:
             raise ValueError(f"layout must be a ReplicaLayout, got {self.layout!r}")
         for f in _settings():
             value, meta = getattr(self, f.name), f.metadata
+            if f.type == "bool":  # a switch
+                if not isinstance(value, bool):
+                    raise ValueError(f"{meta['flag']} must be true or false, got {value!r}")
+                continue
             if meta["choices"] is not None:
                 if value not in meta["choices"]:
                     allowed = ", ".join(meta["choices"])
@@ -134,6 +146,13 @@ class ReplicaSpec:
                 kind = "an int" if f.type == "int" else "a finite number"
                 rel = ">=" if inclusive else ">"
                 raise ValueError(f"{meta['flag']} must be {kind} {rel} {bound}, got {value!r}")
+        if self.deterministic and self.layout.ranks > 1:
+            raise ValueError(
+                f"--deterministic supports replicas of one rank; not yet {self.layout.describe()} "
+                "(--shard, --tp, --pp)"
+            )
+        if self.deterministic and self.mode != "recover":
+            raise ValueError(f"--deterministic needs --mode recover, got --mode {self.mode}")
         if self.cross_reduce == "nccl" and self.device == "cpu":
             raise ValueError(
                 "--cross-reduce nccl reduces between GPUs: use --device cuda (or auto)"
@@ -209,6 +228,9 @@ def add_spec_flags(parser: argparse.ArgumentParser, *, scripts: bool = False) ->
         if scripts and not f.metadata["scripts"]:
             continue
         meta = f.metadata
+        if f.type == "bool":
+            group.add_argument(meta["flag"], dest=f.name, action="store_true", help=meta["help"])
+            continue
         kind = {"int": int, "float": float}.get(f.type, str)
         default = f.default if f.default is not MISSING else None
         extra = {"choices": meta["choices"]} if meta["choices"] else {"metavar": meta["metavar"]}

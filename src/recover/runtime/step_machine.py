@@ -49,6 +49,7 @@ from recover.coordinator.protocol import View
 from recover.runtime.collective import CollectiveAborted, GroupCache
 from recover.runtime.links import replica_hash
 from recover.runtime.transfer import transfer_state
+from recover.runtime.tree_sum import TreeSum, ordered_reduce, set_determinism_switches
 
 
 class DivergedError(RuntimeError):
@@ -148,6 +149,10 @@ class StepOptions:
     # The shrink baseline (torchft's semantics): a redo discards the local sum, and the committed
     # step averages what was computed. Never for real training.
     discard_on_redo: bool = False
+    # The deterministic mode (recover.runtime.tree_sum): every microbatch's gradient is its own
+    # leaf of a tree fixed by M, and the reduce forms the tree's root, so that the committed sum
+    # is the same bits whatever the plan (failures, joins, replica count). Replicas of one rank.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.replica_id < 0:
@@ -206,6 +211,8 @@ class StepAttempt:
     failure: str | None = None  # why this rank's part of the current attempt failed
     compute_s: float = 0.0  # seconds spent computing this replica's microbatches of the step
     sum_finite: bool = True  # the last successful reduce's sum is finite (on this rank)
+    tree: TreeSum | None = None  # the deterministic mode's local sum (p.grad stays empty)
+    nonfinite: list[int] = field(default_factory=list)  # the tree's ids with a non-finite loss
 
     def throughput(self) -> float | None:
         """Microbatches per second over the step so far; None before any was computed."""
@@ -229,6 +236,9 @@ class StepMachine:
         self.hooks = hooks or StepHooks()
         self.has_state = has_state  # False for a joiner until the state transfer has reached it
         self._transferred_epoch = -1
+        self._numel: int | None = None  # a flat buffer's length (the deterministic reduce's)
+        if options.deterministic:
+            set_determinism_switches()
 
     @property
     def me(self) -> int:
@@ -269,14 +279,22 @@ class StepMachine:
                 todo = [j for j in view.holdings.get(self.me, ()) if j not in attempt.computed]
                 t0 = time.perf_counter()
                 with hooks.guard.busy("computing microbatches"):
-                    yield Todo(step=step, ids=tuple(todo), first_index=len(attempt.computed))
+                    if self.options.deterministic:  # one leaf per id: a Todo per id
+                        for j in sorted(todo):
+                            yield Todo(step=step, ids=(j,), first_index=len(attempt.computed))
+                            self._add_leaf(attempt, view, j)
+                    else:
+                        yield Todo(step=step, ids=tuple(todo), first_index=len(attempt.computed))
                 attempt.computed.update(todo)
                 if todo:  # reported with `done`: feeds the coordinator's throughput-aware plans
                     attempt.compute_s += time.perf_counter() - t0
-                # The attempt's one buffer: a copy of the local sum (p.grad, never reduced) made
-                # where the cross-replica group reduces it, in place.
-                buffer = self.work.snapshot(self.groups.device)
-                reduced = self._reduce(buffer, view, step, attempt)
+                if self.options.deterministic:
+                    reduced = self._reduce_ordered(view, step, attempt)
+                else:
+                    # The attempt's one buffer: a copy of the local sum (p.grad, never reduced)
+                    # made where the cross-replica group reduces it, in place.
+                    buffer = self.work.snapshot(self.groups.device)
+                    reduced = self._reduce(buffer, view, step, attempt)
             check = reduced is not None and self.options.check_every
             check = check and step % self.options.check_every == 0
             phash = self.work.parameter_hash() if check else None
@@ -310,6 +328,7 @@ class StepMachine:
                     self.work.clear()
                     attempt.computed.clear()
                     attempt.compute_s = 0.0
+                    attempt.tree, attempt.nonfinite = None, []
                 if attempt.t_first_fault is None:
                     attempt.t_first_fault = time.perf_counter()
                 attempt.redos += 1
@@ -327,15 +346,63 @@ class StepMachine:
         rank contributed: the ids whose loss was not finite, or, when every loss was finite, its
         ids of the step (its local gradient sum was not)."""
         attempt.sum_finite = bool(torch.isfinite(reduced).all())
-        if attempt.sum_finite or bool(torch.isfinite(self.work.snapshot(reduced.device)).all()):
+        if attempt.sum_finite or self._local_finite(attempt, reduced.device):
             return True
-        bad = self.work.nonfinite_ids()
+        bad = attempt.nonfinite if self.options.deterministic else self.work.nonfinite_ids()
         self.hooks.event(
             "nonfinite_microbatches", replica=self.me, rank=self.link.rank, step=step,
             ids=sorted(bad) if bad else sorted(attempt.computed),
             what="loss" if bad else "gradient",
         )  # fmt: skip
         return False
+
+    def _local_finite(self, attempt: StepAttempt, device) -> bool:
+        """Whether this rank's local sum is finite (the tree's nodes in the deterministic mode)."""
+        if self.options.deterministic:
+            nodes = attempt.tree.nodes.values() if attempt.tree is not None else ()
+            return all(bool(torch.isfinite(v).all()) for v in nodes)
+        return bool(torch.isfinite(self.work.snapshot(device)).all())
+
+    def _add_leaf(self, attempt: StepAttempt, view: View, j: int) -> None:
+        """Move microbatch j's gradient (what the caller added to the local sum since the last
+        leaf) into the attempt's tree, and empty the local sum for the next id."""
+        if attempt.tree is None:
+            attempt.tree = TreeSum(_step_size(view))
+        attempt.nonfinite.extend(self.work.nonfinite_ids())
+        leaf = self.work.snapshot()
+        self.work.clear()
+        attempt.tree.add_leaf(j, leaf)
+
+    def _reduce_ordered(self, view: View, step: int, attempt: StepAttempt):
+        """The deterministic reduce: the root of the tree over the attempt's plan, in a fresh
+        buffer (the attempt's tree is never touched); None if it aborted."""
+        epoch = view.attempt_epoch
+        should_abort = self._should_abort(epoch)
+        should_abort_reduce = self._with_fault("reduce", step, should_abort)
+        t0 = time.perf_counter()
+        mine = set(view.holdings.get(self.me, ()))
+        tree = attempt.tree if attempt.tree is not None else TreeSum(_step_size(view))
+        if tree.ids() != mine:  # a bug, not a fault: the sum would miss or repeat ids
+            raise RuntimeError(
+                f"step {step}: the local tree holds ids {sorted(tree.ids())}, the plan gives "
+                f"this replica {sorted(mine)}"
+            )
+        try:
+            with self.hooks.guard.busy("in the cross-replica reduce"):
+                group, members = self._group(view, should_abort)
+                if len(members) == 1:
+                    should_abort_reduce()
+                    return tree.root().clone().to(self.groups.device)
+                if self._numel is None:
+                    nodes = list(tree.nodes.values())
+                    self._numel = nodes[0].numel() if nodes else self.work.snapshot().numel()
+                plan = [view.holdings[m] for m in members]
+                return ordered_reduce(
+                    group, tree, plan, numel=self._numel, should_abort=should_abort_reduce
+                )
+        except CollectiveAborted as e:
+            self._failed(step, epoch, e, t0, "reduce", attempt)
+            return None
 
     def _committed(
         self, step: int, view: View, epoch: int, reduced, attempt, finite: bool
@@ -460,6 +527,18 @@ class StepMachine:
         except CollectiveAborted as e:
             self._failed(step, epoch, e, t0, "reduce", attempt)
             return None
+
+
+def _step_size(view: View) -> int:
+    """M, from an attempt's plan: its holdings cover the ids 0..M-1, each once (constant batch,
+    which the deterministic mode relies on; ValueError otherwise)."""
+    ids = sorted(j for held in view.holdings.values() for j in held)
+    if ids != list(range(len(ids))) or not ids:
+        raise ValueError(
+            "the deterministic mode needs plans that cover every id of the step once "
+            f"(--mode recover); this attempt's plan holds {ids[:20]}"
+        )
+    return len(ids)
 
 
 def _writer(step: int, attempt: View, latest: View) -> int:

@@ -91,6 +91,7 @@ def fingerprint(
     layout: ReplicaLayout | None = None,
     cross_reduce: str = "gloo",
     mode: str = "recover",
+    deterministic: bool = False,
 ) -> dict:
     """What every replica of a run must agree on; a joiner with another one is refused (naming
     the field). Every training setting that changes the committed update is in it: the model,
@@ -103,6 +104,7 @@ def fingerprint(
         "layout": (layout or ReplicaLayout()).describe(),
         "cross_reduce": cross_reduce,  # one group of every epoch: one backend
         "mode": mode,
+        **({"deterministic": True} if deterministic else {}),  # another reduce: all or none
     }
 
 
@@ -213,7 +215,9 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
 
     try:
         view = link.register(
-            fingerprint=fingerprint(cfg, dataset, layout, spec.cross_reduce, spec.mode),
+            fingerprint=fingerprint(
+                cfg, dataset, layout, spec.cross_reduce, spec.mode, spec.deterministic
+            ),
             next_step=start,
             deadline_s=wcfg.register_timeout_s,
         )
@@ -251,6 +255,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
                 check_every=spec.check_every,
                 outcome_timeout_s=wcfg.outcome_timeout_s,
                 discard_on_redo=WORKLOADS.get(spec.mode, WORKLOADS["recover"]).discards,
+                deterministic=spec.deterministic,
             ),
             # A writer reports the next step only once its checkpoint is durable: the coordinator
             # then counts its step as recorded (a gap is filled only after a lost writer).
