@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from recover.coordinator.client import CoordinatorUnreachable, request_once
@@ -104,6 +105,22 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--token", default=None, help=f"shared secret (default: ${TOKEN_ENV})")
     serve.add_argument("--events", default=None, metavar="PATH", help="append decisions here")
     serve.add_argument("--address-file", default=None, help="write host/ports here when up")
+    serve.add_argument(
+        "--state",
+        default=None,
+        metavar="etcd://HOST:PORT[,HOST:PORT...][/PREFIX]",
+        help="keep the state in etcd (one PREFIX per run; default /recover/default) and lead by "
+        "etcd election: start the same command on another host (its own --port) for a standby "
+        "that takes over when this one dies or stalls (default: in memory, no standby)",
+    )
+    serve.add_argument(
+        "--leader-ttl",
+        type=int,
+        default=1,
+        help="with --state: the leader's etcd lease in whole seconds; a standby takes over this "
+        "long after the leader stops renewing it (etcd raises it to its minimum, 1.5 election "
+        "timeouts: 2 s with etcd's defaults; default 1)",
+    )
     serve.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
@@ -237,6 +254,8 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             token=token,
             events_path=args.events,
             address_file=args.address_file,
+            state=args.state,
+            leader_ttl_s=args.leader_ttl,
         )
     if args.coordinator_command == "relay":
         setup_logging("info", prefix=process_prefix("relay", os.environ), timestamps=True)
@@ -285,14 +304,29 @@ def run_coordinator_process(
     token: str | None = None,
     events_path: str | None = None,
     address_file: str | None = None,
+    state: str | None = None,
+    leader_ttl_s: int = 1,
 ) -> int:
     """Serve until SIGTERM/SIGINT. Usable as a multiprocessing target or a subprocess main.
 
-    When listening, writes {"host", "port", "store_host", "store_port", "pid"} to
-    `address_file` atomically (write then rename), so a parent can poll for it.
+    When listening, writes {"host", "port", "store_host", "store_port", "pid"} (and "term" with
+    `state`) to `address_file` atomically (write then rename), so a parent can poll for it.
+    With `state` (etcd://...), it leads only while elected and stands by otherwise
+    (`_serve_ha`).
     """
     if isinstance(options, dict):
         options = CoordinatorOptions(**options)
+    if state is not None:
+        from recover.coordinator.etcd import parse_state_url  # noqa: PLC0415
+
+        try:
+            url = parse_state_url(state)
+        except ValueError as e:
+            log.error("error: %s", e)
+            return 2
+        if isinstance(leader_ttl_s, bool) or not isinstance(leader_ttl_s, int) or leader_ttl_s < 1:
+            log.error("error: --leader-ttl must be an int >= 1, got %r", leader_ttl_s)
+            return 2
     if store_port is not None:  # torch only when a TCPStore is hosted
         try:
             import torch  # noqa: PLC0415 - only to keep this process to one thread
@@ -302,13 +336,16 @@ def run_coordinator_process(
             pass
     from recover.coordinator.server import CoordinatorServer
 
-    server = CoordinatorServer(
-        options, host=host, port=port, store_port=store_port, token=token, events_path=events_path
-    )
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+    if state is not None:
+        serve = dict(host=host, port=port, store_port=store_port, token=token)
+        return _serve_ha(options, url, leader_ttl_s, serve, events_path, address_file, stop)
+    server = CoordinatorServer(
+        options, host=host, port=port, store_port=store_port, token=token, events_path=events_path
+    )
     server.start()
     try:
         if address_file is not None:
@@ -328,6 +365,68 @@ def run_coordinator_process(
         return 0
     finally:
         server.stop()
+
+
+def _serve_ha(
+    options: CoordinatorOptions,
+    url: Any,
+    ttl_s: int,
+    serve: dict[str, Any],
+    events_path: str | None,
+    address_file: str | None,
+    stop: threading.Event,
+) -> int:
+    """Stand by until elected; lead (serve the state taken from etcd, under the new term) until
+    stopped, deposed (superseded or out of lease: then stand by again) or failed."""
+    import socket  # noqa: PLC0415
+
+    from recover.coordinator.election import Election  # noqa: PLC0415
+    from recover.coordinator.etcd import EtcdClient, EtcdStateStore  # noqa: PLC0415
+    from recover.coordinator.server import CoordinatorServer  # noqa: PLC0415
+
+    identity = f"{socket.gethostname()}:{os.getpid()}"
+    log.info("coordinator %s: state in %s", identity, url)
+    while not stop.is_set():
+        election = Election(EtcdClient(url.endpoints), url.prefix, identity=identity, ttl_s=ttl_s)
+        term = election.campaign(stop)
+        if term is None:
+            return 0
+        store = EtcdStateStore(EtcdClient(url.endpoints), url.prefix)
+        store.fence(term)
+        server = CoordinatorServer(
+            options, **serve, events_path=events_path, state_store=store, term=term,
+            authority=election.holds,
+        )  # fmt: skip
+        try:
+            server.start()
+        except Exception as e:  # etcd lost while loading, a port taken, options differ
+            log.error("term %d could not start serving: %s", term, e)
+            election.resign()
+            if isinstance(e, ValueError):  # the stored run is another (options differ)
+                return 1
+            stop.wait(1.0)
+            continue
+        # the keep-alive stops when the loop stops ticking: a stalled leader lets its lease go
+        election.alive = lambda s=server: time.monotonic() - s.last_tick < ttl_s
+        store_host, store_port = server.store_address or (None, None)
+        info = {"host": server.address[0], "port": server.address[1]}
+        info.update(store_host=store_host, store_port=store_port, term=term, pid=os.getpid())
+        election.publish(info)
+        if address_file is not None:
+            _write_address(address_file, info)
+        log.info("coordinator of term %d listening on %s:%s", term, *server.address)
+        while not stop.wait(0.1):
+            if server.failed is not None or server.deposed is not None:
+                break
+        server.stop()
+        if server.failed is not None:
+            election.resign()
+            return 1
+        if stop.is_set():
+            election.resign()
+            return 0
+        log.warning("term %d ended (%s); standing by", term, server.deposed)
+    return 0
 
 
 def _write_address(path: str, info: dict[str, Any]) -> None:

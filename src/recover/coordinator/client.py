@@ -28,6 +28,15 @@ Invariants:
   A coordinator that refuses connections (its process is gone) evicts nobody, so a round that
   fails fast keeps the confirmation of a process that was not silent (a network partition looks
   the same: a known limit, docs/design.md).
+
+With standbys (`standbys=[(host, port), ...]`, docs/coordinator.md, "A standby that takes
+over"): only the leader of the current term listens, so a connection that fails moves on to
+the next address. The session re-attaches under the new leader with the same incarnation (a
+`register` of a live member: nobody is declared dead), learns the new leader's TCPStore (the next
+epoch's process group is built there), and the training thread's calls retry through the
+takeover (as through any gap, within the grace). A report refused as stale because the new leader already
+moved the attempt on (its takeover redoes the in-flight step) is not an error: the outcome says
+what to do.
 This module imports no torch, so replica helpers and tests start fast.
 """
 
@@ -132,25 +141,65 @@ def request_once(
         raise CoordinatorUnreachable(f"coordinator {host}:{port}: {e}") from e
 
 
+class _Leader:
+    """The coordinator addresses a client may reach (the first is tried first) and the one it
+    speaks to now. A failure on the current one moves every channel on to the next."""
+
+    def __init__(self, addresses: list[tuple[str, int]]) -> None:
+        self.addresses = addresses
+        self._at = 0
+        self.generation = 0  # grows at every move
+        self._lock = threading.Lock()
+
+    def current(self) -> tuple[str, int, int]:
+        with self._lock:
+            host, port = self.addresses[self._at]
+            return host, port, self.generation
+
+    def failed(self, generation: int) -> None:
+        with self._lock:
+            if generation == self.generation and len(self.addresses) > 1:
+                self._at = (self._at + 1) % len(self.addresses)
+                self.generation += 1
+
+
 class _Channel:
     """One persistent connection with a lock; reconnects lazily after an error."""
 
-    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+    def __init__(
+        self, host: str, port: int, timeout_s: float, leader: _Leader | None = None
+    ) -> None:
+        self.leader = leader or _Leader([(host, port)])
         self.host, self.port, self.timeout_s = host, port, timeout_s
+        self.generation = 0
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
 
-    def call(self, req: dict[str, Any], wait_s: float = 0.0) -> dict[str, Any]:
-        """Send one request, return its reply; caller holds `lock`."""
+    def call(
+        self, req: dict[str, Any], wait_s: float = 0.0, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Send one request, return its reply; caller holds `lock`. `timeout_s`: how long the
+        reply may take beyond `wait_s` (default: the channel's)."""
         try:
             if self.sock is None:
+                self.host, self.port, self.generation = self.leader.current()
                 self.sock = _connect(self.host, self.port, self.timeout_s)
-            self.sock.settimeout(wait_s + self.timeout_s)
+            self.sock.settimeout(wait_s + (self.timeout_s if timeout_s is None else timeout_s))
             send_frame(self.sock, req)
             return recv_frame(self.sock)
         except (OSError, ProtocolError) as e:
             self.close()
+            self.leader.failed(self.generation)
             raise CoordinatorUnreachable(f"coordinator {self.host}:{self.port}: {e!r}") from e
+
+    def interrupt(self) -> None:
+        """Wake a call blocked on this channel (from another thread): it fails and reconnects."""
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self) -> None:
         if self.sock is not None:
@@ -173,6 +222,7 @@ class CoordinatorClient:
         heartbeat_s: float = 0.1,
         rpc_timeout_s: float = 5.0,
         incarnation: str | None = None,
+        standbys: list[tuple[str, int]] | tuple = (),
     ) -> None:
         if isinstance(replica_id, bool) or not isinstance(replica_id, int) or replica_id < 0:
             raise ValueError(f"replica_id must be an int >= 0, got {replica_id!r}")
@@ -186,8 +236,12 @@ class CoordinatorClient:
         self._token = token
         self._heartbeat_s = heartbeat_s
         self._rpc_timeout_s = rpc_timeout_s
-        self._session = _Channel(host, port, rpc_timeout_s)
-        self._rpc = _Channel(host, port, rpc_timeout_s)
+        # Where the leader may be: this address, then the standbys' (see the module docstring).
+        self._leader = _Leader([(host, port), *[(str(h), int(p)) for h, p in standbys]])
+        self._standbys = len(self._leader.addresses) > 1
+        self._session = _Channel(host, port, rpc_timeout_s, self._leader)
+        self._rpc = _Channel(host, port, rpc_timeout_s, self._leader)
+        self._lease_s = 1.0  # the coordinator's lease (told at registration)
         self._lock = threading.Lock()  # guards the fields below
         self._view: View | None = None
         self._store_address: tuple[str, int] | None = None
@@ -261,12 +315,12 @@ class CoordinatorClient:
                     raise
                 time.sleep(0.05)
         self._raise_refusal(reply)
-        store = reply.get("store")
-        self._store_address = (str(store[0]), int(store[1])) if store else None
         windows = [reply.get(k) for k in ("lease_s", "suspect_grace_s")]
         windows = [float(w) for w in windows if isinstance(w, int | float) and w > 0]
         if windows:
             self._fence_s = min(windows)
+        if isinstance(reply.get("lease_s"), int | float) and reply["lease_s"] > 0:
+            self._lease_s = float(reply["lease_s"])
         self._heard_back(sent, answered=True)
         self._heartbeats = threading.Thread(
             target=self._heartbeat_loop, name=f"heartbeat-{self.replica_id}", daemon=True
@@ -332,12 +386,12 @@ class CoordinatorClient:
             req["leaving"] = True
         if not finite:
             req["finite"] = False
-        self._raise_refusal(self._rpc_call(self._member(req)))
+        self._raise_report_refusal(self._rpc_call(self._member(req)), step, epoch)
 
     def report_failed(self, *, step: int, epoch: int, suspects: list[int], reason: str) -> None:
         req = {"kind": "failed", "step": step, "epoch": epoch}
         req.update(suspects=[int(q) for q in suspects], reason=str(reason)[:1000])
-        self._raise_refusal(self._rpc_call(self._member(req)))
+        self._raise_report_refusal(self._rpc_call(self._member(req)), step, epoch)
 
     def wait_outcome(self, *, step: int, epoch: int, deadline_s: float) -> Outcome:
         """Committed(step), Redo(step, view) or Stopped(status, reason) for attempt (step, epoch)."""
@@ -394,8 +448,14 @@ class CoordinatorClient:
     def _register_session(self) -> dict[str, Any]:
         req = {"kind": "register", "fingerprint": self._fingerprint, "next_step": self._next_step}
         with self._session.lock:
+            generation = self._session.generation
             reply = self._session.call(self._member(req))
         self._absorb(reply)
+        store = reply.get("store")
+        if reply.get("ok") and store:  # a new leader hosts a new store: the next epoch uses it
+            self._store_address = (str(store[0]), int(store[1]))
+        if self._session.generation != generation:
+            self._rpc.interrupt()  # a call parked on the old leader moves on at once
         return reply
 
     def _rpc_call(self, req: dict[str, Any], wait_s: float = 0.0) -> dict[str, Any]:
@@ -411,6 +471,17 @@ class CoordinatorClient:
             self._rpc.lock.release()
         self._absorb(reply)
         return reply
+
+    def _raise_report_refusal(self, reply: dict[str, Any], step: int, epoch: int) -> None:
+        """A report the leader has moved past (a takeover redid or committed its attempt) is
+        refused as stale; wait_outcome then gives the attempt's real outcome."""
+        if not reply.get("ok") and reply.get("code") == "stale":
+            view = self.view
+            if view is not None and (
+                view.step > step or (view.step == step and view.attempt_epoch > epoch)
+            ):
+                return
+        self._raise_refusal(reply)
 
     def _absorb(self, reply: dict[str, Any]) -> None:
         raw = reply.get("view")
@@ -469,7 +540,10 @@ class CoordinatorClient:
                         return
                     fresh = self._session.sock is None
                     if not fresh:
-                        reply = self._session.call(self._member(req), self._heartbeat_s)
+                        # With standbys, a leader that does not answer within a lease (frozen,
+                        # or deposed) is left for the next address.
+                        patience = 2 * self._lease_s if self._standbys else None
+                        reply = self._session.call(self._member(req), self._heartbeat_s, patience)
                 if fresh:  # a new session must start with a (same-incarnation) register
                     reply = self._register_session()
                 self._absorb(reply)

@@ -41,7 +41,6 @@ machinery is in the step machine.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import logging
 import os
@@ -64,7 +63,7 @@ from recover.coordinator.client import (
 from recover.coordinator.client import QuorumLost as _QuorumLost
 from recover.logs import process_prefix, replica_name, setup_logging
 from recover.policy import deal_round_robin
-from recover.runtime.collective import GroupCache
+from recover.runtime.collective import GroupCache, StoreFollower
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.faults import FaultInjector, check_faults_fit
 from recover.runtime.layout import ReplicaLayout
@@ -261,6 +260,7 @@ class Replica:
                 replica_id=self.replica_id,
                 token=env.token,
                 heartbeat_s=env.spec.heartbeat_s,
+                standbys=env.standbys,
             )
             if self._writer is not None:  # fenced: nothing from an evicted incarnation
                 self._writer.fence = client.writes_allowed
@@ -281,10 +281,8 @@ class Replica:
                 f"this replica starts at step {start_step}, the job is at step {view.step}: "
                 "give every replica the same start_step (the step its checkpoint holds)"
             )
-        store_host, store_port = self._link.store_address
-        store = torch.distributed.TCPStore(
-            store_host, store_port, is_master=False, timeout=datetime.timedelta(seconds=180)
-        )
+        link = self._link  # its store moves with a coordinator takeover (StoreFollower)
+        store = StoreFollower(lambda: link.store_address, 180.0)
         scope = f"position{self.rank}/" if self.intra is not None else ""
         self._machine = StepMachine(
             work=self._work,

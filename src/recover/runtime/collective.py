@@ -648,6 +648,25 @@ class EpochGroup:
             time.sleep(config.poll_interval_s)
 
 
+class StoreFollower:
+    """The TCPStore of the coordinator that leads now, for `GroupCache`: a new leader (a
+    standby that took over) hosts a new store, and the next epoch's group is built there.
+    `address()` gives the store's current (host, port); a client is made once per address."""
+
+    def __init__(self, address: Callable[[], tuple[str, int]], timeout_s: float) -> None:
+        self._address = address
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._at: tuple[str, int] | None = None
+        self._store: dist.Store | None = None
+
+    def __call__(self) -> dist.Store:
+        at = tuple(self._address())
+        if at != self._at:
+            self._store = dist.TCPStore(at[0], at[1], is_master=False, timeout=self._timeout)
+            self._at = at
+        return self._store
+
+
 class GroupCache:
     """Holds this rank's group of the newest epoch; building a newer one abandons the older ones.
 
@@ -657,13 +676,13 @@ class GroupCache:
 
     def __init__(
         self,
-        store: dist.Store,
+        store: dist.Store | Callable[[], dist.Store],
         *,
         config: CollectiveConfig | None = None,
         scope: str = "",
         device: torch.device | str | None = None,
     ) -> None:
-        self._store = store
+        self._store = store  # or a callable: the store of the coordinator that leads now
         self.device = _as_device(device)
         self._scope = scope  # see EpochGroup.build
         self._config = config if config is not None else CollectiveConfig()
@@ -701,7 +720,7 @@ class GroupCache:
         self.abandon_all()
         self._newest_epoch = epoch
         group = EpochGroup.build(
-            self._store,
+            self._store() if callable(self._store) else self._store,
             epoch=epoch,
             rank=rank,
             world_size=world_size,

@@ -7,7 +7,7 @@ multi-node job, `torchrun` plus these variables do the same. Nothing below the e
 
 | variable | meaning |
 |---|---|
-| RECOVER_COORDINATOR | HOST:PORT of the coordinator (required) |
+| RECOVER_COORDINATOR | HOST:PORT of the coordinator (required); with standby coordinators, HOST:PORT,HOST:PORT,... (whichever leads answers) |
 | RECOVER_REPLICA_ID | this process's replica id, an int >= 0 (required) |
 | RECOVER_TOKEN | the job's shared secret (optional; the coordinator refuses a wrong one) |
 | RECOVER_FAULTS | `--fault` specs separated by ';' (fault injection for tests and demos) |
@@ -88,6 +88,7 @@ class ReplicaEnv:
 
     coordinator: tuple[str, int]
     replica_id: int
+    standbys: tuple[tuple[str, int], ...] = ()  # the other coordinators' addresses (HA)
     token: str | None = None
     faults: tuple[FaultSpec, ...] = ()
     events: Path | None = None
@@ -108,8 +109,12 @@ class ReplicaEnv:
         if not rid.isdigit():
             raise ValueError(f"{REPLICA_ENV} must be an int >= 0, got {rid!r}")
         specs = [s for s in environ.get(FAULTS_ENV, "").split(";") if s.strip()]
+        first, *others = [
+            parse_address(a.strip(), COORDINATOR_ENV) for a in environ[COORDINATOR_ENV].split(",")
+        ]
         return cls(
-            coordinator=parse_address(environ[COORDINATOR_ENV], COORDINATOR_ENV),
+            coordinator=first,
+            standbys=tuple(others),
             replica_id=int(rid),
             token=environ.get(TOKEN_ENV) or None,
             faults=tuple(parse_fault(s.strip()) for s in specs),
@@ -122,7 +127,7 @@ class ReplicaEnv:
     def to_environ(self) -> dict[str, str]:
         """The variables that give a child process this spec (the launcher's side)."""
         env = {
-            COORDINATOR_ENV: f"{self.coordinator[0]}:{self.coordinator[1]}",
+            COORDINATOR_ENV: ",".join(f"{h}:{p}" for h, p in (self.coordinator, *self.standbys)),
             REPLICA_ENV: str(self.replica_id),
             FAULTS_ENV: ";".join(fault_flag(f) for f in self.faults),
             SPEC_ENV: self.spec.to_json(),

@@ -16,7 +16,6 @@ recover.runtime.step_machine.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import signal
@@ -25,8 +24,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
-
-import torch
 
 from recover import exits
 from recover.coordinator.client import (
@@ -39,7 +36,7 @@ from recover.coordinator.client import (
 from recover.data.addressing import TokenDataset
 from recover.policy import WORKLOADS
 from recover.record import MetricsWriter, read_metrics
-from recover.runtime.collective import GroupCache
+from recover.runtime.collective import GroupCache, StoreFollower
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.faults import FaultInjector, poison_gradient
 from recover.runtime.layout import ReplicaLayout
@@ -167,6 +164,7 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             replica_id=me,
             token=wcfg.env.token,
             heartbeat_s=spec.heartbeat_s,
+            standbys=wcfg.env.standbys,
         )
         # Fencing: from its eviction on, this incarnation writes nothing to the run folder (every
         # record, checkpoint and the final model passes this check, whatever thread writes it).
@@ -236,13 +234,9 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
                 + (f" of {ranks} ranks ({layout.name})" if ranks > 1 else "")
                 + f"; run folder {paths.out}; steps counted from 1 here, from 0 in metrics.jsonl",
             )  # fmt: skip
-        store_host, store_port = link.store_address
-        store = torch.distributed.TCPStore(
-            store_host,
-            store_port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=wcfg.register_timeout_s),
-        )
+        # The coordinator's TCPStore; a standby that takes over hosts a new one (its address
+        # comes with the re-attach), and the next epoch's group is built there.
+        store = StoreFollower(lambda: link.store_address, wcfg.register_timeout_s)
         # With several ranks per replica, the ranks at position k of every replica form the
         # cross-replica group of position k (HSDP's replicate dimension), one per epoch.
         scope = f"position{rank}/" if intra is not None else ""
