@@ -16,10 +16,16 @@ from conftest import child_env, events, finish, leftover_processes
 from recover.record import committed_steps
 
 M = 6
+# Steps of a run: long enough that a joiner commits well before the end. Measured at load average
+# 3-6, the replica killed at step 3: a respawned tiny replica of a 4-replica run (25-30 steps/s)
+# committed at steps 26-71, a respawned replica of 2 sharded ranks (2.7-9 steps/s) at steps
+# 13-64, hand-started cold joiners under a 10x pace at step 111 with 27 s of the run left. Only
+# the sharded run can be shortened: SHARDED_STEPS leaves 2.2x the steps of its latest join.
+SHARDED_STEPS = 200
 STEPS = 300
 FLAGS = [
     "--preset", "tiny", "--seq-len", "32", "--microbatch-size", "2", "--microbatches", str(M),
-    "--steps", str(STEPS), "--eval-every", "0", "--warmup-steps", "2", "--check-every", "25",
+    "--eval-every", "0", "--warmup-steps", "2", "--check-every", "25",
     # A gentler learning rate than the default 3e-3: over 300 steps at 3e-3 the tiny model
     # amplifies the fp32 summation-order differences between plans to ~1e-4 of the parameters
     # (measured 1.4e-4, the bound of the check); at 1e-3 they stay near 5e-7.
@@ -27,8 +33,10 @@ FLAGS = [
 ]  # fmt: skip
 
 
-def assert_invariants(reference: Path, out: Path, r: subprocess.CompletedProcess) -> None:
-    check_invariants(reference, out, r, steps=STEPS, microbatches=M)
+def assert_invariants(
+    reference: Path, out: Path, r: subprocess.CompletedProcess, steps: int = STEPS
+) -> None:
+    check_invariants(reference, out, r, steps=steps, microbatches=M)
 
 
 def cli(*args: str, env=None) -> subprocess.Popen:
@@ -38,12 +46,21 @@ def cli(*args: str, env=None) -> subprocess.Popen:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_dataset, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ref") / "one"
-    r = finish(cli("train", *FLAGS, "--data", str(tiny_dataset), "--out", str(out)), 120)
+def failure_free(data: Path, out: Path, steps: int) -> Path:
+    r = finish(cli("train", *FLAGS, "--steps", str(steps), "--data", str(data), "--out", str(out)),
+               120)  # fmt: skip
     assert r.returncode == 0, r.stdout
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dataset, tmp_path_factory) -> Path:
+    return failure_free(tiny_dataset, tmp_path_factory.mktemp("ref") / "one", STEPS)
+
+
+@pytest.fixture(scope="module")
+def respawn_reference(tiny_dataset, tmp_path_factory) -> Path:
+    return failure_free(tiny_dataset, tmp_path_factory.mktemp("ref") / "one", SHARDED_STEPS)
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -55,15 +72,15 @@ def wait_for(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def respawned_run(reference, data: Path, out: Path, replicas: int, *extra: str):
+def respawned_run(reference, data: Path, out: Path, replicas: int, steps: int, *extra: str):
     """A run whose dead replica is respawned at once: the invariants of docs/design.md hold, every replica
     (the respawned one too) finishes with the same parameters, and its state_transfer events."""
     r = finish(
-        cli("train", *FLAGS, "--data", str(data), "--out", str(out), "--replicas", str(replicas),
-            "--respawn", "0", *extra),
+        cli("train", *FLAGS, "--steps", str(steps), "--data", str(data), "--out", str(out),
+            "--replicas", str(replicas), "--respawn", "0", *extra),
         150,
     )  # fmt: skip
-    assert_invariants(reference, out, r)
+    assert_invariants(reference, out, r, steps)
     finished = {e["replica"]: e["param_hash"] for e in events(out, "replica_finished")}
     assert sorted(finished) == list(range(replicas)) and len(set(finished.values())) == 1
     return r, events(out, "state_transfer")
@@ -75,7 +92,7 @@ def test_a_killed_replica_is_respawned_and_four_replicas_train_again(
 ):
     out = tmp_path / "respawn"
     r, transfers = respawned_run(
-        reference, tiny_dataset, out, 4, "--fault", "kill:replica=2,step=3,phase=backward"
+        reference, tiny_dataset, out, 4, STEPS, "--fault", "kill:replica=2,step=3,phase=backward"
     )
     assert "respawning replica 2" in r.stdout
     assert [t["replica"] for t in transfers] == [2] and transfers[0]["bytes"] > 0
@@ -87,20 +104,20 @@ def test_a_killed_replica_is_respawned_and_four_replicas_train_again(
 
 @pytest.mark.timeout(180)
 def test_a_replica_of_two_sharded_ranks_is_respawned_and_gets_its_halves(
-    reference, tiny_dataset, tmp_path
+    respawn_reference, tiny_dataset, tmp_path
 ):
     # Rank 1 of replica 1 is killed; its mate stops; the launcher respawns both ranks, which join
     # at a step boundary: each receives the state of its position (its half of the parameters
     # and of the AdamW moments) from replica 0's rank at the same position.
     out = tmp_path / "respawn-hsdp"
     r, transfers = respawned_run(
-        reference, tiny_dataset, out, 2, "--shard", "2", "--watchdog", "2",
+        respawn_reference, tiny_dataset, out, 2, SHARDED_STEPS, "--shard", "2", "--watchdog", "2",
         "--fault", "kill:replica=1,rank=1,step=3,phase=backward",
     )  # fmt: skip
     assert "respawning replica 1" in r.stdout
     assert sorted((t["replica"], t["rank"]) for t in transfers) == [(1, 0), (1, 1)]
     assert len({t["step"] for t in transfers}) == 1 and all(t["bytes"] > 0 for t in transfers)
-    assert committed_steps(out / "metrics.jsonl")[STEPS - 1]["replicas"] == 2
+    assert committed_steps(out / "metrics.jsonl")[SHARDED_STEPS - 1]["replicas"] == 2
 
 
 @pytest.mark.timeout(180)
@@ -114,13 +131,13 @@ def test_hand_started_joiners_refused_killed_in_transfer_and_scale_up(
     # joiners, each importing torch on a busy machine, register (unpaced, the 300 tiny steps can
     # end first). A straggler changes no committed value: the trajectory is the reference's.
     pace = ["--balance", "equal", "--fault", "slow:replica=0,step=0,factor=10"]
-    run = cli("train", *FLAGS, *data, "--replicas", "3", *pace, env=env)
+    run = cli("train", *FLAGS, "--steps", str(STEPS), *data, "--replicas", "3", *pace, env=env)
     joiners: list[subprocess.Popen] = []
     try:
         wait_for(lambda: (out / "metrics.jsonl").exists() and committed_steps(out / "metrics.jsonl"),
                  90, "the run to start")  # fmt: skip
         address = json.loads((out / "coordinator.json").read_text())
-        where = ["--coordinator", f"127.0.0.1:{address['port']}", *data]
+        where = ["--coordinator", f"127.0.0.1:{address['port']}", "--steps", str(STEPS), *data]
         # A joiner with a 10x learning rate is refused, naming the field; one killed while
         # receiving the state leaves the others training.
         bad = cli("worker", *FLAGS, "--lr", "1e-2", *where, "--replica-id", "3", env=env)
