@@ -280,8 +280,8 @@ class StepMachine:
                 t0 = time.perf_counter()
                 with hooks.guard.busy("computing microbatches"):
                     if self.options.deterministic:  # one leaf per id: a Todo per id
-                        for j in sorted(todo):
-                            yield Todo(step=step, ids=(j,), first_index=len(attempt.computed))
+                        for i, j in enumerate(sorted(todo), start=len(attempt.computed)):
+                            yield Todo(step=step, ids=(j,), first_index=i)
                             self._add_leaf(attempt, view, j)
                     else:
                         yield Todo(step=step, ids=tuple(todo), first_index=len(attempt.computed))
