@@ -78,6 +78,13 @@ def add_bench_parser(subparsers) -> None:
             metavar="PATH",
             help=f"where to write the result (default: bench-{name}.json)",
         )
+        if name == "overhead":
+            p.add_argument(
+                "--deterministic",
+                action="store_true",
+                help="measure --deterministic against the normal mode instead: alternating "
+                "pairs of `recover train` runs, ratio = deterministic / normal step time",
+            )
         if name == "compare":
             p.add_argument(
                 "--faults",

@@ -4,6 +4,10 @@ Alternates, on the same machine, (a) a plain data-parallel loop (one static gloo
 init_process_group, the same ReplicaTrainer, a flat all-reduce of the gradients, no coordinator,
 no snapshot, no commit) and (b) `recover train --replicas R` with the same model, data, M and
 seed; prints the median step-time ratio b/a and its spread over the pairs.
+
+With --deterministic: alternates `recover train` in the normal mode and with --deterministic
+(same flags otherwise) and prints the ratio deterministic / normal the same way, with the
+per-pair figures.
 """
 
 from __future__ import annotations
@@ -90,6 +94,8 @@ def run_plain(cfg_dict: dict, data: Path, replicas: int, *, timeout_s: float) ->
 
 
 def bench_overhead(args: argparse.Namespace) -> dict:
+    if getattr(args, "deterministic", False):
+        return bench_deterministic(args)
     data, cfg, flags = bench_setup(args)
     flags = [*flags, "--balance", "equal"]  # the plain loop's plan: equal contiguous shares
     pairs = []
@@ -118,5 +124,40 @@ def bench_overhead(args: argparse.Namespace) -> dict:
         f"overhead ({args.preset}, {args.replicas} replicas, M={args.microbatches}): "
         f"median ratio {result['median_ratio']:.3f} (min {result['min_ratio']:.3f}, "
         f"max {result['max_ratio']:.3f}) over {len(pairs)} pairs"
+    )
+    return result
+
+
+def bench_deterministic(args: argparse.Namespace) -> dict:
+    """The step cost of --deterministic against the normal mode, side by side (module docstring)."""
+    data, cfg, flags = bench_setup(args)
+    pairs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            normal = run_recover(flags, Path(tmp) / f"normal-{i}", timeout_s=args.timeout)
+            det = run_recover(
+                [*flags, "--deterministic"], Path(tmp) / f"det-{i}", timeout_s=args.timeout
+            )
+            a, b = median_step_s(normal), median_step_s(det)
+            pairs.append({"normal_step_s": a, "deterministic_step_s": b, "ratio": b / a})
+            print(f"  pair {i + 1}/{args.repeats}: normal {a * 1000:.1f} ms, deterministic "
+                  f"{b * 1000:.1f} ms, ratio {b / a:.3f}", flush=True)  # fmt: skip
+    ratios = [p["ratio"] for p in pairs]
+    result = {
+        "benchmark": "overhead-deterministic",
+        "method": "alternating pairs of recover train runs on one machine (normal mode, then "
+        f"--deterministic); per run the median step time after {WARMUP_STEPS} warm-up steps; "
+        "ratio = deterministic / normal",
+        "config": {**cfg.to_dict(), "replicas": args.replicas},
+        "machine": machine_info(),
+        "pairs": pairs,
+        "median_ratio": statistics.median(ratios),
+        "min_ratio": min(ratios),
+        "max_ratio": max(ratios),
+    }
+    print(
+        f"deterministic vs normal ({args.preset}, {args.replicas} replicas, "
+        f"M={args.microbatches}): median ratio {result['median_ratio']:.3f} "
+        f"(min {result['min_ratio']:.3f}, max {result['max_ratio']:.3f}) over {len(pairs)} pairs"
     )
     return result
