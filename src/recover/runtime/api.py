@@ -145,6 +145,10 @@ class Replica:
         self._own_signals = env is None  # SIGTERM/SIGINT become stop requests once it trains
         self.microbatches_per_step = microbatches
         self.layout = ReplicaLayout(shard=shard, tp=tp)
+        if self.env.spec.deterministic and self.layout.ranks > 1:
+            raise ValueError(
+                f"--deterministic supports replicas of one rank; not yet {self.layout.describe()}"
+            )
         self.config = dict(config or {})
         self.check_every, self.check_data = check_every, check_data
         self.replica_id = self.env.replica_id
