@@ -632,6 +632,7 @@ def run_worker_cli(args: argparse.Namespace) -> int:
             out=args.out,
             resume=args.resume,
             register_timeout_s=args.register_timeout,
+            resume_command=_worker_resume_command(args),
         )
         check_faults_fit(env.faults, steps=cfg.steps, microbatches=cfg.microbatches)
         check_layout_fits(cfg.preset, env.spec.layout.tp, env.spec.layout.pp)
@@ -663,6 +664,19 @@ def run_worker_cli(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _worker_resume_command(args: argparse.Namespace) -> str:
+    """What continues a worker's job after it stopped early: under a local launcher, the run's
+    own resume command; started by hand, this very command with --resume."""
+    import shlex
+
+    if args.launched:
+        from recover.launch import train_resume_command
+
+        return train_resume_command(args.out)
+    words = ["recover", *getattr(args, "argv", ["worker", "..."])]
+    return shlex.join(words if "--resume" in words else [*words, "--resume"])
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -767,6 +781,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (what resumes it, said on a stop)
     command, words = _command_parser(parser, args)
     if words not in JOB_COMMANDS:
         return args

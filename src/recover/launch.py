@@ -13,7 +13,9 @@ Supervision rules:
   microbatches; a replica that died on the way (injected fault or not) is listed, not a failure;
 - a replica whose fault is `hang` is left stopped unless `wake_after=S`: the launcher sends
   SIGCONT S seconds after it sees the process stopped (the process is then fenced and exits);
-- the coordinator's death ends the run (it is the one process that must not die here).
+- the coordinator's death ends the run, without stopping anyone: the replicas wait for it for
+  their grace (--coordinator-grace), then the lowest saves the last committed step and each
+  exits (status 11); the launcher lets them, then names the command that resumes the run.
 
 It must not touch the trajectory: it only starts, watches and stops processes.
 
@@ -27,6 +29,7 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -522,14 +525,7 @@ class LocalLauncher:
         while any(alive.values()) or respawn_at:
             coordinator = self.children["coordinator"]
             if coordinator.poll() is not None:
-                self.say(
-                    f"the coordinator died (exit {coordinator.returncode}): nothing can commit "
-                    "any more; the replicas save the committed state and stop",
-                    logging.ERROR,
-                )
-                self._stop_replicas()
-                self.say(f"stopped: {self._resume_hint()}")
-                return 1
+                return self._coordinator_lost(coordinator.returncode)
             now = time.monotonic()
             for r, k in sorted((r, k) for r, ranks in alive.items() for k in ranks):
                 who = f"replica {r}" + (f" rank {k}" if lc.ranks > 1 else "")
@@ -656,6 +652,25 @@ class LocalLauncher:
         while time.monotonic() < deadline and any(p.poll() is None for p in replicas):
             time.sleep(0.05)
 
+    def _coordinator_lost(self, status: int) -> int:
+        """The coordinator died: nothing commits any more. The replicas are not stopped: each
+        waits for a coordinator for its grace (a standby may take over), then the lowest saves
+        the last committed step and every one exits with exits.COORDINATOR_LOST. They get the
+        grace and the stop grace (for the save); whoever is left after it is reaped."""
+        grace = self.lcfg.replica.coordinator_grace_s
+        self.say(
+            f"the coordinator died (exit {status}): nothing commits; the replicas wait {grace:g} "
+            "s for it (--coordinator-grace), then save the last committed step and stop",
+            logging.ERROR,
+        )
+        replicas = [p for n, p in self.children.items() if n.startswith("replica ")]
+        deadline = time.monotonic() + grace + self.lcfg.stop_grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in replicas):
+            time.sleep(0.05)
+        self.writer.event("launcher.coordinator_lost", exit_status=status)
+        self.say(f"stopped, the coordinator lost: {self._resume_hint()}", logging.ERROR)
+        return exits.COORDINATOR_LOST
+
     def _resume_hint(self) -> str:
         saved = [
             int(rec["step"])
@@ -665,8 +680,8 @@ class LocalLauncher:
         if not saved:
             return "no checkpoint was saved; the run starts again from step 0"
         return (
-            f"step {max(saved)} is checkpointed in {self.paths.checkpoints}; continue with the "
-            f"same command plus --out {self.paths.out} --resume"
+            f"step {max(saved)} is checkpointed in {self.paths.checkpoints}; continue with: "
+            f"{train_resume_command(self.paths.out)}"
         )
 
     def _reap_all(self) -> None:
@@ -681,6 +696,14 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def train_resume_command(out: Path) -> str:
+    """The command that continues `recover train`'s run in `out` from its newest checkpoint:
+    the job as its config.json describes it (recover.jobconfig), with --resume."""
+    return shlex.join(
+        ["recover", "train", "--config", str(out / "config.json"), "--out", str(out), "--resume"]
+    )
 
 
 class ScriptLauncher(LocalLauncher):

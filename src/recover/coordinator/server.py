@@ -81,6 +81,7 @@ from recover.coordinator.protocol import (
     ProtocolError,
     Refused,
     Register,
+    Resumed,
     Takeover,
     Tick,
     check_field,
@@ -210,6 +211,10 @@ class CoordinatorServer(LoopService):
         self._relays: dict[str, _Relay] = {}
         self._relay_leases = LeaseQueue(options.lease_s)
         self._relay_held = Waiters()
+        # Our own pauses (`_notice_pause`): when the loop last looked at the clock, and until
+        # when a session that ends is no death (its replica gave up on us while we were paused).
+        self._looked_at: float | None = None  # (set at the first tick)
+        self._revalidated_until = 0.0
         # High availability (docs/coordinator.md, "The control plane in etcd"). `term`: this
         # leader's term; a loaded state is then taken over (`Takeover`). `authority()`: whether
         # it still leads (election.py); once False it decides nothing and serves nothing more.
@@ -337,6 +342,7 @@ class CoordinatorServer(LoopService):
                 self._depose("its lease ran out (it was stalled or lost etcd)")
                 return
             try:
+                self._notice_pause(time.monotonic())  # before any lease is judged
                 self._flush_beats()
                 now = time.monotonic()
                 due = self._leases.due(now)
@@ -401,6 +407,20 @@ class CoordinatorServer(LoopService):
             m = members.get(r)
             alive[r] = m.last_seen if m is not None and m.state in (PENDING, LIVE) else None
         self._leases.settle(due, alive)
+
+    def _notice_pause(self, now: float) -> None:
+        """A gap of more than half a lease since the loop last looked at the clock means the
+        coordinator itself was not running (SIGSTOP, a stalled or swapping host): nobody could be
+        heard meanwhile. The leases then restart (`Resumed`, recorded as `revalidated`) before
+        any is judged, relays' too, and for one lease a session that ends is no death: its
+        replica gave up on a reply and registers again, and its fresh lease judges it."""
+        gap, self._looked_at = now - (self._looked_at or now), now
+        if gap <= self._options.lease_s / 2:
+            return
+        self._apply(Resumed(paused_s=gap), now)
+        for relay_id in self._relays:
+            self._relay_leases.touch(relay_id, now)
+        self._revalidated_until = now + self._options.lease_s
 
     def _save_loop(self) -> None:
         """Save the newest revision at most every save_interval_s, and once more at stop."""
@@ -561,6 +581,11 @@ class CoordinatorServer(LoopService):
         if self._sessions.get((r, inc)) != conn.id:
             return  # the replica re-registered on a newer connection
         del self._sessions[(r, inc)]
+        now = time.monotonic()
+        self._notice_pause(now)
+        if now < self._revalidated_until:
+            log.info("replica %s: its session ended while we were paused; its lease judges it", r)
+            return
         if not check_member(self._state, r, inc)[0]:
             self._apply(ProcessExit(replica_id=r, incarnation=inc))
 
