@@ -35,6 +35,7 @@ TIERS = {
     ),
     "process": (
         "test_api", "test_bench_compare", "test_collective", "test_coordinator_relay",
+        "test_coordinator_takeover",
         "test_coordinator_lost",
         "test_deterministic",
         "test_coordinator_scale", "test_durability", "test_export", "test_fault_specs",

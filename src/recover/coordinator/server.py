@@ -229,6 +229,8 @@ class CoordinatorServer(LoopService):
         self._deposed: str | None = None
         self.last_tick = time.monotonic()  # the loop's liveness (election.py stops renewing)
         self._pending_records: list[Decision] = []
+        self._unsaved_events: list[tuple[int, bytes]] = []  # (revision, line), durable stores
+        self._last_saved = -1  # the saver thread's last saved revision
 
     # ------------------------------------------------------------ lifecycle
 
@@ -282,6 +284,8 @@ class CoordinatorServer(LoopService):
         self._save_stop.set()
         if self._saver is not None:
             self._saver.join(timeout_s)
+        if self._durable and self._deposed is None:  # the final save's events (the loop has
+            self._flush_events(self._last_saved)  # ended: it would have written them)
         if self._events_fd is not None:
             os.close(self._events_fd)
             self._events_fd = None
@@ -436,7 +440,7 @@ class CoordinatorServer(LoopService):
             if state is not None and state.revision != saved and self._deposed is None:
                 try:
                     self._state_store.save(state)
-                    saved = state.revision
+                    saved = self._last_saved = state.revision
                     if self._durable:
                         self._call_in_loop(self._on_saved, saved)
                 except Fenced as e:
@@ -457,6 +461,7 @@ class CoordinatorServer(LoopService):
 
     def _on_saved(self, revision: int) -> None:
         self._saved_revision = max(self._saved_revision, revision)
+        self._flush_events(self._saved_revision)
         keep = []
         for rev, fut in self._save_waiters:
             if rev <= self._saved_revision:
@@ -480,6 +485,10 @@ class CoordinatorServer(LoopService):
         """Stop leading: decide nothing, reveal nothing, close every connection (loop thread)."""
         if self._deposed is not None:
             return
+        # The events of decisions already saved belong in the record (a successor builds on
+        # them); the others were never durable and are never written.
+        self._flush_events(self._last_saved)
+        self._unsaved_events = []
         self._deposed = why
         log.error("coordinator of term %s stands down: %s", self._term, why)
         for _, fut in self._save_waiters:
@@ -518,7 +527,23 @@ class CoordinatorServer(LoopService):
                 "reason": d.reason,
                 **fields,
             }
-            os.write(self._events_fd, (json.dumps(line) + "\n").encode())  # one whole line
+            if self._term is not None:  # which leader decided it (a takeover starts a new term)
+                line["term"] = self._term
+            data = (json.dumps(line) + "\n").encode()
+            if self._durable:  # written once durable; never, if this leader is deposed first
+                self._unsaved_events.append((self._state.revision, data))
+            else:
+                os.write(self._events_fd, data)  # one whole line
+
+    def _flush_events(self, revision: int) -> None:
+        """Write the events of decisions whose state (up to `revision`) is saved."""
+        keep = []
+        for rev, data in self._unsaved_events:
+            if rev <= revision and self._events_fd is not None:
+                os.write(self._events_fd, data)
+            elif rev > revision:
+                keep.append((rev, data))
+        self._unsaved_events = keep
 
     # ------------------------------------------------------------ connections
 
