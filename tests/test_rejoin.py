@@ -4,6 +4,8 @@ at a step boundary, get the state by live transfer, and the trajectory is unchan
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,8 +22,9 @@ M = 6
 # 3-6, the replica killed at step 3: a respawned tiny replica of a 4-replica run (25-30 steps/s)
 # committed at steps 26-71, a respawned replica of 2 sharded ranks (2.7-9 steps/s) at steps
 # 13-64, hand-started cold joiners under a 10x pace at step 111 with 27 s of the run left. Only
-# the sharded run can be shortened: SHARDED_STEPS leaves 2.2x the steps of its latest join.
-SHARDED_STEPS = 200
+# the sharded run can be shortened: SHORT_STEPS leaves 2.2x the steps of its latest join. A
+# replica killed at its first commit with a standby waiting: joined at step 3 (load average 10-13).
+SHORT_STEPS = 200
 STEPS = 300
 FLAGS = [
     "--preset", "tiny", "--seq-len", "32", "--microbatch-size", "2", "--microbatches", str(M),
@@ -59,8 +62,8 @@ def reference(tiny_dataset, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def respawn_reference(tiny_dataset, tmp_path_factory) -> Path:
-    return failure_free(tiny_dataset, tmp_path_factory.mktemp("ref") / "one", SHARDED_STEPS)
+def short_reference(tiny_dataset, tmp_path_factory) -> Path:
+    return failure_free(tiny_dataset, tmp_path_factory.mktemp("ref") / "one", SHORT_STEPS)
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -104,20 +107,20 @@ def test_a_killed_replica_is_respawned_and_four_replicas_train_again(
 
 @pytest.mark.timeout(180)
 def test_a_replica_of_two_sharded_ranks_is_respawned_and_gets_its_halves(
-    respawn_reference, tiny_dataset, tmp_path
+    short_reference, tiny_dataset, tmp_path
 ):
     # Rank 1 of replica 1 is killed; its mate stops; the launcher respawns both ranks, which join
     # at a step boundary: each receives the state of its position (its half of the parameters
     # and of the AdamW moments) from replica 0's rank at the same position.
     out = tmp_path / "respawn-hsdp"
     r, transfers = respawned_run(
-        respawn_reference, tiny_dataset, out, 2, SHARDED_STEPS, "--shard", "2", "--watchdog", "2",
+        short_reference, tiny_dataset, out, 2, SHORT_STEPS, "--shard", "2", "--watchdog", "2",
         "--fault", "kill:replica=1,rank=1,step=3,phase=backward",
     )  # fmt: skip
     assert "respawning replica 1" in r.stdout
     assert sorted((t["replica"], t["rank"]) for t in transfers) == [(1, 0), (1, 1)]
     assert len({t["step"] for t in transfers}) == 1 and all(t["bytes"] > 0 for t in transfers)
-    assert committed_steps(out / "metrics.jsonl")[SHARDED_STEPS - 1]["replicas"] == 2
+    assert committed_steps(out / "metrics.jsonl")[SHORT_STEPS - 1]["replicas"] == 2
 
 
 @pytest.mark.timeout(180)
@@ -171,3 +174,81 @@ def test_hand_started_joiners_refused_killed_in_transfer_and_scale_up(
     assert sorted(finished) == [0, 1, 2, 5] and len(set(finished.values())) == 1
     assert max(s["replicas"] for s in committed_steps(out / "metrics.jsonl").values()) == 4
     assert leftover_processes(str(out)) == []
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, ended and not yet reaped by its parent, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(180)
+def test_a_standby_takes_a_killed_replicas_slot_and_a_dead_standby_is_replaced(
+    short_reference, tiny_dataset, tmp_path
+):
+    # Three replicas and one warm standby. The test SIGKILLs the waiting standby (it is replaced,
+    # quietly), then replica 2 once the replacement waits: the replacement takes replica 2's
+    # slot, gets the state by transfer, and a third standby is started behind it. Standbys are
+    # never members and leave nothing running.
+    out = tmp_path / "standby"
+    run = cli("train", *FLAGS, "--steps", str(SHORT_STEPS), "--data", str(tiny_dataset),
+              "--out", str(out), "--replicas", "3", "--standby", "1")  # fmt: skip
+    standbys: dict[str, int] = {}
+
+    def started(name: str) -> bool:
+        if (out / "metrics.jsonl").exists():
+            standbys.update(
+                (e["standby"], e["pid"]) for e in events(out, "launcher.standby_started")
+            )
+        return name in standbys
+
+    try:
+        wait_for(lambda: started("standby 1"), 60, "the first standby")
+        os.kill(standbys["standby 1"], signal.SIGKILL)
+        wait_for(lambda: started("standby 2"), 30, "a standby in place of the killed one")
+        wait_for(lambda: committed_steps(out / "metrics.jsonl"), 60, "the first commit")
+        victim = next(e["pid"] for e in events(out, "rank_started") if e["replica"] == 2)
+        os.kill(victim, signal.SIGKILL)
+        r = finish(run, 150)
+    finally:
+        if run.poll() is None:
+            run.terminate()  # the launcher reaps its children on SIGTERM
+            finish(run, 10)
+        for pid in standbys.values():  # (a standby is the zygote's child: reaped there)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert_invariants(short_reference, out, r, SHORT_STEPS)
+    assert "standby 1" not in r.stdout  # replaced quietly (its lines are debug ones)
+    # The second standby became replica 2's next incarnation and got the state by transfer.
+    pids = [e["pid"] for e in events(out, "rank_started") if e["replica"] == 2]
+    assert pids == [victim, standbys["standby 2"]]
+    assert [(e["replica"], e["how"]) for e in events(out, "launcher.respawned")] == [(2, "standby")]
+    assert [t["replica"] for t in events(out, "state_transfer")] == [2]
+    # A third one was started behind it, and waited to the end without ever registering.
+    assert started("standby 3") and sorted(standbys) == ["standby 1", "standby 2", "standby 3"]
+    retired = events(out, "launcher.standby_retired")
+    assert [e["standby"] for e in retired] == ["standby 3"] and retired[0]["cpu_s"] > 0
+    registered = {e["replica_id"] for e in events(out, "coordinator.registered")}
+    assert registered == {0, 1, 2}
+    assert max(s["replicas"] for s in committed_steps(out / "metrics.jsonl").values()) == 3
+    assert not [pid for pid in standbys.values() if _alive(pid)]
+
+
+def test_standby_settings_are_checked():
+    from recover.launch import LaunchConfig
+    from recover.runtime.layout import ReplicaLayout
+    from recover.runtime.spec import ReplicaSpec
+
+    assert (
+        LaunchConfig(replicas=2).standby == 0 and LaunchConfig(replicas=2).respawn_delay_s is None
+    )
+    assert LaunchConfig(replicas=2, standby=1).respawn_delay_s == 0.0  # standbys imply respawns
+    assert LaunchConfig(replicas=2, standby=1, respawn_s=2.0).respawn_delay_s == 2.0
+    with pytest.raises(ValueError, match="--standby must be >= 0"):
+        LaunchConfig(replicas=2, standby=-1)
+    with pytest.raises(ValueError, match="replicas of one rank"):
+        LaunchConfig(replicas=2, standby=1, replica=ReplicaSpec(layout=ReplicaLayout(shard=2)))
+    with pytest.raises(ValueError, match="--mode recover"):
+        LaunchConfig(replicas=2, standby=1, replica=ReplicaSpec(mode="shrink"))

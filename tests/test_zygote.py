@@ -133,3 +133,22 @@ def test_a_forked_script_runs_as_python_would_run_it(zygote, tmp_path):
     q = zygote.spawn(None, ["raise"], _env(), script=str(script))
     assert q.stdout.read().splitlines() == ["__main__ ['raise'] True", "hooked lost mate"]
     assert q.wait(timeout=30) == 7
+
+
+def test_a_forked_child_reads_the_stdin_pipe_it_was_given(zygote, tmp_path):
+    """A standby's channel: with stdin=True the child reads what the launcher writes on the
+    handle's stdin, and sees its end when the launcher closes it; without, it reads nothing."""
+    script = tmp_path / "echo.py"
+    script.write_text(
+        "import sys\n"
+        "for line in sys.stdin:\n"
+        "    print('got', line.strip(), flush=True)\n"
+        "print('end of input', flush=True)\n"
+    )
+    p = zygote.spawn(None, [], _env(), script=str(script), stdin=True)
+    p.stdin.write("replica 2\n")
+    assert p.stdout.readline() == "got replica 2\n"  # (line-buffered: no flush needed)
+    p.stdin.close()
+    assert p.stdout.read() == "end of input\n" and p.wait(timeout=30) == 0
+    q = zygote.spawn(None, [], _env(), script=str(script))
+    assert q.stdin is None and q.stdout.read() == "end of input\n" and q.wait(timeout=30) == 0

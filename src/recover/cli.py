@@ -115,22 +115,6 @@ def add_supervision_flags(parser: argparse.ArgumentParser) -> None:
         help="microbatch shares by each replica's measured throughput, or equal (default: "
         "throughput)",
     )
-    group.add_argument(
-        "--coordinators",
-        type=int,
-        default=1,
-        metavar="N",
-        help="N coordinators, one leading and the others standing by to take over when it dies "
-        "or stalls; their state is kept in etcd (--state, or a private etcd started on "
-        "127.0.0.1 and stopped with the run; needs Debian's etcd-server) (default: 1)",
-    )
-    group.add_argument(
-        "--state",
-        default=None,
-        metavar="etcd://HOST:PORT[,...]",
-        help="the etcd that keeps the coordinators' state (default: in memory with one "
-        "coordinator, a private etcd with --coordinators > 1)",
-    )
 
 
 def supervision(args: argparse.Namespace) -> dict:
@@ -141,8 +125,6 @@ def supervision(args: argparse.Namespace) -> dict:
         respawn_s=args.respawn,
         max_restarts=args.max_restarts,
         balance=args.balance,
-        coordinators=args.coordinators,
-        state=args.state,
     )
 
 
@@ -224,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
         "it from one process that imported torch once (the default warm start: faster start-up "
         "and respawns, the same training)",
     )
+    train.add_argument(
+        "--standby",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep N warm standby processes (torch imported, dataset open, model built, not "
+        "members); a dead replica's slot goes to one at once and a new one is started behind it; "
+        "implies --respawn 0 unless --respawn is given (default: 0)",
+    )
 
     worker = sub.add_parser(
         "worker",
@@ -234,9 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_config_flags(worker)
     worker.add_argument(
         "--coordinator",
-        metavar="HOST:PORT[,HOST:PORT...]",
-        help="the coordinator's address, or every coordinator's (a leader and its standbys) "
-        "(default: $RECOVER_COORDINATOR; required unless "
+        metavar="HOST:PORT",
+        help="the coordinator's address (default: $RECOVER_COORDINATOR; required unless "
         "--launched)",
     )
     worker.add_argument(
@@ -267,6 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from the newest checkpoint in --out (every replica of the job alike)",
     )
     add_replica_flags(worker)
+    worker.add_argument(
+        "--standby",
+        action="store_true",
+        help="with --launched: a warm standby of the local launcher (recover train --standby); "
+        "build the replica, then wait unregistered for one line on stdin, the JSON object of the "
+        "variables that make it a replica (RECOVER_REPLICA_ID, RECOVER_FAULTS, ...)",
+    )
     worker.add_argument(
         "--register-timeout",
         type=float,
@@ -473,6 +470,7 @@ def run_train(args: argparse.Namespace) -> int:
             replica=spec,
             faults=parse_faults(args.fault),
             warm_start=not args.cold_start,
+            standby=args.standby,
             **supervision(args),
         )
         check_faults_fit(lcfg.faults, steps=cfg.steps, microbatches=cfg.microbatches)
@@ -619,6 +617,14 @@ def run_worker_cli(args: argparse.Namespace) -> int:
     from recover.training.config import TRAIN_CONFIG_ENV, TrainConfig, check_layout_fits
     from recover.training.worker import WorkerConfig, run_worker
 
+    prepared = None
+    if args.standby:  # a warm standby of the local launcher (recover.launch)
+        if not args.launched:
+            return _error("--standby is for processes the local launcher starts (--launched)")
+        prepared = _stand_by(args)
+        if prepared is None:  # retired before it was needed: it leaves without a trace
+            sys.stdout.flush()
+            os._exit(0)
     try:
         if args.launched:  # the launcher's objects, as JSON, not flags parsed again
             env = ReplicaEnv.from_environ(os.environ)
@@ -636,11 +642,8 @@ def run_worker_cli(args: argparse.Namespace) -> int:
             if args.replica_id < 0:
                 raise ValueError(f"--replica-id must be >= 0, got {args.replica_id}")
             cfg = train_config_from_args(args)
-            # HOST:PORT, or with standby coordinators HOST:PORT,HOST:PORT,...
-            first, *standbys = [parse_address(a, "--coordinator") for a in coordinator.split(",")]
             env = ReplicaEnv(
-                coordinator=first,
-                standbys=tuple(standbys),
+                coordinator=parse_address(coordinator, "--coordinator"),
                 replica_id=args.replica_id,
                 token=os.environ.get(TOKEN_ENV) or None,
                 faults=parse_faults(args.fault),
@@ -654,7 +657,6 @@ def run_worker_cli(args: argparse.Namespace) -> int:
             out=args.out,
             resume=args.resume,
             register_timeout_s=args.register_timeout,
-            resume_command=_worker_resume_command(args),
         )
         check_faults_fit(env.faults, steps=cfg.steps, microbatches=cfg.microbatches)
         check_layout_fits(cfg.preset, env.spec.layout.tp, env.spec.layout.pp)
@@ -678,7 +680,7 @@ def run_worker_cli(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _error(str(e))
     try:
-        code = run_worker(cfg, wcfg)
+        code = run_worker(cfg, wcfg, prepared=prepared)
     except (DataError, CheckpointError) as e:
         code = _error(str(e))
     # Everything the replica owns is closed and flushed by now. Skip the interpreter's teardown:
@@ -688,17 +690,34 @@ def run_worker_cli(args: argparse.Namespace) -> int:
     os._exit(code)
 
 
-def _worker_resume_command(args: argparse.Namespace) -> str:
-    """What continues a worker's job after it stopped early: under a local launcher, the run's
-    own resume command; started by hand, this very command with --resume."""
-    import shlex
+def _stand_by(args: argparse.Namespace):
+    """A standby: build the replica (torch, dataset, model and optimizer) with the job's spec,
+    then wait, unregistered and writing nothing, for one line on stdin: the JSON object of the
+    variables that make it a replica (its id, faults, device), which are added to its
+    environment. Returns the prepared replica, or None at end of input (the launcher retired it
+    or is gone)."""
+    import json
+    import os
 
-    if args.launched:
-        from recover.launch import train_resume_command
+    import torch
 
-        return train_resume_command(args.out)
-    words = ["recover", *getattr(args, "argv", ["worker", "..."])]
-    return shlex.join(words if "--resume" in words else [*words, "--resume"])
+    from recover.runtime.env import device_index, spec_from_environ
+    from recover.training.config import TRAIN_CONFIG_ENV, TrainConfig
+    from recover.training.worker import prepare_replica
+
+    torch.set_num_threads(1)  # one core per replica process
+    cfg = TrainConfig.from_json(os.environ[TRAIN_CONFIG_ENV])
+    prepared = prepare_replica(
+        cfg,
+        data=args.data,
+        spec=spec_from_environ(os.environ),
+        device_index=device_index(os.environ),
+    )
+    line = sys.stdin.readline()
+    if not line.strip():
+        return None
+    os.environ.update({str(k): str(v) for k, v in json.loads(line).items()})
+    return prepared
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -803,7 +822,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # (what resumes it, said on a stop)
     command, words = _command_parser(parser, args)
     if words not in JOB_COMMANDS:
         return args

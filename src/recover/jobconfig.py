@@ -10,7 +10,7 @@ alike):
     [run]            # data, data_root, out, resume, quiet
     [replica]        # what a replica is: shard, tp, pp, mode, device, stall_timeout, ...
     [supervision]    # min_replicas, lease, respawn, max_restarts, balance
-    [launch]         # replicas, fault (a list of specs), cold_start
+    [launch]         # replicas, fault (a list of specs), cold_start, standby
 
 `recover run` has the same tables but [train] (its [launch] holds replicas, ranks_per_replica,
 out, fault, start_timeout, quiet); `recover coordinator serve` has one, [coordinator].

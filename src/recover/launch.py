@@ -13,9 +13,7 @@ Supervision rules:
   microbatches; a replica that died on the way (injected fault or not) is listed, not a failure;
 - a replica whose fault is `hang` is left stopped unless `wake_after=S`: the launcher sends
   SIGCONT S seconds after it sees the process stopped (the process is then fenced and exits);
-- the coordinator's death ends the run, without stopping anyone: the replicas wait for it for
-  their grace (--coordinator-grace), then the lowest saves the last committed step and each
-  exits (status 11); the launcher lets them, then names the command that resumes the run.
+- the coordinator's death ends the run (it is the one process that must not die here).
 
 It must not touch the trajectory: it only starts, watches and stops processes.
 
@@ -29,25 +27,27 @@ import json
 import logging
 import os
 import secrets
-import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from recover import exits
-from recover.coordinator.etcd import parse_state_url
-from recover.coordinator.etcd_local import LocalEtcd, find_etcd, start_local_etcd
 from recover.logs import replica_name
 from recover.record import MetricsWriter, committed_steps, read_metrics
-from recover.runtime.env import TOKEN_ENV, ReplicaEnv
+from recover.runtime.env import (
+    DEVICE_INDEX_ENV,
+    FAULTS_ENV,
+    REPLICA_ENV,
+    TOKEN_ENV,
+    ReplicaEnv,
+)
 from recover.runtime.faults import FaultSpec, fault_flag, faults_for
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.spec import ReplicaSpec
@@ -84,12 +84,11 @@ class LaunchConfig:
     # Fork `recover train`'s replica processes from one that has imported torch already
     # (recover.zygote), instead of paying the import in each one; False: start each afresh.
     warm_start: bool = True
-    # High availability of the control plane (docs/coordinator.md, "A standby that takes over"):
-    # this many coordinators, one leading by etcd election, the others standing by. `state`:
-    # the etcd that holds their state (etcd://HOST:PORT[,...][/PREFIX]); None with
-    # coordinators > 1: a private etcd the launcher starts on 127.0.0.1 and stops.
-    coordinators: int = 1
-    state: str | None = None
+    # Warm standbys: processes that built the replica (model, optimizer, dataset) and wait,
+    # unregistered, to take a dead replica's slot at once (`recover train` only). 0 by default:
+    # each holds a whole replica's memory (on GPUs, a device's worth) for a fault that may not
+    # come; with one, a respawn skips its start-up.
+    standby: int = 0
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -106,17 +105,13 @@ class LaunchConfig:
             raise ValueError(f"--respawn must be >= 0 seconds, got {self.respawn_s}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if isinstance(self.coordinators, bool) or not (
-            isinstance(self.coordinators, int) and self.coordinators >= 1
-        ):
-            raise ValueError(f"--coordinators must be an int >= 1, got {self.coordinators!r}")
-        if self.state is not None:
-            parse_state_url(self.state)  # a ValueError names the flag
-        elif self.coordinators > 1 and find_etcd() is None:
+        if self.standby < 0:
+            raise ValueError(f"--standby must be >= 0, got {self.standby}")
+        if self.standby and (self.mode != "recover" or self.ranks > 1):
             raise ValueError(
-                f"--coordinators {self.coordinators} keeps the coordinators' state in etcd, and "
-                "no etcd binary is installed: apt-get install etcd-server, or give --state "
-                "etcd://HOST:PORT"
+                "--standby needs --mode recover and replicas of one rank (a standby builds its "
+                f"model before it knows its slot); got --mode {self.mode} with {self.ranks} "
+                "ranks per replica"
             )
         if self.balance not in ("equal", "throughput"):
             raise ValueError(f"--balance must be equal or throughput, got {self.balance!r}")
@@ -138,6 +133,13 @@ class LaunchConfig:
     def layout(self) -> ReplicaLayout:
         """What a replica is inside."""
         return self.replica.layout
+
+    @property
+    def respawn_delay_s(self) -> float | None:
+        """Seconds before a dead replica is replaced (None: never); standbys imply 0."""
+        if self.respawn_s is None and self.standby:
+            return 0.0
+        return self.respawn_s
 
     @property
     def ranks(self) -> int:
@@ -171,10 +173,11 @@ def check_gpu_placement(lc: LaunchConfig, gpus: int | None = None) -> None:
         )
 
 
-def _pump(stream, prefix: str, console: TextIO | None) -> None:
+def _pump(stream, prefix: list[str], console: TextIO | None) -> None:
+    """Echo a child's lines with `prefix[0]` (a promoted standby's label changes)."""
     for line in iter(stream.readline, ""):
         if console is not None:
-            console.write(prefix + line)
+            console.write(prefix[0] + line)
             console.flush()
     stream.close()
 
@@ -272,8 +275,11 @@ class LocalLauncher:
         self._ports: list[int] = []  # drawn for the job's processes, handed out as they start
         self._pumps: list[threading.Thread] = []
         self._zygote: Zygote | None = None  # recover train's replica processes fork from it
-        self.standby_coordinators: tuple[tuple[str, int], ...] = ()  # --coordinators N
-        self._etcd: LocalEtcd | None = None  # the private etcd of --coordinators N
+        self._prefixes: dict[int, list[str]] = {}  # id(process) -> its output prefix
+        self._standbys: list[str] = []  # names (in self.children) of waiting standbys, oldest first
+        self._standbys_started = 0
+        self._standbys_lost = 0  # standbys that died while waiting
+        self._standby_since: dict[str, float] = {}  # name -> when it was started (monotonic)
 
     # What a warm start pre-imports: everything a replica process of `recover train` loads.
     WARM_MODULES = (
@@ -309,15 +315,22 @@ class LocalLauncher:
             log.log(level, line)
 
     def _spawn(
-        self, name: str, command: list[str], prefix: str, extra_env: dict | None = None
+        self,
+        name: str,
+        command: list[str],
+        prefix: str,
+        extra_env: dict | None = None,
+        *,
+        stdin: bool = False,
     ) -> subprocess.Popen:
+        """Start `command` as child `name`; with `stdin`, its stdin is a pipe (proc.stdin)."""
         env = self._child_env(extra_env)
         env[TOKEN_ENV] = self.token  # never on the command line, where `ps` would show it
         forkable = _forkable(command)
         if self._zygote is not None and forkable is not None:
             try:  # forked, torch already imported: recover's own commands, or a Python script
                 module, argv, script = forkable
-                proc = self._zygote.spawn(module, argv, env, script=script)
+                proc = self._zygote.spawn(module, argv, env, script=script, stdin=stdin)
             except RuntimeError as e:  # start afresh from now on (slower, same result)
                 self.say(f"warm start off: {e}", logging.WARNING)
                 self._zygote = None
@@ -327,8 +340,9 @@ class LocalLauncher:
             command,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             text=True,
+            bufsize=1,
             env=env,
             # Its own session: a terminal's Ctrl-C reaches the launcher only, which then stops the
             # replicas in order (they die with the launcher anyway: recover.runtime.env.die_with_launcher).
@@ -339,7 +353,8 @@ class LocalLauncher:
     def _adopt(self, name: str, proc, prefix: str):
         """Supervise `proc` as `name` and echo its output with `prefix`."""
         self.children[name] = proc
-        pump = threading.Thread(target=_pump, args=(proc.stdout, prefix, self.console), daemon=True)
+        self._prefixes[id(proc)] = box = [prefix]
+        pump = threading.Thread(target=_pump, args=(proc.stdout, box, self.console), daemon=True)
         pump.start()
         self._pumps.append(pump)
         return proc
@@ -349,50 +364,13 @@ class LocalLauncher:
 
         The replicas are started right after, without waiting for it: they retry registering
         until it listens, so torch's import in every process overlaps (start-up is CPU-bound).
-        With --coordinators N, N of them share the state in etcd (`_ha_state`): the first
-        elected leads, the others stand by (`self.standby_coordinators`: their addresses).
         """
         address_file = self.paths.out / COORDINATOR_FILE
         address_file.unlink(missing_ok=True)
-        lc = self.lcfg
-        ha = self._ha_state() if lc.coordinators > 1 or lc.state is not None else None
-        addresses = []
-        for i in range(lc.coordinators):
-            port = self._ports.pop()  # free a moment ago; the coordinator binds it a moment later
-            name = "coordinator" if i == 0 else f"coordinator.{i}"
-            self._spawn_coordinator(name, port, address_file, ha)
-            addresses.append(("127.0.0.1", port))
-        self.standby_coordinators = tuple(addresses[1:])
-        return addresses[0]
-
-    def _ha_state(self) -> list[str]:
-        """The coordinators' --state flags for this job: under --state's prefix, or in a private
-        etcd started now (127.0.0.1, a temporary data directory; `_stop_etcd` ends it), each job
-        (a checkpoint-restart starts another) under a prefix of its own, so none loads the state
-        of an earlier job."""
-        lc = self.lcfg
-        if lc.state is not None:
-            url = parse_state_url(lc.state)
-        else:
-            if self._etcd is None:
-                self._etcd = start_local_etcd(tempfile.mkdtemp(prefix="recover-etcd-"))
-                self.say(f"etcd for the coordinators' state at 127.0.0.1:{self._etcd.client_port}")
-            url = parse_state_url(self._etcd.url)
-        prefix = f"{url.prefix}/{self.paths.out.name}-{secrets.token_hex(4)}"
-        return ["--state", str(replace(url, prefix=prefix)), "--leader-ttl", "1"]
-
-    def _stop_etcd(self) -> None:
-        if self._etcd is not None:
-            self._etcd.stop()
-            shutil.rmtree(self._etcd.data_dir, ignore_errors=True)
-            self._etcd = None
-
-    def _spawn_coordinator(
-        self, name: str, port: int, address_file: Path, ha: list[str] | None
-    ) -> None:
+        port = self._ports.pop()  # free a moment ago; the coordinator binds it a moment later
         lc = self.lcfg
         self._spawn(
-            name,
+            "coordinator",
             [
                 *_RECOVER, "coordinator", "serve", "--host", "127.0.0.1", "--port", str(port),
                 "--store-port", "0", "--replicas", str(lc.replicas),
@@ -404,10 +382,11 @@ class LocalLauncher:
                 "--start-deadline", str(lc.start_timeout_s), "--balance", lc.balance,
                 "--mode", "shrink" if lc.mode == "shrink" else "recover",
                 "--events", str(self.paths.metrics), "--address-file", str(address_file),
-                "--log-level", lc.replica.log_level, *(ha or ()),
+                "--log-level", lc.replica.log_level,
             ],
-            f"[{name}] ",
+            "[coordinator] ",
         )  # fmt: skip
+        return "127.0.0.1", port
 
     @property
     def microbatches(self) -> int:
@@ -431,7 +410,7 @@ class LocalLauncher:
         replica spec and its faults not fired yet (ReplicaEnv), and the run's TrainConfig."""
         env = ReplicaEnv(
             coordinator=(host, port), replica_id=r, faults=tuple(self._pending_faults(r)),
-            spec=self.lcfg.replica, standbys=self.standby_coordinators,
+            spec=self.lcfg.replica,
         ).to_environ()  # fmt: skip
         return {**env, TRAIN_CONFIG_ENV: self.cfg.to_json()}
 
@@ -460,6 +439,109 @@ class LocalLauncher:
                 "MASTER_PORT": str(master_port), "RECOVER_DEVICE_INDEX": str(r * ranks + k),
             }  # fmt: skip
             self._spawn(_proc_name(r, k), command, f"[{replica_name(r, k, ranks)}] ", env)
+
+    # ---- standbys (--standby N) ----------------------------------------------------------------
+
+    # A standby that died while waiting is replaced quietly, up to this many times per standby
+    # slot; past that (a standby that cannot start at all), the run goes on without standbys.
+    STANDBY_LOSSES_PER_SLOT = 3
+
+    def _start_standby(self, host: str, port: int) -> None:
+        """Start one standby: a `recover worker --standby` that builds the replica (forked from
+        the zygote: torch imported), then waits on its stdin, unregistered and writing nothing,
+        for the variables that make it a replica (`_promote`). It has the job's TrainConfig and
+        replica spec; its id, faults and device come with the promotion."""
+        self._standbys_started += 1
+        name = f"standby {self._standbys_started}"
+        command = [
+            *_RECOVER, "worker", "--launched", "--standby", "--data", str(self.data),
+            "--out", str(self.paths.out),
+        ]  # fmt: skip
+        env = {
+            k: v
+            for k, v in self._replica_env(0, host, port).items()
+            if k not in (REPLICA_ENV, FAULTS_ENV)  # (given with the promotion)
+        }
+        # (on GPUs it builds on the device after the replicas', modulo those there are)
+        env[DEVICE_INDEX_ENV] = str(self.lcfg.replicas)
+        proc = self._spawn(name, command, f"[{name}] ", env, stdin=True)
+        self._standbys.append(name)
+        self._standby_since[name] = time.monotonic()
+        self.writer.event("launcher.standby_started", standby=name, pid=proc.pid)
+        self.say(f"started {name} (pid {proc.pid})", logging.DEBUG)
+
+    def _retire_standbys(self) -> None:
+        """At the end of a job: record what each standby still waiting cost (CPU seconds and
+        resident memory over its life, its build included), then end it (SIGTERM: it has
+        nothing to save)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        for name in self._standbys:
+            proc = self.children[name]
+            cost = {}
+            try:
+                with open(f"/proc/{proc.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                cost["cpu_s"] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+                cost["rss_mib"] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+            except (OSError, IndexError, ValueError):
+                pass  # (ended meanwhile)
+            age = time.monotonic() - self._standby_since[name]
+            self.writer.event(
+                "launcher.standby_retired", standby=name, pid=proc.pid, age_s=round(age, 3),
+                **{k: round(v, 3) for k, v in cost.items()},
+            )  # fmt: skip
+            _end_politely(proc)
+        self._standbys.clear()
+
+    def _check_standbys(self, finishing: bool) -> None:
+        """Replace, quietly, a standby that died while waiting (up to STANDBY_LOSSES_PER_SLOT
+        per slot; then warn once and go on without)."""
+        for name in list(self._standbys):
+            code = self.children[name].poll()
+            if code is None:
+                continue
+            self._standbys.remove(name)
+            self.children.pop(name)
+            self._standbys_lost += 1
+            limit = self.STANDBY_LOSSES_PER_SLOT * self.lcfg.standby
+            self.say(f"{name} ended while waiting (status {code})", logging.DEBUG)
+            if finishing:
+                continue
+            if self._standbys_lost > limit:
+                if self._standbys_lost == limit + 1:
+                    self.say(
+                        f"{self._standbys_lost} standbys ended while waiting: going on without "
+                        "standbys (a dead replica is respawned afresh)",
+                        logging.WARNING,
+                    )
+                continue
+            self._start_standby(*self.coordinator_address)
+
+    def _promote(self, r: int) -> bool:
+        """Give replica r's slot to the oldest waiting standby: it gets its id, the faults of
+        r not fired yet and r's device, registers as r's new incarnation, and joins at a step
+        boundary with the state by transfer (the caller starts a new standby behind it). False
+        when no standby could take it (none waiting, or it died just now)."""
+        while self._standbys:
+            name = self._standbys.pop(0)
+            proc = self.children.pop(name)
+            promotion = {
+                REPLICA_ENV: str(r),
+                FAULTS_ENV: ";".join(fault_flag(f) for f in self._pending_faults(r)),
+                DEVICE_INDEX_ENV: str(r),
+            }
+            try:
+                proc.stdin.write(json.dumps(promotion) + "\n")
+                proc.stdin.close()
+            except (BrokenPipeError, OSError, ValueError):  # it died meanwhile: the next one
+                self.children[name] = proc  # (reaped with the others at the end)
+                continue
+            self.children.pop(_proc_name(r, 0), None)
+            self.children[_proc_name(r, 0)] = proc
+            self._prefixes[id(proc)][0] = f"[replica {r}] "
+            self.say(f"{name} (pid {proc.pid}) takes the slot of replica {r}", logging.DEBUG)
+            return True
+        return False
 
     def _pending_faults(self, r: int) -> list[FaultSpec]:
         """Faults of replica r that have not fired yet (per the run's failure_injected events)."""
@@ -533,7 +615,6 @@ class LocalLauncher:
         finally:
             signal.signal(signal.SIGTERM, previous)
             self._reap_all()
-            self._stop_etcd()
             if self._zygote is not None:
                 self._zygote.close()
             for pump in self._pumps:  # every pipe is closed now: the pumps end at once
@@ -560,14 +641,14 @@ class LocalLauncher:
     def _run_job(self) -> int:
         # Every port the job's processes will bind, drawn at once, so that no two of them are
         # handed the same one (a port probed and released can be handed out again at once).
-        self._ports = free_ports(
-            self.lcfg.coordinators + (self.lcfg.replicas if self.lcfg.ranks > 1 else 0)
-        )
+        self._ports = free_ports(1 + (self.lcfg.replicas if self.lcfg.ranks > 1 else 0))
         host, port = self._start_coordinator()
         self.coordinator_address = (host, port)
         self.say(f"coordinator at {host}:{port}; starting {self.lcfg.replicas} replicas")
         for r in range(self.lcfg.replicas):
             self._start_replica(r, host, port)
+        for _ in range(self.lcfg.standby):
+            self._start_standby(host, port)
         return self._supervise()
 
     def _supervise(self) -> int:
@@ -586,10 +667,15 @@ class LocalLauncher:
         finishing = False  # a replica finished: the run is ending, nobody is respawned
         while any(alive.values()) or respawn_at:
             coordinator = self.children["coordinator"]
-            if all(  # with standbys (--coordinators N), the run goes on while one is left
-                p.poll() is not None for n, p in self.children.items() if n.startswith("coord")
-            ):
-                return self._coordinator_lost(coordinator.returncode)
+            if coordinator.poll() is not None:
+                self.say(
+                    f"the coordinator died (exit {coordinator.returncode}): nothing can commit "
+                    "any more; the replicas save the committed state and stop",
+                    logging.ERROR,
+                )
+                self._stop_replicas()
+                self.say(f"stopped: {self._resume_hint()}")
+                return 1
             now = time.monotonic()
             for r, k in sorted((r, k) for r, ranks in alive.items() for k in ranks):
                 who = f"replica {r}" + (f" rank {k}" if lc.ranks > 1 else "")
@@ -609,7 +695,7 @@ class LocalLauncher:
                         if lc.mode == "checkpoint-restart" and not finishing:
                             return RESTART
                         if self._may_respawn(r, incarnation[r], finishing):
-                            respawn_at[r] = now + lc.respawn_s
+                            respawn_at[r] = now + lc.respawn_delay_s
                     continue
                 key = (r, k)
                 if incarnation[r] == 0 and wake.get(key) is not None and _is_stopped(proc.pid):
@@ -625,18 +711,30 @@ class LocalLauncher:
                     del respawn_at[r]
                     incarnation[r] += 1
                     dead.discard(r)
-                    self.say(f"respawning replica {r} (restart {incarnation[r]})")
-                    self.writer.event("launcher.respawned", replica=r, restart=incarnation[r])
-                    self._start_replica(r, *self.coordinator_address, fresh=True)
+                    if self._promote(r):
+                        how = "standby"
+                        self.say(f"replica {r} (restart {incarnation[r]}) from a standby")
+                    else:
+                        how = "spawn"
+                        self.say(f"respawning replica {r} (restart {incarnation[r]})")
+                        self._start_replica(r, *self.coordinator_address, fresh=True)
+                    self.writer.event(
+                        "launcher.respawned", replica=r, restart=incarnation[r], how=how
+                    )
+                    if how == "standby":  # a new standby behind the promoted one
+                        self._start_standby(*self.coordinator_address)
                     alive[r] = set(range(lc.ranks))
+            if self._standbys:
+                self._check_standbys(finishing)
             if not respawn_at and self._only_hung_left(alive, codes, wake):
                 break
             time.sleep(0.02)
+        self._retire_standbys()
         return self._verdict(codes)
 
     def _may_respawn(self, r: int, incarnation: int, finishing: bool) -> bool:
         lc = self.lcfg
-        return lc.respawn_s is not None and not finishing and incarnation < lc.max_restarts
+        return lc.respawn_delay_s is not None and not finishing and incarnation < lc.max_restarts
 
     def _verdict(self, codes: list[tuple[int, int, int]]) -> int:
         """The run's exit status, with one summary line when anything died or failed.
@@ -709,33 +807,12 @@ class LocalLauncher:
         """Ask every replica process to stop (SIGTERM: at its next step boundary the writer saves
         the committed state and it leaves; without a coordinator it saves and exits at once);
         wait for them up to the grace period. What is left is reaped by _reap_all."""
-        replicas = [
-            p for n, p in self.children.items() if not n.startswith("coord") and p.poll() is None
-        ]
+        replicas = [p for n, p in self.children.items() if n != "coordinator" and p.poll() is None]
         for p in replicas:
             _end_politely(p)
         deadline = time.monotonic() + self.lcfg.stop_grace_s
         while time.monotonic() < deadline and any(p.poll() is None for p in replicas):
             time.sleep(0.05)
-
-    def _coordinator_lost(self, status: int) -> int:
-        """The coordinator died: nothing commits any more. The replicas are not stopped: each
-        waits for a coordinator for its grace (a standby may take over), then the lowest saves
-        the last committed step and every one exits with exits.COORDINATOR_LOST. They get the
-        grace and the stop grace (for the save); whoever is left after it is reaped."""
-        grace = self.lcfg.replica.coordinator_grace_s
-        self.say(
-            f"the coordinator died (exit {status}): nothing commits; the replicas wait {grace:g} "
-            "s for it (--coordinator-grace), then save the last committed step and stop",
-            logging.ERROR,
-        )
-        replicas = [p for n, p in self.children.items() if n.startswith("replica ")]
-        deadline = time.monotonic() + grace + self.lcfg.stop_grace_s
-        while time.monotonic() < deadline and any(p.poll() is None for p in replicas):
-            time.sleep(0.05)
-        self.writer.event("launcher.coordinator_lost", exit_status=status)
-        self.say(f"stopped, the coordinator lost: {self._resume_hint()}", logging.ERROR)
-        return exits.COORDINATOR_LOST
 
     def _resume_hint(self) -> str:
         saved = [
@@ -746,8 +823,8 @@ class LocalLauncher:
         if not saved:
             return "no checkpoint was saved; the run starts again from step 0"
         return (
-            f"step {max(saved)} is checkpointed in {self.paths.checkpoints}; continue with: "
-            f"{train_resume_command(self.paths.out)}"
+            f"step {max(saved)} is checkpointed in {self.paths.checkpoints}; continue with the "
+            f"same command plus --out {self.paths.out} --resume"
         )
 
     def _reap_all(self) -> None:
@@ -762,14 +839,6 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-
-
-def train_resume_command(out: Path) -> str:
-    """The command that continues `recover train`'s run in `out` from its newest checkpoint:
-    the job as its config.json describes it (recover.jobconfig), with --resume."""
-    return shlex.join(
-        ["recover", "train", "--config", str(out / "config.json"), "--out", str(out), "--resume"]
-    )
 
 
 class ScriptLauncher(LocalLauncher):
@@ -806,6 +875,8 @@ class ScriptLauncher(LocalLauncher):
             None, lcfg, data=Path(), out=out, resume=False, data_info={}, console=console,
             token=token,
         )  # fmt: skip
+        if lcfg.standby:
+            raise ValueError("--standby is for recover train (a script builds its own model)")
         self.command = list(command)
         self.job = job  # the resolved job file (recover.jobconfig.resolved_job), saved as job.json
 
@@ -830,7 +901,6 @@ class ScriptLauncher(LocalLauncher):
     def _replica_env(self, r: int, host: str, port: int) -> dict[str, str]:
         spec = ReplicaEnv(
             coordinator=(host, port),
-            standbys=self.standby_coordinators,
             replica_id=r,
             faults=tuple(self._pending_faults(r)),
             events=self.paths.metrics,

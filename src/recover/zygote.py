@@ -14,7 +14,9 @@ Protocol (a socketpair between the launcher and the zygote; one JSON object per 
   (recover's own commands) with exactly that environment, in its own session, its output on that
   pipe. Instead of "module": "script": PATH runs what `python PATH ARGV...` runs (runpy, as
   `__main__`, the script's folder first on sys.path, exit handlers run at the end), and
-  "run_module": M what `python -m M ARGV...` runs: a user's training script under `recover run`;
+  "run_module": M what `python -m M ARGV...` runs: a user's training script under `recover run`.
+  With "stdin": true a second fd comes with the request, the read end of a pipe that becomes the
+  child's stdin (a standby replica waits there for its promotion); else stdin is /dev/null;
 - zygote -> launcher: {"pid": P} for each request, in order; {"exit": P, "status": S} when a
   child ends (S as subprocess reports it: the exit code, or -N for signal N).
 
@@ -71,9 +73,13 @@ def _serve(sock: socket.socket) -> None:
         fds += more
         while b"\n" in buffer:
             line, buffer = buffer.split(b"\n", 1)
+            request = json.loads(line)
             out_fd = fds.pop(0)
-            pid = _fork(json.loads(line), out_fd, sock, wake_r, wake_w)
+            in_fd = fds.pop(0) if request.get("stdin") else -1
+            pid = _fork(request, out_fd, in_fd, sock, wake_r, wake_w)
             os.close(out_fd)
+            if in_fd >= 0:
+                os.close(in_fd)
             children.add(pid)
             sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
 
@@ -90,7 +96,7 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
             sock.sendall(json.dumps({"exit": pid, "status": code}).encode() + b"\n")
 
 
-def _fork(request: dict, out_fd: int, sock: socket.socket, *closing: int) -> int:
+def _fork(request: dict, out_fd: int, in_fd: int, sock: socket.socket, *closing: int) -> int:
     zygote = os.getpid()
     pid = os.fork()
     if pid:
@@ -107,9 +113,10 @@ def _fork(request: dict, out_fd: int, sock: socket.socket, *closing: int) -> int
         os.dup2(out_fd, 1)
         os.dup2(out_fd, 2)
         os.close(out_fd)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.close(devnull)
+        if in_fd < 0:
+            in_fd = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(in_fd, 0)
+        os.close(in_fd)
         die_with_parent(zygote)  # none of its children outlives the zygote
         os.environ.clear()
         os.environ.update(request["env"])
@@ -167,9 +174,10 @@ def _main() -> None:
 class ForkedProcess:
     """A child forked by the zygote, handled like a `subprocess.Popen` (the parts used here)."""
 
-    def __init__(self, zygote: Zygote, stdout) -> None:
+    def __init__(self, zygote: Zygote, stdout, stdin=None) -> None:
         self._zygote = zygote
         self.stdout = stdout
+        self.stdin = stdin  # a text stream to the child's stdin, when spawned with stdin=True
         self.pid: int | None = None
         self.returncode: int | None = None
         self._ended = threading.Event()
@@ -239,16 +247,28 @@ class Zygote:
         self._reader.start()
 
     def spawn(
-        self, module: str | None, argv: list[str], env: dict[str, str], *, script: str = ""
+        self,
+        module: str | None,
+        argv: list[str],
+        env: dict[str, str],
+        *,
+        script: str = "",
+        stdin: bool = False,
     ) -> ForkedProcess:
         """Fork a process with exactly `env`, its output on the returned handle's stdout: it
         runs `module.main(argv)` (recover's own commands), or with `script`, what `python SCRIPT
-        ARGV...` runs (a path), or `python -m MODULE ARGV...` (`script="-m"`)."""
+        ARGV...` runs (a path), or `python -m MODULE ARGV...` (`script="-m"`). With `stdin`, the
+        handle's stdin is a pipe to the child's (line-buffered text); else it reads /dev/null."""
         with self._lock:
             if self._reader is None:
                 self._await_ready()
             read_fd, write_fd = os.pipe()
-            proc = ForkedProcess(self, os.fdopen(read_fd, "r", errors="replace"))
+            child_in, our_in = os.pipe() if stdin else (-1, -1)
+            proc = ForkedProcess(
+                self,
+                os.fdopen(read_fd, "r", errors="replace"),
+                os.fdopen(our_in, "w", buffering=1) if stdin else None,
+            )
             with self._spawned:
                 self._pending.append(proc)
             try:
@@ -257,10 +277,13 @@ class Zygote:
                     what = {"run_module": module}
                 elif script:
                     what = {"script": script}
-                line = json.dumps({**what, "argv": argv, "env": env}).encode() + b"\n"
-                socket.send_fds(self._sock, [line], [write_fd])
+                request = {**what, "argv": argv, "env": env, "stdin": stdin}
+                line = json.dumps(request).encode() + b"\n"
+                socket.send_fds(self._sock, [line], [write_fd] + ([child_in] if stdin else []))
             finally:
                 os.close(write_fd)
+                if stdin:
+                    os.close(child_in)
             with self._spawned:
                 if not self._spawned.wait_for(lambda: proc.pid is not None, timeout=30.0):
                     raise RuntimeError("the zygote did not fork a replica process in 30 s")

@@ -71,9 +71,6 @@ class WorkerConfig:
     resume: bool = False
     register_timeout_s: float = 60.0  # start-up: all replicas must show up by then
     outcome_timeout_s: float = 120.0  # longest wait for the coordinator's decision on a step
-    # The exact command that continues this run from its checkpoint (said when the run stops
-    # early: the coordinator lost); empty: "the same command with --resume".
-    resume_command: str = ""
 
     def __post_init__(self) -> None:
         for name in ("register_timeout_s", "outcome_timeout_s"):
@@ -108,14 +105,51 @@ def fingerprint(
     }
 
 
-def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None = sys.stdout) -> int:
-    """Run one replica (or, with --shard S, one rank of it) to the end; return its exit status."""
+@dataclass(frozen=True, kw_only=True)
+class PreparedReplica:
+    """What a replica of one rank builds before it knows who it is: its dataset, device and
+    trainer (model and optimizer at their initial state). A standby holds one while it waits;
+    building it touches neither the run folder nor the coordinator."""
+
+    dataset: TokenDataset
+    device: str
+    trainer: object
+
+
+def prepare_replica(
+    cfg: TrainConfig, *, data: Path, spec, device_index: int = 0
+) -> PreparedReplica:
+    """Open the dataset and build the trainer of a fresh replica of one rank (a joiner: its state
+    comes by transfer, so nothing is loaded). `spec`: the job's ReplicaSpec."""
+    if spec.layout.ranks > 1:
+        raise ValueError("a replica is prepared ahead only when it has one rank")
+    dataset = TokenDataset.open(data)
+    device = pick_device(spec.device, device_index)
+    trainer, _ = build_trainer_for_run(
+        cfg, paths=RunPaths(out=Path()), dataset=dataset, resume=False, device=device
+    )
+    return PreparedReplica(dataset=dataset, device=device, trainer=trainer)
+
+
+def run_worker(
+    cfg: TrainConfig,
+    wcfg: WorkerConfig,
+    *,
+    console: TextIO | None = sys.stdout,
+    prepared: PreparedReplica | None = None,
+) -> int:
+    """Run one replica (or, with --shard S, one rank of it) to the end; return its exit status.
+    `prepared`: its dataset and trainer built ahead (a promoted standby), a fresh joiner's."""
     me, spec = wcfg.env.replica_id, wcfg.env.spec
     host, port = wcfg.env.coordinator
-    dataset = TokenDataset.open(wcfg.data)
+    if prepared is not None and (wcfg.resume or spec.layout.ranks > 1):
+        raise ValueError("a prepared replica joins afresh, with one rank, without --resume")
+    dataset = prepared.dataset if prepared is not None else TokenDataset.open(wcfg.data)
     paths = RunPaths(out=wcfg.out)
     writer = MetricsWriter(paths.metrics)
-    device = pick_device(spec.device, wcfg.env.device_index)
+    device = (
+        prepared.device if prepared is not None else pick_device(spec.device, wcfg.env.device_index)
+    )
     if spec.cross_reduce == "nccl" and not device.startswith("cuda"):
         raise RuntimeError("--cross-reduce nccl needs a GPU, and no CUDA device is visible")
     # Where the cross-replica buffers live: this rank's GPU for NCCL, else host memory.
@@ -134,9 +168,12 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             emit=writer.event,
         )
     rank = intra.rank if intra is not None else 0
-    trainer, start = build_trainer_for_run(
-        cfg, paths=paths, dataset=dataset, resume=wcfg.resume, intra=intra, device=device
-    )
+    if prepared is not None:
+        trainer, start = prepared.trainer, 0
+    else:
+        trainer, start = build_trainer_for_run(
+            cfg, paths=paths, dataset=dataset, resume=wcfg.resume, intra=intra, device=device
+        )
     injector = FaultInjector(
         [f for f in wcfg.env.faults if f.rank == rank],
         emit=writer.event,
@@ -167,7 +204,6 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             replica_id=me,
             token=wcfg.env.token,
             heartbeat_s=spec.heartbeat_s,
-            coordinator_grace_s=spec.coordinator_grace_s,
             standbys=wcfg.env.standbys,
         )
         # Fencing: from its eviction on, this incarnation writes nothing to the run folder (every
@@ -280,8 +316,6 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
             # A process woken after a freeze acts on no stale view before the coordinator
             # confirmed it is still a member (it may have been evicted meanwhile).
             if client is not None and not client.writes_allowed():
-                if client.lost is not None:  # no answer at all for the grace: not an eviction
-                    raise CoordinatorUnreachable(client.lost)
                 raise Evicted(f"replica {me} is not a confirmed member any more")
             commit = machine.run(step, compute)
             apply_commit(commit, replica=me, trainer=trainer, recorder=recorder, guard=guard)
@@ -345,22 +379,15 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
         log.error(f"replica {me}: {e}")
         return exits.DIVERGED
     except CoordinatorUnreachable as e:
-        # No coordinator answered for the grace (gone or frozen, and no standby took over):
-        # nobody can commit any more. Every replica holds its last committed state; the lowest
-        # replica of the last view saves it through the normal checkpoint path (announced once
-        # durable), so that --resume loses nothing that committed. One line, no traceback.
-        if machine is None:  # never admitted: nothing of the run is held here
-            log.error(
-                f"replica {me}: the coordinator cannot be reached ({e}); nothing was trained "
-                "here; start it again once a coordinator is up"
-            )
-            return exits.COORDINATOR_LOST
+        # Nobody can commit any more. Every replica holds its last committed state; the lowest
+        # replica of the last view saves it, so that a resume loses nothing that committed.
         saved = save_last_committed()
+        where = f"; step {recorder.last_committed + 1} is checkpointed in {paths.checkpoints}"
         log.error(
-            f"replica {me}: the coordinator is lost: {e}; stopping; "
-            f"{_what_was_saved(saved, me, link, machine, recorder, paths)}; to continue: "
-            f"{wcfg.resume_command or 'the same command with --resume'}"
-        )
+            f"replica {me}: the coordinator cannot be reached ({str(e)[:120]})"
+            + (where if saved else "")
+            + "; run the same command again with --resume to continue",
+        )  # fmt: skip
         return exits.COORDINATOR_LOST
     except NonFiniteError as e:
         # Every replica holds the same last finite state (no skipped step was applied); the
@@ -378,25 +405,6 @@ def run_worker(cfg: TrainConfig, wcfg: WorkerConfig, *, console: TextIO | None =
     finally:
         link.close()
         writer.close()
-
-
-def _what_was_saved(saved: bool, me: int, link, machine, recorder, paths: RunPaths) -> str:
-    """The coordinator-lost line's account of the last committed state (steps from 1 here)."""
-    step = recorder.last_committed + 1
-    if saved:
-        return f"step {step}, the last committed, is checkpointed in {paths.checkpoints}"
-    if not machine.has_state:
-        return "this replica held no committed state of the run yet (a joiner)"
-    view = link.step_view()
-    lowest = min(view.live) if view is not None and view.live else me
-    if lowest != me:
-        return f"replica {lowest}, the lowest live, checkpoints the last committed step"
-    if recorder.leads:  # the lowest replica could not save: it may have been evicted meanwhile
-        return (
-            f"step {step}, the last committed, was not saved (no coordinator confirmed this "
-            "replica is still a member); the newest checkpoint is the one to resume from"
-        )
-    return "rank 0 of this replica checkpoints the last committed step"
 
 
 def run_recovery_summary(metrics_path: Path) -> dict:
@@ -453,4 +461,4 @@ def apply_commit(
         )
 
 
-__all__ = ["run_worker", "WorkerConfig"]
+__all__ = ["PreparedReplica", "WorkerConfig", "prepare_replica", "run_worker"]
