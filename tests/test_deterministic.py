@@ -16,6 +16,7 @@ import pytest
 from test_multireplica import STEPS, train
 
 from conftest import assert_invariants, events, run_cli
+from recover.record import committed_steps
 
 M = 6  # test_multireplica's FLAGS: tiny preset, M = 6, 5 steps
 
@@ -43,10 +44,8 @@ def test_four_replicas_equal_one_replica_bit_for_bit(reference, tiny_dataset, tm
 
 
 CASES = {
-    # killed in the all-to-all of the ordered reduce; its ids are recomputed by the survivors
-    "kill-reduce": ["--replicas", "3", "--fault", "kill:replica=1,step=1,phase=reduce"],
-    # a second failure during the recovery (see test_multireplica's plan): 4 replicas, 3 deaths
-    # over the run, the last step on one replica
+    # a second failure during the recovery (see test_multireplica's plan), then a kill in the
+    # all-to-all of the ordered reduce: 4 replicas, 3 deaths, the last steps on one replica
     "three-of-four-die": [
         "--replicas", "4",
         "--fault", "kill:replica=2,step=2,phase=backward,microbatch=0",
@@ -77,8 +76,6 @@ def test_a_faulted_run_equals_the_failure_free_one_bit_for_bit(
 
 
 def _steps(out: Path) -> list[dict]:
-    from recover.record import committed_steps
-
     steps = committed_steps(out / "metrics.jsonl")
     return [steps[s] for s in sorted(steps)]
 
@@ -90,3 +87,24 @@ def test_bad_layouts_and_modes_are_refused_at_start(tiny_dataset, tmp_path):
     ):
         r = train(tiny_dataset, tmp_path / extra[1], "--replicas", "2", "--deterministic", *extra)
         assert r.returncode != 0 and message in r.stdout, r.stdout[-2000:]
+
+
+JOIN_STEPS = 100  # test_rejoin's margin for a respawned replica to join before the end
+
+
+@pytest.mark.timeout(240)
+def test_a_respawned_joiner_changes_no_bit(tiny_dataset, tmp_path):
+    """A killed replica is respawned and joins (live state transfer, then plans over 4 again)."""
+    steps = ["--steps", str(JOIN_STEPS), "--deterministic"]
+    reference = tmp_path / "one"
+    r = train(tiny_dataset, reference, "--replicas", "1", *steps, timeout=150)
+    assert r.returncode == 0, r.stdout
+    out = tmp_path / "respawn"
+    r = train(tiny_dataset, out, "--replicas", "4", "--respawn", "0", *steps,
+              "--fault", "kill:replica=2,step=3,phase=backward", timeout=150)  # fmt: skip
+    assert_invariants(reference, out, r, steps=JOIN_STEPS, microbatches=M, rtol=0.0)
+    transfers = events(out, "state_transfer")  # one per attempt that reached the joiner
+    assert transfers and {t["replica"] for t in transfers} == {2}
+    assert committed_steps(out / "metrics.jsonl")[JOIN_STEPS - 1]["replicas"] == 4
+    compared = run_cli(["compare", "--rtol", "0", str(reference), str(out)])
+    assert compared.returncode == 0 and "PASS" in compared.stdout, compared.stdout
