@@ -35,6 +35,8 @@ TIERS = {
     ),
     "process": (
         "test_api", "test_bench_compare", "test_collective", "test_coordinator_relay",
+        "test_coordinator_takeover",
+        "test_coordinator_lost",
         "test_deterministic",
         "test_coordinator_scale", "test_durability", "test_export", "test_fault_specs",
         "test_graceful", "test_logs", "test_multirank", "test_multireplica", "test_nonfinite",

@@ -5,15 +5,16 @@
   checkpoint, and `--resume` lands on the failure-free trajectory.
 - SIGTERM to one replica: a planned leave at a step boundary; the others go on, every step is
   recorded once with all M microbatches, and the run still succeeds.
-- SIGKILL of the coordinator: nothing can commit any more; the lowest replica checkpoints the last
-  committed step, every replica exits with one line (status 11), and `--resume` continues on the
-  trajectory.
+- SIGKILL of the coordinator, no standby: nothing can commit any more; after the grace the lowest
+  replica checkpoints the last committed step, every replica exits with one line (status 11), and
+  the `--resume` command the launcher names continues on the trajectory.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_invariants, child_env, events, finish, leftover_processes
-from recover.record import committed_steps
+from recover import exits
+from recover.record import committed_steps, read_metrics
 
 M = 4
 STEPS = 150
@@ -116,20 +118,32 @@ def test_sigterm_to_one_replica_is_a_planned_leave(reference, tiny_dataset, tmp_
 @pytest.mark.timeout(240)
 def test_a_lost_coordinator_costs_nothing_that_committed(reference, tiny_dataset, tmp_path):
     out = tmp_path / "run"
-    proc = start(tiny_dataset, out, "--replicas", "2")
+    # No standby: the replicas wait --coordinator-grace for a coordinator (short here), then stop.
+    proc = start(tiny_dataset, out, "--replicas", "2", "--coordinator-grace", "1")
     wait_for_step(out, 5)
     os.kill(coordinator_pid(out), signal.SIGKILL)
     r = finish(proc)
-    assert r.returncode == 1, r.stdout[-3000:]
-    assert r.stdout.count("the coordinator cannot be reached") == 2, r.stdout[-3000:]
+    assert r.returncode == exits.COORDINATOR_LOST, r.stdout[-3000:]
     assert "Traceback" not in r.stdout, r.stdout[-3000:]
-    saved = [e["step"] for e in events(out, "checkpoint_saved")]
-    recorded = committed_steps(out / "metrics.jsonl")
-    assert saved and max(saved) == max(recorded) + 1, (saved, sorted(recorded))
+    lost = [line for line in r.stdout.splitlines() if "the coordinator is lost" in line]
+    assert sorted(line.split("]")[0] for line in lost) == ["[replica 0", "[replica 1"], lost
+    # The lowest replica checkpointed the last committed step (announced once durable), and
+    # every committed step has exactly one record.
+    saved = [(e["step"], e["replica"]) for e in events(out, "checkpoint_saved")]
+    steps = [s["step"] for s in read_metrics(out / "metrics.jsonl") if s.get("kind") == "step"]
+    assert saved == [(len(steps), 0)] and sorted(steps) == list(range(len(steps))), saved
     assert leftover_processes(str(out)) == []
 
-    r = finish(start(tiny_dataset, out, "--replicas", "2", "--resume"))
+    # The exact command the launcher names resumes the run onto the failure-free trajectory.
+    (line,) = [x for x in r.stdout.splitlines() if "continue with: recover train" in x]
+    command = shlex.split(line.split("continue with: ")[1])
+    assert command[-1] == "--resume"
+    resume = [sys.executable, "-m", "recover.cli", *command[1:]]
+    out_pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    r = finish(subprocess.Popen(resume, env=child_env(), **out_pipe))
     assert_invariants(reference, out, r, steps=STEPS, microbatches=M)
+    steps = [s["step"] for s in read_metrics(out / "metrics.jsonl") if s.get("kind") == "step"]
+    assert sorted(steps) == list(range(STEPS)), "a committed step lost or recorded twice"
 
 
 @pytest.mark.timeout(60)
@@ -153,5 +167,5 @@ def test_a_worker_that_never_joined_saves_nothing(tiny_dataset, tmp_path):
     assert "the coordinator cannot be reached" in r.stderr and "Traceback" not in r.stderr
     assert "checkpointed" not in r.stderr
     assert (
-        not list((out / "checkpoints").glob("*.ckpt")) if (out / "checkpoints").exists() else True
+        not list((out / "checkpoints").glob("step_*")) if (out / "checkpoints").exists() else True
     )

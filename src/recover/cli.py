@@ -115,6 +115,22 @@ def add_supervision_flags(parser: argparse.ArgumentParser) -> None:
         help="microbatch shares by each replica's measured throughput, or equal (default: "
         "throughput)",
     )
+    group.add_argument(
+        "--coordinators",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N coordinators, one leading and the others standing by to take over when it dies "
+        "or stalls; their state is kept in etcd (--state, or a private etcd started on "
+        "127.0.0.1 and stopped with the run; needs Debian's etcd-server) (default: 1)",
+    )
+    group.add_argument(
+        "--state",
+        default=None,
+        metavar="etcd://HOST:PORT[,...]",
+        help="the etcd that keeps the coordinators' state (default: in memory with one "
+        "coordinator, a private etcd with --coordinators > 1)",
+    )
 
 
 def supervision(args: argparse.Namespace) -> dict:
@@ -125,6 +141,8 @@ def supervision(args: argparse.Namespace) -> dict:
         respawn_s=args.respawn,
         max_restarts=args.max_restarts,
         balance=args.balance,
+        coordinators=args.coordinators,
+        state=args.state,
     )
 
 
@@ -225,8 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_config_flags(worker)
     worker.add_argument(
         "--coordinator",
-        metavar="HOST:PORT",
-        help="the coordinator's address (default: $RECOVER_COORDINATOR; required unless "
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the coordinator's address, or every coordinator's (a leader and its standbys) "
+        "(default: $RECOVER_COORDINATOR; required unless "
         "--launched)",
     )
     worker.add_argument(
@@ -642,8 +661,11 @@ def run_worker_cli(args: argparse.Namespace) -> int:
             if args.replica_id < 0:
                 raise ValueError(f"--replica-id must be >= 0, got {args.replica_id}")
             cfg = train_config_from_args(args)
+            # HOST:PORT, or with standby coordinators HOST:PORT,HOST:PORT,...
+            first, *standbys = [parse_address(a, "--coordinator") for a in coordinator.split(",")]
             env = ReplicaEnv(
-                coordinator=parse_address(coordinator, "--coordinator"),
+                coordinator=first,
+                standbys=tuple(standbys),
                 replica_id=args.replica_id,
                 token=os.environ.get(TOKEN_ENV) or None,
                 faults=parse_faults(args.fault),
@@ -657,6 +679,7 @@ def run_worker_cli(args: argparse.Namespace) -> int:
             out=args.out,
             resume=args.resume,
             register_timeout_s=args.register_timeout,
+            resume_command=_worker_resume_command(args),
         )
         check_faults_fit(env.faults, steps=cfg.steps, microbatches=cfg.microbatches)
         check_layout_fits(cfg.preset, env.spec.layout.tp, env.spec.layout.pp)
@@ -718,6 +741,19 @@ def _stand_by(args: argparse.Namespace):
         return None
     os.environ.update({str(k): str(v) for k, v in json.loads(line).items()})
     return prepared
+
+
+def _worker_resume_command(args: argparse.Namespace) -> str:
+    """What continues a worker's job after it stopped early: under a local launcher, the run's
+    own resume command; started by hand, this very command with --resume."""
+    import shlex
+
+    if args.launched:
+        from recover.launch import train_resume_command
+
+        return train_resume_command(args.out)
+    words = ["recover", *getattr(args, "argv", ["worker", "..."])]
+    return shlex.join(words if "--resume" in words else [*words, "--resume"])
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -822,6 +858,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (what resumes it, said on a stop)
     command, words = _command_parser(parser, args)
     if words not in JOB_COMMANDS:
         return args

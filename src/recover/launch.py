@@ -13,7 +13,9 @@ Supervision rules:
   microbatches; a replica that died on the way (injected fault or not) is listed, not a failure;
 - a replica whose fault is `hang` is left stopped unless `wake_after=S`: the launcher sends
   SIGCONT S seconds after it sees the process stopped (the process is then fenced and exits);
-- the coordinator's death ends the run (it is the one process that must not die here).
+- the coordinator's death ends the run, without stopping anyone: the replicas wait for it for
+  their grace (--coordinator-grace), then the lowest saves the last committed step and each
+  exits (status 11); the launcher lets them, then names the command that resumes the run.
 
 It must not touch the trajectory: it only starts, watches and stops processes.
 
@@ -27,18 +29,22 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
 from recover import exits
+from recover.coordinator.etcd import parse_state_url
+from recover.coordinator.etcd_local import LocalEtcd, find_etcd, start_local_etcd
 from recover.logs import replica_name
 from recover.record import MetricsWriter, committed_steps, read_metrics
 from recover.runtime.env import (
@@ -89,6 +95,12 @@ class LaunchConfig:
     # each holds a whole replica's memory (on GPUs, a device's worth) for a fault that may not
     # come; with one, a respawn skips its start-up.
     standby: int = 0
+    # High availability of the control plane (docs/coordinator.md, "A standby that takes over"):
+    # this many coordinators, one leading by etcd election, the others standing by. `state`:
+    # the etcd that holds their state (etcd://HOST:PORT[,...][/PREFIX]); None with
+    # coordinators > 1: a private etcd the launcher starts on 127.0.0.1 and stops.
+    coordinators: int = 1
+    state: str | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -112,6 +124,18 @@ class LaunchConfig:
                 "--standby needs --mode recover and replicas of one rank (a standby builds its "
                 f"model before it knows its slot); got --mode {self.mode} with {self.ranks} "
                 "ranks per replica"
+            )
+        if isinstance(self.coordinators, bool) or not (
+            isinstance(self.coordinators, int) and self.coordinators >= 1
+        ):
+            raise ValueError(f"--coordinators must be an int >= 1, got {self.coordinators!r}")
+        if self.state is not None:
+            parse_state_url(self.state)  # a ValueError names the flag
+        elif self.coordinators > 1 and find_etcd() is None:
+            raise ValueError(
+                f"--coordinators {self.coordinators} keeps the coordinators' state in etcd, and "
+                "no etcd binary is installed: apt-get install etcd-server, or give --state "
+                "etcd://HOST:PORT"
             )
         if self.balance not in ("equal", "throughput"):
             raise ValueError(f"--balance must be equal or throughput, got {self.balance!r}")
@@ -280,6 +304,8 @@ class LocalLauncher:
         self._standbys_started = 0
         self._standbys_lost = 0  # standbys that died while waiting
         self._standby_since: dict[str, float] = {}  # name -> when it was started (monotonic)
+        self.standby_coordinators: tuple[tuple[str, int], ...] = ()  # --coordinators N
+        self._etcd: LocalEtcd | None = None  # the private etcd of --coordinators N
 
     # What a warm start pre-imports: everything a replica process of `recover train` loads.
     WARM_MODULES = (
@@ -364,13 +390,50 @@ class LocalLauncher:
 
         The replicas are started right after, without waiting for it: they retry registering
         until it listens, so torch's import in every process overlaps (start-up is CPU-bound).
+        With --coordinators N, N of them share the state in etcd (`_ha_state`): the first
+        elected leads, the others stand by (`self.standby_coordinators`: their addresses).
         """
         address_file = self.paths.out / COORDINATOR_FILE
         address_file.unlink(missing_ok=True)
-        port = self._ports.pop()  # free a moment ago; the coordinator binds it a moment later
+        lc = self.lcfg
+        ha = self._ha_state() if lc.coordinators > 1 or lc.state is not None else None
+        addresses = []
+        for i in range(lc.coordinators):
+            port = self._ports.pop()  # free a moment ago; the coordinator binds it a moment later
+            name = "coordinator" if i == 0 else f"coordinator.{i}"
+            self._spawn_coordinator(name, port, address_file, ha)
+            addresses.append(("127.0.0.1", port))
+        self.standby_coordinators = tuple(addresses[1:])
+        return addresses[0]
+
+    def _ha_state(self) -> list[str]:
+        """The coordinators' --state flags for this job: under --state's prefix, or in a private
+        etcd started now (127.0.0.1, a temporary data directory; `_stop_etcd` ends it), each job
+        (a checkpoint-restart starts another) under a prefix of its own, so none loads the state
+        of an earlier job."""
+        lc = self.lcfg
+        if lc.state is not None:
+            url = parse_state_url(lc.state)
+        else:
+            if self._etcd is None:
+                self._etcd = start_local_etcd(tempfile.mkdtemp(prefix="recover-etcd-"))
+                self.say(f"etcd for the coordinators' state at 127.0.0.1:{self._etcd.client_port}")
+            url = parse_state_url(self._etcd.url)
+        prefix = f"{url.prefix}/{self.paths.out.name}-{secrets.token_hex(4)}"
+        return ["--state", str(replace(url, prefix=prefix)), "--leader-ttl", "1"]
+
+    def _stop_etcd(self) -> None:
+        if self._etcd is not None:
+            self._etcd.stop()
+            shutil.rmtree(self._etcd.data_dir, ignore_errors=True)
+            self._etcd = None
+
+    def _spawn_coordinator(
+        self, name: str, port: int, address_file: Path, ha: list[str] | None
+    ) -> None:
         lc = self.lcfg
         self._spawn(
-            "coordinator",
+            name,
             [
                 *_RECOVER, "coordinator", "serve", "--host", "127.0.0.1", "--port", str(port),
                 "--store-port", "0", "--replicas", str(lc.replicas),
@@ -382,11 +445,10 @@ class LocalLauncher:
                 "--start-deadline", str(lc.start_timeout_s), "--balance", lc.balance,
                 "--mode", "shrink" if lc.mode == "shrink" else "recover",
                 "--events", str(self.paths.metrics), "--address-file", str(address_file),
-                "--log-level", lc.replica.log_level,
+                "--log-level", lc.replica.log_level, *(ha or ()),
             ],
-            "[coordinator] ",
+            f"[{name}] ",
         )  # fmt: skip
-        return "127.0.0.1", port
 
     @property
     def microbatches(self) -> int:
@@ -410,7 +472,7 @@ class LocalLauncher:
         replica spec and its faults not fired yet (ReplicaEnv), and the run's TrainConfig."""
         env = ReplicaEnv(
             coordinator=(host, port), replica_id=r, faults=tuple(self._pending_faults(r)),
-            spec=self.lcfg.replica,
+            spec=self.lcfg.replica, standbys=self.standby_coordinators,
         ).to_environ()  # fmt: skip
         return {**env, TRAIN_CONFIG_ENV: self.cfg.to_json()}
 
@@ -615,6 +677,7 @@ class LocalLauncher:
         finally:
             signal.signal(signal.SIGTERM, previous)
             self._reap_all()
+            self._stop_etcd()
             if self._zygote is not None:
                 self._zygote.close()
             for pump in self._pumps:  # every pipe is closed now: the pumps end at once
@@ -641,7 +704,9 @@ class LocalLauncher:
     def _run_job(self) -> int:
         # Every port the job's processes will bind, drawn at once, so that no two of them are
         # handed the same one (a port probed and released can be handed out again at once).
-        self._ports = free_ports(1 + (self.lcfg.replicas if self.lcfg.ranks > 1 else 0))
+        self._ports = free_ports(
+            self.lcfg.coordinators + (self.lcfg.replicas if self.lcfg.ranks > 1 else 0)
+        )
         host, port = self._start_coordinator()
         self.coordinator_address = (host, port)
         self.say(f"coordinator at {host}:{port}; starting {self.lcfg.replicas} replicas")
@@ -667,15 +732,10 @@ class LocalLauncher:
         finishing = False  # a replica finished: the run is ending, nobody is respawned
         while any(alive.values()) or respawn_at:
             coordinator = self.children["coordinator"]
-            if coordinator.poll() is not None:
-                self.say(
-                    f"the coordinator died (exit {coordinator.returncode}): nothing can commit "
-                    "any more; the replicas save the committed state and stop",
-                    logging.ERROR,
-                )
-                self._stop_replicas()
-                self.say(f"stopped: {self._resume_hint()}")
-                return 1
+            if all(  # with standbys (--coordinators N), the run goes on while one is left
+                p.poll() is not None for n, p in self.children.items() if n.startswith("coord")
+            ):
+                return self._coordinator_lost(coordinator.returncode)
             now = time.monotonic()
             for r, k in sorted((r, k) for r, ranks in alive.items() for k in ranks):
                 who = f"replica {r}" + (f" rank {k}" if lc.ranks > 1 else "")
@@ -807,12 +867,33 @@ class LocalLauncher:
         """Ask every replica process to stop (SIGTERM: at its next step boundary the writer saves
         the committed state and it leaves; without a coordinator it saves and exits at once);
         wait for them up to the grace period. What is left is reaped by _reap_all."""
-        replicas = [p for n, p in self.children.items() if n != "coordinator" and p.poll() is None]
+        replicas = [
+            p for n, p in self.children.items() if not n.startswith("coord") and p.poll() is None
+        ]
         for p in replicas:
             _end_politely(p)
         deadline = time.monotonic() + self.lcfg.stop_grace_s
         while time.monotonic() < deadline and any(p.poll() is None for p in replicas):
             time.sleep(0.05)
+
+    def _coordinator_lost(self, status: int) -> int:
+        """The coordinator died: nothing commits any more. The replicas are not stopped: each
+        waits for a coordinator for its grace (a standby may take over), then the lowest saves
+        the last committed step and every one exits with exits.COORDINATOR_LOST. They get the
+        grace and the stop grace (for the save); whoever is left after it is reaped."""
+        grace = self.lcfg.replica.coordinator_grace_s
+        self.say(
+            f"the coordinator died (exit {status}): nothing commits; the replicas wait {grace:g} "
+            "s for it (--coordinator-grace), then save the last committed step and stop",
+            logging.ERROR,
+        )
+        replicas = [p for n, p in self.children.items() if n.startswith("replica ")]
+        deadline = time.monotonic() + grace + self.lcfg.stop_grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in replicas):
+            time.sleep(0.05)
+        self.writer.event("launcher.coordinator_lost", exit_status=status)
+        self.say(f"stopped, the coordinator lost: {self._resume_hint()}", logging.ERROR)
+        return exits.COORDINATOR_LOST
 
     def _resume_hint(self) -> str:
         saved = [
@@ -823,8 +904,8 @@ class LocalLauncher:
         if not saved:
             return "no checkpoint was saved; the run starts again from step 0"
         return (
-            f"step {max(saved)} is checkpointed in {self.paths.checkpoints}; continue with the "
-            f"same command plus --out {self.paths.out} --resume"
+            f"step {max(saved)} is checkpointed in {self.paths.checkpoints}; continue with: "
+            f"{train_resume_command(self.paths.out)}"
         )
 
     def _reap_all(self) -> None:
@@ -839,6 +920,14 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def train_resume_command(out: Path) -> str:
+    """The command that continues `recover train`'s run in `out` from its newest checkpoint:
+    the job as its config.json describes it (recover.jobconfig), with --resume."""
+    return shlex.join(
+        ["recover", "train", "--config", str(out / "config.json"), "--out", str(out), "--resume"]
+    )
 
 
 class ScriptLauncher(LocalLauncher):
@@ -901,6 +990,7 @@ class ScriptLauncher(LocalLauncher):
     def _replica_env(self, r: int, host: str, port: int) -> dict[str, str]:
         spec = ReplicaEnv(
             coordinator=(host, port),
+            standbys=self.standby_coordinators,
             replica_id=r,
             faults=tuple(self._pending_faults(r)),
             events=self.paths.metrics,

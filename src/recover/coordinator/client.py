@@ -16,7 +16,8 @@ A pending replica whose lease expired before admission (code "expired") register
 Invariants:
 - every call has a deadline; no call blocks longer than its `deadline_s` (+ `rpc_timeout_s` for
   the last reply) and failures raise named exceptions: `Evicted` (fenced: restart the process to
-  rejoin as a new member), `CoordinatorUnreachable`, `DeadlineExceeded`, `QuorumLost` (resume from
+  rejoin as a new member), `CoordinatorUnreachable` (none answered for `coordinator_grace_s`:
+  until then a call reconnects and asks again), `DeadlineExceeded`, `QuorumLost` (resume from
   the last checkpoint), `RequestRefused` (e.g. code "stale").
 - when the heartbeat thread learns that this incarnation was evicted, the next call of the
   training thread raises `Evicted`.
@@ -86,7 +87,8 @@ class Evicted(CoordinatorError):
 
 
 class CoordinatorUnreachable(CoordinatorError):
-    """No reply from the coordinator within rpc_timeout_s (after one reconnect)."""
+    """No coordinator answered for longer than the client's grace (`coordinator_grace_s`),
+    reconnecting all along: it is gone, or frozen, and no standby took over."""
 
 
 class DeadlineExceeded(CoordinatorError):
@@ -221,12 +223,17 @@ class CoordinatorClient:
         token: str | None = None,
         heartbeat_s: float = 0.1,
         rpc_timeout_s: float = 5.0,
+        coordinator_grace_s: float = 10.0,
         incarnation: str | None = None,
         standbys: list[tuple[str, int]] | tuple = (),
     ) -> None:
         if isinstance(replica_id, bool) or not isinstance(replica_id, int) or replica_id < 0:
             raise ValueError(f"replica_id must be an int >= 0, got {replica_id!r}")
-        for name, v in (("heartbeat_s", heartbeat_s), ("rpc_timeout_s", rpc_timeout_s)):
+        for name, v in (
+            ("heartbeat_s", heartbeat_s),
+            ("rpc_timeout_s", rpc_timeout_s),
+            ("coordinator_grace_s", coordinator_grace_s),
+        ):
             if not (isinstance(v, int | float) and v > 0):
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
         self.replica_id = replica_id
@@ -236,6 +243,10 @@ class CoordinatorClient:
         self._token = token
         self._heartbeat_s = heartbeat_s
         self._rpc_timeout_s = rpc_timeout_s
+        # The coordinator is lost once none answered for this long (see CoordinatorUnreachable);
+        # until then calls reconnect and ask again, and nothing commits.
+        self._grace_s = coordinator_grace_s
+        self._answered_at = time.monotonic()  # the last reply of a coordinator, any connection
         # Where the leader may be: this address, then the standbys' (see the module docstring).
         self._leader = _Leader([(host, port), *[(str(h), int(p)) for h, p in standbys]])
         self._standbys = len(self._leader.addresses) > 1
@@ -273,16 +284,23 @@ class CoordinatorClient:
     def evicted(self) -> bool:
         return self._evicted is not None
 
+    @property
+    def lost(self) -> str | None:
+        """Why the coordinator counts as lost (none answered for the grace), or None."""
+        if self._unreachable is None and not self._coordinator_lost():
+            return None
+        return self._unreachable or self._lost_reason(RuntimeError("no answer"))
+
     def writes_allowed(self, *, wait_s: float | None = None) -> bool:
         """Whether this incarnation may write to the run folder now (the fence; see the module
         docstring). Without a fresh confirmation it waits for the next heartbeat round, at most
-        `wait_s` (default: one rpc timeout and one heartbeat); False when evicted, or when no
+        `wait_s` (default: the coordinator's grace, or one rpc timeout if longer, and one
+        heartbeat: a frozen coordinator may answer yet); False when evicted, or when no
         confirmation came in time. Before registration and after leave(), nothing is fenced."""
         if self._heartbeats is None:
             return self._evicted is None
-        end = time.monotonic() + (
-            self._rpc_timeout_s + self._heartbeat_s if wait_s is None else wait_s
-        )
+        patience = max(self._rpc_timeout_s, self._grace_s) + self._heartbeat_s
+        end = time.monotonic() + (patience if wait_s is None else wait_s)
         with self._beat:
             while True:
                 if self._evicted is not None:
@@ -466,7 +484,7 @@ class CoordinatorClient:
             try:
                 reply = self._rpc.call(req, wait_s)
             except CoordinatorUnreachable:
-                reply = self._rpc.call(req, wait_s)  # one reconnect; requests are idempotent
+                reply = self._call_within_grace(req, wait_s)
         finally:
             self._rpc.lock.release()
         self._absorb(reply)
@@ -484,6 +502,7 @@ class CoordinatorClient:
         self._raise_refusal(reply)
 
     def _absorb(self, reply: dict[str, Any]) -> None:
+        self._answered_at = time.monotonic()  # every reply passes here
         raw = reply.get("view")
         if raw is None:
             return
@@ -518,8 +537,31 @@ class CoordinatorClient:
             raise QuorumLost(f"quorum lost: {view.reason}")
         return view
 
+    def _call_within_grace(self, req: dict[str, Any], wait_s: float) -> dict[str, Any]:
+        """The rpc call again (requests are idempotent), reconnecting every heartbeat interval,
+        until a coordinator answers or none did for the grace: then CoordinatorUnreachable."""
+        while True:
+            try:
+                return self._rpc.call(req, wait_s)
+            except CoordinatorUnreachable as e:
+                if self._evicted is not None:
+                    raise
+                if self._coordinator_lost():
+                    raise CoordinatorUnreachable(self._lost_reason(e)) from None
+                time.sleep(self._heartbeat_s)
+
+    def _coordinator_lost(self) -> bool:
+        """No coordinator answered for longer than the grace."""
+        return time.monotonic() - self._answered_at > self._grace_s
+
+    def _lost_reason(self, error: BaseException) -> str:
+        return (
+            f"no coordinator answered for {time.monotonic() - self._answered_at:.1f} s, longer "
+            f"than the grace of {self._grace_s:g} s (--coordinator-grace); last error: "
+            f"{str(error)[:160]}"
+        )
+
     def _heartbeat_loop(self) -> None:
-        failing_since: float | None = None
         next_at = time.monotonic() + self._heartbeat_s
         while True:
             if self._stop.wait(max(0.0, next_at - time.monotonic())):
@@ -547,12 +589,10 @@ class CoordinatorClient:
                 if fresh:  # a new session must start with a (same-incarnation) register
                     reply = self._register_session()
                 self._absorb(reply)
-                failing_since, self._unreachable = None, None
+                self._unreachable = None
             except CoordinatorUnreachable as e:
-                now = time.monotonic()
-                failing_since = failing_since or now
-                if now - failing_since > self._rpc_timeout_s:
-                    self._unreachable = str(e)
+                if self._coordinator_lost():
+                    self._unreachable = self._lost_reason(e)
                 self._heard_back(sent, answered=False)
                 continue
             if reply.get("code") not in ("evicted", "unknown"):

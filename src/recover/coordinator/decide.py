@@ -71,6 +71,8 @@ from recover.coordinator.protocol import (
     ReportDone,
     ReportFailed,
     ReportsDone,
+    Resumed,
+    Revalidated,
     SuspectHardware,
     Takeover,
     Tick,
@@ -406,6 +408,29 @@ def _on_takeover(s: CoordinatorState, now: float, m: Takeover, out: list) -> str
     return why
 
 
+def _on_resumed(s: CoordinatorState, now: float, m: Resumed, out: list) -> str:
+    """The coordinator itself was not running for `paused_s`: a silence nobody else caused. Each
+    live or pending member's lease and each open accusation's grace restart from now, so the
+    leases judged next judge only what happens after the pause (a member that died meanwhile
+    misses its fresh lease and dies then). Nothing else changes: no epoch, no death."""
+    members = s.own("members")
+    renewed = []
+    for r, member in sorted(members.items()):
+        if member.state in (PENDING, LIVE):
+            members[r] = replace(member, last_seen=max(now, member.last_seen))
+            renewed.append(r)
+    if s.accusations:
+        accusations = s.own("accusations")
+        for q, acc in list(accusations.items()):
+            accusations[q] = replace(acc, at=max(now, acc.at))
+    why = (
+        f"the coordinator did not run for {m.paused_s:.1f} s (stopped or stalled): the leases "
+        f"of replicas {renewed} restart now; nobody is judged for that gap"
+    )
+    out.append(Revalidated(reason=why, paused_s=round(m.paused_s, 3), members=tuple(renewed)))
+    return why
+
+
 _HANDLERS = {
     Register: _on_register,
     Heartbeat: _on_heartbeat,
@@ -417,6 +442,7 @@ _HANDLERS = {
     ReportFailed: _on_failed,
     Leave: _on_leave,
     Tick: _on_tick,
+    Resumed: _on_resumed,
     Takeover: _on_takeover,
 }
 

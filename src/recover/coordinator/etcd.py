@@ -8,9 +8,10 @@ key, written only by the leader of the current term.
 Why the gateway and the standard library (docs/coordinator.md, "The control plane in etcd"): the
 coordinator makes a handful of requests per step (one state write per durable change, a lease
 keep-alive every third of the lease), so HTTP/1.1 on a kept-alive connection costs well under a
-millisecond of CPU per request; the gateway ships inside every etcd server; and the Python etcd
-v3 clients on PyPI are either unmaintained or pull gRPC and protobuf builds that must match the
-server. Watches would need a streaming response: the standby polls the leader key instead (a
+millisecond of CPU per request; the gateway ships inside every etcd server; and the maintained
+asyncio client (aetcd) speaks gRPC, which would bring grpcio and protobuf into the coordinator
+and its calls onto the event loop that serves the replicas (these blocking calls run on the
+saver and election threads). Watches would need a streaming response: the standby polls the leader key instead (a
 range every `poll_s`, ~10 requests/s; see election.py).
 
 Invariants:

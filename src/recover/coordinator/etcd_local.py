@@ -42,6 +42,7 @@ def _free_port() -> int:
 class LocalEtcd:
     proc: subprocess.Popen
     client_port: int
+    peer_port: int
     data_dir: Path
     log_path: Path
 
@@ -66,11 +67,11 @@ class LocalEtcd:
 
 def start_local_etcd(
     data_dir: str | os.PathLike, *, binary: str | None = None, timeout_s: float = 15.0,
-    client_port: int = 0,
+    client_port: int = 0, peer_port: int = 0,
 ) -> LocalEtcd:  # fmt: skip
     """Start etcd with its data in `data_dir`; returns once it answers requests.
 
-    `client_port` 0 picks a free one (restart an etcd on the same port by passing it again).
+    Ports 0 pick free ones (restart an etcd as it was by passing its ports and data dir again).
     Raises FileNotFoundError without an etcd binary, RuntimeError if it does not come up."""
     binary = binary or find_etcd()
     if binary is None:
@@ -79,7 +80,7 @@ def start_local_etcd(
         )
     data = Path(data_dir)
     data.mkdir(parents=True, exist_ok=True)
-    port, peer = client_port or _free_port(), _free_port()
+    port, peer = client_port or _free_port(), peer_port or _free_port()
     log_path = data / "etcd.log"
     cmd = [
         binary,
@@ -95,7 +96,7 @@ def start_local_etcd(
     ]  # fmt: skip
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    etcd = LocalEtcd(proc=proc, client_port=port, data_dir=data, log_path=log_path)
+    etcd = LocalEtcd(proc=proc, client_port=port, peer_port=peer, data_dir=data, log_path=log_path)
     client = EtcdClient(etcd.endpoints, timeout_s=1.0)
     end = time.monotonic() + timeout_s
     try:

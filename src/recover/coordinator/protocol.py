@@ -59,6 +59,7 @@ __all__ = [
     "LeaseExpired",
     "ReportsDone",
     "Tick",
+    "Resumed",
     "Takeover",
     "Message",
     "View",
@@ -188,6 +189,17 @@ class Heartbeats:
 
 
 @dataclass(frozen=True)
+class Resumed:
+    """The coordinator's own loop did not run for `paused_s` (its process was stopped, its host
+    stalled or swapped): nobody could have been heard meanwhile. Every live or pending member
+    and every open accusation gets a fresh window from now before any lease is judged.
+
+    Not a wire message: the server applies it when it notices the gap."""
+
+    paused_s: float
+
+
+@dataclass(frozen=True)
 class Tick:
     """The clock moved: expire leases and unanswered accusations, check the start deadline.
 
@@ -220,6 +232,7 @@ Message = (
     | ReportFailed
     | Leave
     | Tick
+    | Resumed
     | Takeover
 )
 
@@ -589,6 +602,15 @@ class Diverged(_Decision):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Revalidated(_Decision):
+    """The coordinator noticed its own pause (`Resumed`) and gave every member a fresh lease."""
+
+    name: ClassVar[str] = "revalidated"
+    paused_s: float
+    members: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Finished(_Decision):
     name: ClassVar[str] = "finished"
 
@@ -605,6 +627,7 @@ Decision = (
     | Admitted
     | Diverged
     | Finished
+    | Revalidated
 )
 
 # ---------------------------------------------------------------- framing

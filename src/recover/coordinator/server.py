@@ -81,6 +81,7 @@ from recover.coordinator.protocol import (
     ProtocolError,
     Refused,
     Register,
+    Resumed,
     Takeover,
     Tick,
     check_field,
@@ -210,6 +211,10 @@ class CoordinatorServer(LoopService):
         self._relays: dict[str, _Relay] = {}
         self._relay_leases = LeaseQueue(options.lease_s)
         self._relay_held = Waiters()
+        # Our own pauses (`_notice_pause`): when the loop last looked at the clock, and until
+        # when a session that ends is no death (its replica gave up on us while we were paused).
+        self._looked_at: float | None = None  # (set at the first tick)
+        self._revalidated_until = 0.0
         # High availability (docs/coordinator.md, "The control plane in etcd"). `term`: this
         # leader's term; a loaded state is then taken over (`Takeover`). `authority()`: whether
         # it still leads (election.py); once False it decides nothing and serves nothing more.
@@ -224,6 +229,8 @@ class CoordinatorServer(LoopService):
         self._deposed: str | None = None
         self.last_tick = time.monotonic()  # the loop's liveness (election.py stops renewing)
         self._pending_records: list[Decision] = []
+        self._unsaved_events: list[tuple[int, bytes]] = []  # (revision, line), durable stores
+        self._last_saved = -1  # the saver thread's last saved revision
 
     # ------------------------------------------------------------ lifecycle
 
@@ -277,6 +284,8 @@ class CoordinatorServer(LoopService):
         self._save_stop.set()
         if self._saver is not None:
             self._saver.join(timeout_s)
+        if self._durable and self._deposed is None:  # the final save's events (the loop has
+            self._flush_events(self._last_saved)  # ended: it would have written them)
         if self._events_fd is not None:
             os.close(self._events_fd)
             self._events_fd = None
@@ -337,6 +346,7 @@ class CoordinatorServer(LoopService):
                 self._depose("its lease ran out (it was stalled or lost etcd)")
                 return
             try:
+                self._notice_pause(time.monotonic())  # before any lease is judged
                 self._flush_beats()
                 now = time.monotonic()
                 due = self._leases.due(now)
@@ -402,6 +412,20 @@ class CoordinatorServer(LoopService):
             alive[r] = m.last_seen if m is not None and m.state in (PENDING, LIVE) else None
         self._leases.settle(due, alive)
 
+    def _notice_pause(self, now: float) -> None:
+        """A gap of more than half a lease since the loop last looked at the clock means the
+        coordinator itself was not running (SIGSTOP, a stalled or swapping host): nobody could be
+        heard meanwhile. The leases then restart (`Resumed`, recorded as `revalidated`) before
+        any is judged, relays' too, and for one lease a session that ends is no death: its
+        replica gave up on a reply and registers again, and its fresh lease judges it."""
+        gap, self._looked_at = now - (self._looked_at or now), now
+        if gap <= self._options.lease_s / 2:
+            return
+        self._apply(Resumed(paused_s=gap), now)
+        for relay_id in self._relays:
+            self._relay_leases.touch(relay_id, now)
+        self._revalidated_until = now + self._options.lease_s
+
     def _save_loop(self) -> None:
         """Save the newest revision at most every save_interval_s, and once more at stop."""
         saved = None
@@ -416,7 +440,7 @@ class CoordinatorServer(LoopService):
             if state is not None and state.revision != saved and self._deposed is None:
                 try:
                     self._state_store.save(state)
-                    saved = state.revision
+                    saved = self._last_saved = state.revision
                     if self._durable:
                         self._call_in_loop(self._on_saved, saved)
                 except Fenced as e:
@@ -437,6 +461,7 @@ class CoordinatorServer(LoopService):
 
     def _on_saved(self, revision: int) -> None:
         self._saved_revision = max(self._saved_revision, revision)
+        self._flush_events(self._saved_revision)
         keep = []
         for rev, fut in self._save_waiters:
             if rev <= self._saved_revision:
@@ -460,6 +485,10 @@ class CoordinatorServer(LoopService):
         """Stop leading: decide nothing, reveal nothing, close every connection (loop thread)."""
         if self._deposed is not None:
             return
+        # The events of decisions already saved belong in the record (a successor builds on
+        # them); the others were never durable and are never written.
+        self._flush_events(self._last_saved)
+        self._unsaved_events = []
         self._deposed = why
         log.error("coordinator of term %s stands down: %s", self._term, why)
         for _, fut in self._save_waiters:
@@ -498,7 +527,23 @@ class CoordinatorServer(LoopService):
                 "reason": d.reason,
                 **fields,
             }
-            os.write(self._events_fd, (json.dumps(line) + "\n").encode())  # one whole line
+            if self._term is not None:  # which leader decided it (a takeover starts a new term)
+                line["term"] = self._term
+            data = (json.dumps(line) + "\n").encode()
+            if self._durable:  # written once durable; never, if this leader is deposed first
+                self._unsaved_events.append((self._state.revision, data))
+            else:
+                os.write(self._events_fd, data)  # one whole line
+
+    def _flush_events(self, revision: int) -> None:
+        """Write the events of decisions whose state (up to `revision`) is saved."""
+        keep = []
+        for rev, data in self._unsaved_events:
+            if rev <= revision and self._events_fd is not None:
+                os.write(self._events_fd, data)
+            elif rev > revision:
+                keep.append((rev, data))
+        self._unsaved_events = keep
 
     # ------------------------------------------------------------ connections
 
@@ -561,6 +606,11 @@ class CoordinatorServer(LoopService):
         if self._sessions.get((r, inc)) != conn.id:
             return  # the replica re-registered on a newer connection
         del self._sessions[(r, inc)]
+        now = time.monotonic()
+        self._notice_pause(now)
+        if now < self._revalidated_until:
+            log.info("replica %s: its session ended while we were paused; its lease judges it", r)
+            return
         if not check_member(self._state, r, inc)[0]:
             self._apply(ProcessExit(replica_id=r, incarnation=inc))
 

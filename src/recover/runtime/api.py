@@ -88,7 +88,10 @@ class NonFinite(RuntimeError):
 
 
 class CoordinatorLost(RuntimeError):
-    """No coordinator can be reached; the model holds the last committed state (save it)."""
+    """No coordinator answered for the grace (--coordinator-grace; nothing committed meanwhile):
+    the model holds the last committed state. Catch it to save on `is_writer` (the first rank
+    of the lowest replica of the last view); uncaught, the process ends with its one line and
+    exits.COORDINATOR_LOST, no traceback."""
 
 
 class QuorumLost(_QuorumLost):
@@ -137,6 +140,7 @@ class Replica:
             from recover.runtime.env import die_with_launcher
 
             die_with_launcher()  # started by the local launcher: die with it, never orphaned
+            _end_quietly_on(CoordinatorLost, exits.COORDINATOR_LOST)
             ranks = self.env.ranks
             name = replica_name(
                 self.env.replica_id, *((ranks.rank, ranks.world_size) if ranks else ())
@@ -264,6 +268,7 @@ class Replica:
                 replica_id=self.replica_id,
                 token=env.token,
                 heartbeat_s=env.spec.heartbeat_s,
+                coordinator_grace_s=env.spec.coordinator_grace_s,
                 standbys=env.standbys,
             )
             if self._writer is not None:  # fenced: nothing from an evicted incarnation
@@ -480,9 +485,9 @@ class Replica:
             held = self._machine is not None and self._machine.has_state
             self.is_writer = held and self.rank == 0 and (not live or self.replica_id == min(live))
             raise CoordinatorLost(
-                f"replica {self.replica_id}: the coordinator cannot be reached ({str(e)[:120]}); "
-                f"the model holds the state after step {self._committed} (is_writer: save it), "
-                f"then resume with start_step={self._committed + 1}"
+                f"replica {self.replica_id}: the coordinator is lost ({str(e)[:200]}); the model "
+                f"holds the state after step {self._committed}, the last committed (is_writer: "
+                f"save it), then resume with start_step={self._committed + 1}"
             ) from None
         except _QuorumLost as e:
             raise QuorumLost(
@@ -536,6 +541,24 @@ def _stop_on_lost_mate(intra) -> None:
         if isinstance(error, Exception):
             intra.on_error(error)  # exits (status 7) when a mate is lost; returns otherwise
         previous(kind, error, tb)
+
+    sys.excepthook = hook
+
+
+def _end_quietly_on(kind: type[BaseException], status: int) -> None:
+    """An uncaught `kind` ends the script with its message as one line and `status`, instead
+    of a traceback (the script may catch it to save first; see CoordinatorLost)."""
+    previous = sys.excepthook
+
+    def hook(error_kind, error, tb) -> None:
+        if not isinstance(error, kind):
+            previous(error_kind, error, tb)
+            return
+        log.error(str(error))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
     sys.excepthook = hook
 

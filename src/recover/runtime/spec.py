@@ -87,6 +87,14 @@ class ReplicaSpec:
         "on slow links (default: 30)",
         metavar="S", low=(0.0, False), scripts=True,
     )  # fmt: skip
+    coordinator_grace_s: float = _setting(
+        10.0, "--coordinator-grace",
+        "how long a replica waits for a coordinator that answers nothing (gone, or frozen) before "
+        "it stops: it commits nothing meanwhile; after it, the lowest replica of the last view "
+        "checkpoints the last committed step and every process exits with status 11 and the "
+        "command to resume (default: 10)",
+        metavar="S", low=(0.0, False), scripts=True,
+    )  # fmt: skip
     peak_tflops: float = _setting(
         0.0, "--peak-tflops",
         "peak TFLOP/s of one device (GPU), for the MFU in the step line, the step records and "

@@ -71,6 +71,9 @@ class WorkerConfig:
     resume: bool = False
     register_timeout_s: float = 60.0  # start-up: all replicas must show up by then
     outcome_timeout_s: float = 120.0  # longest wait for the coordinator's decision on a step
+    # The exact command that continues this run from its checkpoint (said when the run stops
+    # early: the coordinator lost); empty: "the same command with --resume".
+    resume_command: str = ""
 
     def __post_init__(self) -> None:
         for name in ("register_timeout_s", "outcome_timeout_s"):
@@ -204,6 +207,7 @@ def run_worker(
             replica_id=me,
             token=wcfg.env.token,
             heartbeat_s=spec.heartbeat_s,
+            coordinator_grace_s=spec.coordinator_grace_s,
             standbys=wcfg.env.standbys,
         )
         # Fencing: from its eviction on, this incarnation writes nothing to the run folder (every
@@ -316,6 +320,8 @@ def run_worker(
             # A process woken after a freeze acts on no stale view before the coordinator
             # confirmed it is still a member (it may have been evicted meanwhile).
             if client is not None and not client.writes_allowed():
+                if client.lost is not None:  # no answer at all for the grace: not an eviction
+                    raise CoordinatorUnreachable(client.lost)
                 raise Evicted(f"replica {me} is not a confirmed member any more")
             commit = machine.run(step, compute)
             apply_commit(commit, replica=me, trainer=trainer, recorder=recorder, guard=guard)
@@ -379,15 +385,22 @@ def run_worker(
         log.error(f"replica {me}: {e}")
         return exits.DIVERGED
     except CoordinatorUnreachable as e:
-        # Nobody can commit any more. Every replica holds its last committed state; the lowest
-        # replica of the last view saves it, so that a resume loses nothing that committed.
+        # No coordinator answered for the grace (gone or frozen, and no standby took over):
+        # nobody can commit any more. Every replica holds its last committed state; the lowest
+        # replica of the last view saves it through the normal checkpoint path (announced once
+        # durable), so that --resume loses nothing that committed. One line, no traceback.
+        if machine is None:  # never admitted: nothing of the run is held here
+            log.error(
+                f"replica {me}: the coordinator cannot be reached ({e}); nothing was trained "
+                "here; start it again once a coordinator is up"
+            )
+            return exits.COORDINATOR_LOST
         saved = save_last_committed()
-        where = f"; step {recorder.last_committed + 1} is checkpointed in {paths.checkpoints}"
         log.error(
-            f"replica {me}: the coordinator cannot be reached ({str(e)[:120]})"
-            + (where if saved else "")
-            + "; run the same command again with --resume to continue",
-        )  # fmt: skip
+            f"replica {me}: the coordinator is lost: {e}; stopping; "
+            f"{_what_was_saved(saved, me, link, machine, recorder, paths)}; to continue: "
+            f"{wcfg.resume_command or 'the same command with --resume'}"
+        )
         return exits.COORDINATOR_LOST
     except NonFiniteError as e:
         # Every replica holds the same last finite state (no skipped step was applied); the
@@ -405,6 +418,25 @@ def run_worker(
     finally:
         link.close()
         writer.close()
+
+
+def _what_was_saved(saved: bool, me: int, link, machine, recorder, paths: RunPaths) -> str:
+    """The coordinator-lost line's account of the last committed state (steps from 1 here)."""
+    step = recorder.last_committed + 1
+    if saved:
+        return f"step {step}, the last committed, is checkpointed in {paths.checkpoints}"
+    if not machine.has_state:
+        return "this replica held no committed state of the run yet (a joiner)"
+    view = link.step_view()
+    lowest = min(view.live) if view is not None and view.live else me
+    if lowest != me:
+        return f"replica {lowest}, the lowest live, checkpoints the last committed step"
+    if recorder.leads:  # the lowest replica could not save: it may have been evicted meanwhile
+        return (
+            f"step {step}, the last committed, was not saved (no coordinator confirmed this "
+            "replica is still a member); the newest checkpoint is the one to resume from"
+        )
+    return "rank 0 of this replica checkpoints the last committed step"
 
 
 def run_recovery_summary(metrics_path: Path) -> dict:

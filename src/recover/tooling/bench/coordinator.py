@@ -45,10 +45,12 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from recover.coordinator.etcd_local import start_local_etcd
 from recover.coordinator.protocol import MAX_FRAME
 from recover.coordinator.views import split_plan
 
@@ -83,6 +85,9 @@ class BenchCoordinatorConfig:
     # coordinator tier at an R this machine cannot simulate whole.
     upstream_only: bool = False
     relay_beat_s: float = 0.25  # how long the coordinator may hold a relay's beat
+    # Keep the coordinator's state in a private etcd (serve --state) and count its writes
+    # (etcd_writes_per_step): what the high-availability control plane costs etcd.
+    etcd: bool = False
     form_timeout_s: float = 120.0
     step_timeout_s: float = 30.0
 
@@ -490,16 +495,20 @@ def _wait_file(path: Path, proc: subprocess.Popen, timeout_s: float, what: str) 
 
 
 def start_coordinator(
-    cfg: BenchCoordinatorConfig, workdir: Path, procs: list[subprocess.Popen]
+    cfg: BenchCoordinatorConfig,
+    workdir: Path,
+    procs: list[subprocess.Popen],
+    state: str | None = None,
 ) -> tuple[subprocess.Popen, dict]:
     """A `recover coordinator serve` subprocess for `cfg` (added to `procs`, for the caller to
-    reap); returns it and its address file's contents once it listens."""
+    reap); returns it and its address file's contents once it listens. `state`: its --state."""
     cmd = [
         sys.executable, "-m", "recover.cli", "coordinator", "serve",
         "--port", "0", "--no-store", "--replicas", str(cfg.replicas),
         "--microbatches", str(cfg.m), "--lease", str(cfg.lease_s), "--min-replicas", "1",
         "--start-deadline", str(cfg.form_timeout_s), "--events", str(workdir / "events.jsonl"),
         "--address-file", str(workdir / "address.json"),
+        *(["--state", state] if state else []),
     ]  # fmt: skip
     proc = _spawn(cmd, workdir / "coordinator.log")
     procs.append(proc)
@@ -542,10 +551,16 @@ def run_once(cfg: BenchCoordinatorConfig) -> dict:
     }
     procs: list[subprocess.Popen] = []
     sampler = None
+    etcd = writes = None
     with tempfile.TemporaryDirectory(prefix="recover-bench-coord-") as tmp:
         work = Path(tmp)
         try:
-            coord, info = start_coordinator(cfg, work, procs)
+            state = None
+            if cfg.etcd:
+                etcd = start_local_etcd(work / "etcd")
+                state = f"{etcd.url}/bench"
+                writes = _EtcdWrites(etcd.client_port)
+            coord, info = start_coordinator(cfg, work, procs, state)
             addrs = [(info["host"], info["port"])]
             relays = []
             for i in range(cfg.relays):
@@ -590,6 +605,14 @@ def run_once(cfg: BenchCoordinatorConfig) -> dict:
             if failed:
                 raise RuntimeError("; ".join(failed[:3]))
             row.update(_merge(cfg, parts, sampler, coord, relays, drivers))
+            if writes is not None:
+                writes.close()
+                t0 = max(p["window"][0] for p in parts)
+                t1 = min(p["window"][1] for p in parts)
+                n = writes.between(t0, t1)
+                row["etcd_writes_per_step"] = None if n is None else n / max(1, cfg.steps)
+                row["etcd_writes_per_s"] = None if n is None else n / (t1 - t0)
+                row["etcd_state_bytes"] = writes.state_bytes("/bench/state")
             t_end = min(p["t_wall_end"] for p in parts)
             _stop_all(procs)
             row["false_deaths"] = len(_false_deaths(work / "events.jsonl", t_end))
@@ -599,7 +622,56 @@ def run_once(cfg: BenchCoordinatorConfig) -> dict:
             if sampler is not None:
                 sampler.close()
             _stop_all(procs)
+            if writes is not None:
+                writes.close()
+            if etcd is not None:
+                etcd.stop()
     return row
+
+
+class _EtcdWrites:
+    """etcd's count of writes (etcd_mvcc_put_total, from its /metrics) every 0.1 s, so that a
+    window named afterwards can be read: the coordinator's state writes, elections included."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.samples = port, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _count(self) -> int | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=1) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        for line in text.splitlines():
+            if line.startswith("etcd_mvcc_put_total "):
+                return int(float(line.split()[1]))
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            n = self._count()
+            if n is not None:
+                self.samples.append((time.monotonic(), n))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+    def between(self, t0: float, t1: float) -> int | None:
+        if not self.samples:
+            return None
+        a = min(self.samples, key=lambda s: abs(s[0] - t0))
+        b = min(self.samples, key=lambda s: abs(s[0] - t1))
+        return b[1] - a[1] if b[0] > a[0] else None
+
+    def state_bytes(self, key: str) -> int | None:
+        from recover.coordinator.etcd import EtcdClient  # noqa: PLC0415
+
+        got = EtcdClient((("127.0.0.1", self.port),)).get(key)
+        return None if got is None else len(got[0])
 
 
 def _merge(cfg, parts: list[dict], sampler: _CpuSampler, coord, relays, drivers) -> dict:

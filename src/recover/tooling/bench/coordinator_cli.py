@@ -60,6 +60,12 @@ def add_coordinator_bench_parser(sub) -> None:
         "--costs", action="store_true", help="also time the rules per message in-process (no I/O)"
     )
     p.add_argument("--no-faults", action="store_true", help="skip the kill and the hang")
+    p.add_argument(
+        "--etcd",
+        action="store_true",
+        help="keep the coordinator's state in a private etcd (serve --state; needs etcd-server) "
+        "and report its writes per step and per second over the measured steps",
+    )
     p.add_argument("--out", default="bench-coordinator.json", metavar="FILE", help="JSON result")
 
 
@@ -91,6 +97,7 @@ def run_coordinator_bench(args: argparse.Namespace) -> int:
                 relays=n,
                 drivers=d,
                 upstream_only=args.upstream_only,
+                etcd=args.etcd,
             )
             for r, n, d in zip(sizes, relays, drivers, strict=True)
         ]
