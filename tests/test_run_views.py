@@ -1,5 +1,5 @@
 """What a person watching a run sees besides metrics.jsonl: `recover plot`'s PNGs, the TensorBoard
-event files of `--tensorboard`, and the achieved TFLOP/s and MFU in the step records.
+event files of `--tensorboard`, the W&B run of `--wandb`, and the achieved TFLOP/s and MFU in the step records.
 
 One faulty run (3 replicas, replica 2 SIGKILLed in step 2) and its failure-free one-replica
 reference; every series drawn or written is checked against the run's own record.
@@ -7,12 +7,14 @@ reference; every series drawn or written is checked against the run's own record
 
 from __future__ import annotations
 
+import json
 import math
+import struct
 from pathlib import Path
 
 import pytest
 
-from conftest import TINY_TRAIN_FLAGS, events, run_cli
+from conftest import TINY_TRAIN_FLAGS, events, leftover_processes, run_cli
 from recover.record import committed_steps, read_metrics
 
 STEPS, M, PEAK = 6, 6, 0.001  # PEAK: --peak-tflops, so that a CPU run reports an MFU
@@ -143,19 +145,26 @@ def test_known_peaks_and_the_step_line():
     )
 
 
-def test_tensorboard_follows_the_pen_when_the_writer_dies(tiny_dataset, tmp_path):
+def test_dashboards_follow_the_pen_when_the_writer_dies(tiny_dataset, tmp_path, monkeypatch):
     # Replica 0 writes the step records until it is killed in step 3; replica 1 writes the rest
-    # (and step 3's). Each step and evaluation still reaches TensorBoard exactly once.
+    # (and step 3's). Each step and evaluation still reaches TensorBoard exactly once, and the one
+    # W&B run of the run folder (continued by replica 1 under the same id) once.
     pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")  # W&B's own setting: nothing leaves the machine
     out, tb = tmp_path / "run", tmp_path / "tb"
     r = run_cli(
         ["train", "--data", str(tiny_dataset), "--out", str(out), *FLAGS, "--replicas", "3",
-         "--fault", "kill:replica=0,step=3,phase=commit", "--tensorboard", str(tb)],
+         "--fault", "kill:replica=0,step=3,phase=commit", "--tensorboard", str(tb),
+         "--wandb", "recover-tests"],
         timeout=90,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Traceback" not in r.stdout + r.stderr
     record = committed_steps(out / "metrics.jsonl")
     writers = {record[s]["writer"] for s in range(STEPS)}
     assert writers == {0, 1}, writers
@@ -167,6 +176,57 @@ def test_tensorboard_follows_the_pen_when_the_writer_dies(tiny_dataset, tmp_path
     ]
     assert [e.step for e in acc.Scalars("val/loss")] == [2, 5]
     assert [(e.step, e.value) for e in acc.Scalars("events/failures")] == [(3, 1)]
+
+    # W&B: one run id for the folder, each writer's W&B client logging into its own offline file.
+    # Every step reaches the W&B run with its value; replica 1 sends again the steps that replica
+    # 0's client had not confirmed when replica 1 took the pen (at least once: at most twice).
+    run_id = (out / "wandb_run_id").read_text().strip()
+    files = sorted((out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert 1 <= len(files) <= 2, sorted((out / "wandb").iterdir())
+    history = [h for f in files for h in wandb_history(f)]
+    losses = [(h["trainer/step"], h["train/loss"]) for h in history if "train/loss" in h]
+    assert set(losses) == {(s, record[s]["loss"]) for s in range(STEPS)}
+    assert all(losses.count(x) <= 2 for x in losses), losses
+    assert sorted(set(h["trainer/step"] for h in history if "val/loss" in h)) == [2, 5]
+    assert {(h["trainer/step"], h["events/failures"]) for h in history
+            if "events/failures" in h} == {(3, 1)}  # fmt: skip
+    tables = [
+        json.loads(p.read_text())
+        for p in (out / "wandb").glob("offline-run-*/files/media/table/*.json")
+    ]
+    texts = [text for t in tables for _, text in t["data"]]
+    assert sum("member_dead" in text for text in texts) == 1
+    assert leftover_processes("wandb-core") == [], "W&B's service outlived the run"
+
+
+def wandb_history(path: Path) -> list[dict]:
+    """The history rows (logged dicts) of a W&B run file: W&B writes its records as protobuf
+    messages in a log of 32 KiB blocks (a 7-byte file header, then per chunk: crc32c, length,
+    type: full, first, middle, last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, position, rows, pending = path.read_bytes(), 32768, 7, [], b""
+    while position + 7 <= len(data):
+        left = block - position % block
+        if left < 7:  # a block's tail too short for a header is padding
+            position += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if length == kind == 0:
+            position += left
+            continue
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # full, last
+            message = wandb_internal_pb2.Record()
+            message.ParseFromString(pending)
+            pending = b""
+            if message.WhichOneof("record_type") == "history":
+                items = message.history.item  # a key with "/" is kept as its parts
+                rows.append(
+                    {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+                )
+    return rows
 
 
 def test_a_toml_job_file_reruns_the_reference(runs, tiny_dataset, tmp_path):

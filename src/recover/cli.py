@@ -480,10 +480,14 @@ def run_train(args: argparse.Namespace) -> int:
         if spec.tensorboard:  # every replica writes to the same folder, whatever its cwd
             from dataclasses import replace
 
-            from recover.training.tensorboard import check_tensorboard
+            from recover.training.dashboards import check_tensorboard
 
             check_tensorboard()
             spec = replace(spec, tensorboard=str(Path(spec.tensorboard).resolve()))
+        if spec.wandb:
+            from recover.training.dashboards import check_wandb
+
+            check_wandb(spec.wandb)
         lcfg = LaunchConfig(
             replicas=args.replicas,
             replica=spec,
@@ -531,7 +535,7 @@ def run_train(args: argparse.Namespace) -> int:
                 train_single(
                     cfg, out=out, data_path=data, resume=args.resume, console=console,
                     device=args.device, peak_tflops=lcfg.replica.peak_tflops,
-                    tensorboard=lcfg.replica.tensorboard,
+                    tensorboard=lcfg.replica.tensorboard, wandb=lcfg.replica.wandb,
                 )  # fmt: skip
             except (CheckpointError, ValueError) as e:
                 return _error(str(e))

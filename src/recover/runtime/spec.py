@@ -110,6 +110,14 @@ class ReplicaSpec:
         "tensorboard package: pip install 'recover[tensorboard]'; default: none)",
         metavar="DIR",
     )  # fmt: skip
+    wandb: str = _setting(
+        "", "--wandb",
+        "also log the run's scalars and events to a W&B run in PROJECT (or ENTITY/PROJECT), one "
+        "W&B run per run folder (a resumed run continues it), by the replica that writes the "
+        "step records; W&B's files go to RUN/wandb (WANDB_MODE=offline keeps them there); "
+        "metrics.jsonl stays the record (needs pip install 'recover[wandb]'; default: none)",
+        metavar="PROJECT",
+    )  # fmt: skip
     # A replica-level setting like the others, so that one field reaches every replica process
     # (built-in workers and `recover run`'s scripts alike) inside the spec's JSON, checked once.
     deterministic: bool = _setting(

@@ -18,6 +18,7 @@ It must not decide anything about the trajectory: it only records and persists c
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -40,9 +41,9 @@ from recover.training.checkpoint import (
 )
 from recover.training.config import RunPaths, TrainConfig
 from recover.training.console import format_duration, format_rate, format_step_line
+from recover.training.dashboards import RecordMirror, TensorBoardBackend, WandbBackend
 from recover.training.flops import achieved_flop_per_s, device_peak_tflops, format_flops, mfu
 from recover.training.model import training_flops_per_token
-from recover.training.tensorboard import TensorBoardSink
 from recover.training.trainer import CommitStats, ReplicaTrainer
 
 log = logging.getLogger(__name__)
@@ -77,13 +78,14 @@ class RunRecorder:
     peak_tflops: float = 0.0  # --peak-tflops (0: from the GPU's name where known)
     devices_per_replica: int = 1  # its ranks, one device each: the MFU's denominator
     tensorboard: str = ""  # --tensorboard DIR: the writer mirrors the record there
+    wandb: str = ""  # --wandb PROJECT: and to a W&B run
     _ckpt: CheckpointWriter = field(init=False)
     _recent: dict[int, dict] = field(init=False, default_factory=dict)  # step -> its record
     _t_start: float = field(init=False)
     _t_last: float = field(init=False)
     _tokens: int = field(init=False, default=0)
     _last_eval: float | None = field(init=False, default=None)
-    _sink: TensorBoardSink | None = field(init=False, default=None)
+    _sinks: list[RecordMirror] = field(init=False, default_factory=list)
     _devices: int = field(init=False, default=1)  # devices of the last commit
 
     def __post_init__(self) -> None:
@@ -91,10 +93,12 @@ class RunRecorder:
         trainer = self.trainer
         self._flops_per_token = training_flops_per_token(trainer.model_config, trainer.model_values)
         self._peak = device_peak_tflops(str(trainer.device), self.peak_tflops)
-        if self.tensorboard and self.leads:
-            self._sink = TensorBoardSink(
-                Path(self.tensorboard), self.writer.path, replica=self.replica
-            )
+        if self.leads:  # the dashboards: mirrors of the record, held by the writer's leader
+            if self.tensorboard:
+                self._mirror(TensorBoardBackend(Path(self.tensorboard)))
+            if self.wandb:
+                config = json.loads(self.cfg.to_json())
+                self._mirror(WandbBackend(self.wandb, self.paths.out, config=config))
         self._ckpt = CheckpointWriter(
             self.paths.checkpoints,
             keep=self.cfg.keep_ckpts,
@@ -174,8 +178,8 @@ class RunRecorder:
                     mfu=utilisation,
                 )
             )
-            if self._sink is not None:
-                self._sink.follow()
+            for sink in self._sinks:
+                sink.follow()
         eval_due, ckpt_due = self._due(stats.step)
         if eval_due:
             self.evaluate(stats.step)
@@ -189,10 +193,15 @@ class RunRecorder:
         eval_due = bool(cfg.eval_every) and (next_step % cfg.eval_every == 0 or last)
         return eval_due, bool(cfg.ckpt_every) and next_step % cfg.ckpt_every == 0 and not last
 
+    def _mirror(self, backend) -> None:
+        self._sinks.append(RecordMirror(self.writer.path, replica=self.replica, backend=backend))
+
     def close_sinks(self) -> None:
-        """Close the TensorBoard sink, if any (its event files are flushed at every step)."""
-        if self._sink is not None:
-            self._sink.close()
+        """Close the dashboards' mirrors, if any (TensorBoard's event files are flushed at every
+        step; W&B's client is given what was queued, and time to finish)."""
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
     def _write_step(self, record: dict) -> bool:
         writer = {} if self.replica is None else {"writer": self.replica}
@@ -320,8 +329,8 @@ class RunRecorder:
             os.replace(tmp, self.paths.final_model)
             self.writer.write("summary", **summary)
             self.say(self.format_summary(summary))
-            if self._sink is not None:
-                self._sink.follow(final=True)
+            for sink in self._sinks:
+                sink.follow(final=True)
         self.close_sinks()
         return summary
 

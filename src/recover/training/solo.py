@@ -112,9 +112,11 @@ def train_single(
     device: str = "cpu",
     peak_tflops: float = 0.0,
     tensorboard: str = "",
+    wandb: str = "",
 ) -> dict:
     """Train one replica; return the run summary. Raises RunFolderError / CheckpointError.
-    `peak_tflops` and `tensorboard`: the replica spec's (--peak-tflops, --tensorboard)."""
+    `peak_tflops`, `tensorboard` and `wandb`: the replica spec's (--peak-tflops, --tensorboard,
+    --wandb)."""
     dataset = TokenDataset.open(data_path)
     paths = RunPaths(out=out)
     info = read_dataset_info(data_path)
@@ -139,6 +141,7 @@ def train_single(
         start_step=start,
         peak_tflops=peak_tflops,
         tensorboard=tensorboard,
+        wandb=wandb,
     )
     if console is not None:
         n = trainer.model.num_params()

@@ -237,6 +237,7 @@ def run_worker(
         peak_tflops=spec.peak_tflops,
         devices_per_replica=layout.ranks,
         tensorboard=spec.tensorboard,
+        wandb=spec.wandb,
     )
     machine = None
 
