@@ -11,6 +11,8 @@ at the end.
 from __future__ import annotations
 
 import itertools
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -173,24 +175,73 @@ def test_a_rank_killed_inside_a_layout(
 def test_quorum_lost_checkpoints_the_whole_state_and_another_layout_resumes_it(
     layout, resume_as, reference, tiny_dataset, tmp_path
 ):
-    # The run needs both replicas: replica 1 losing a rank stops it. Replica 0's two ranks
-    # gather the full state for the checkpoint, in the layout-free form (the optimizer's state
-    # by parameter name): --resume with another layout (FSDP2 shards -> one rank per replica;
-    # pipeline stages -> tensor parallel) continues the same trajectory.
+    # The run needs both replicas: replica 1 losing a rank stops it. Replica 0's two ranks each
+    # write their own part of the state into one DCP checkpoint (no gather): --resume with
+    # another layout (FSDP2 shards -> one rank per replica; pipeline stages -> tensor parallel)
+    # reads the parts it needs and continues the same trajectory.
     out = tmp_path / f"quorum-{layout}"
     r = two_by_two(
         tiny_dataset, out, layout, "--min-replicas", "2",
         "--fault", "kill:replica=1,rank=1,step=2,phase=backward",
     )  # fmt: skip
     assert r.returncode != 0 and "quorum lost" in r.stdout
-    assert [c.name for c in (out / "checkpoints").iterdir()] == ["step_00000002.ckpt"]
-    state = read_checkpoint(out / "checkpoints" / "step_00000002.ckpt")
+    ckpt = out / "checkpoints" / "step_00000002"
+    assert [c.name for c in (out / "checkpoints").iterdir()] == [ckpt.name]
+    shards = sorted(f.stat().st_size for f in ckpt.glob("*.distcp"))
+    assert len(shards) == 2 and min(shards) > 0.2 * sum(shards), shards  # both ranks wrote
+    state = read_checkpoint(ckpt)
     assert all(isinstance(k, str) for k in state["optimizer"]["state"])  # by name
-    assert state["layout"] == {layout: 2}  # (who saved it: for people, not checked)
+    assert state["meta"]["layout"] == {layout: 2}  # (who saved it: for people, not checked)
     resumed = train(tiny_dataset, out, *resume_as, "--resume")
     assert_invariants(reference, out, resumed)
     layouts = {e["layout"] for e in events(out, "rank_started")}
     assert layouts == {layout, "tp" if layout == "pp" else "single"}, layouts
+
+
+def keep_up_to(run: Path, out: Path, step: int) -> None:
+    """A copy of `run` as it stood when the checkpoint of `step` was published: its config, that
+    checkpoint, and the records of the steps before it (nothing of the later steps or events)."""
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copy(run / "config.json", out / "config.json")
+    name = f"step_{step:08d}"
+    shutil.copytree(run / "checkpoints" / name, out / "checkpoints" / name)
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    kept = [ln for ln in lines if (r := json.loads(ln))["kind"] == "step" and r["step"] < step]
+    (out / "metrics.jsonl").write_text("".join(kept))
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    "replicas",
+    [2, pytest.param(4, marks=pytest.mark.slow)],  # (4: the same, with 8 processes)
+)
+def test_a_checkpoint_of_sharded_replicas_resumes_as_tp_replicas_and_as_one_rank(
+    replicas, reference, tiny_dataset, tmp_path
+):
+    # Replicas of --shard 2: the writer replica's two ranks each write their own shards of the
+    # checkpoint after step 2 (no gather). It resumes as 2 replicas of --tp 2, and as one rank:
+    # each reads its part, and both land on the failure-free trajectory.
+    sharded = tmp_path / "sharded"
+    r = train(
+        tiny_dataset, sharded, "--replicas", str(replicas), "--shard", "2", "--watchdog", "5",
+        "--ckpt-every", "2", timeout=240,
+    )  # fmt: skip
+    assert_invariants(reference, sharded, r)
+    ckpt = sharded / "checkpoints" / "step_00000002"
+    shards = sorted(f.stat().st_size for f in ckpt.glob("*.distcp"))
+    assert len(shards) == 2 and min(shards) > 0.2 * sum(shards), shards  # both ranks wrote
+    assert read_checkpoint(ckpt)["meta"]["layout"] == {"shard": 2}
+    for name, flags in (("tp", ["--replicas", "2", "--tp", "2", "--watchdog", "5"]), ("one", [])):
+        out = tmp_path / name
+        keep_up_to(sharded, out, 2)
+        resumed = train(tiny_dataset, out, *flags, "--resume", timeout=240)
+        assert resumed.returncode == 0, resumed.stdout[-4000:]
+        assert {e["step"] for e in events(out, "resumed")} == {2}
+        assert {e["path"] for e in events(out, "resumed")} == {str(out / ckpt.relative_to(sharded))}
+        result = compare_runs(reference, out)  # steps 0, 1 sharded; 2.. in the new layout
+        assert result.common_steps == STEPS and result.max_loss_rel_diff <= TRAJECTORY_RTOL, result
+        assert result.param_rel_l2 is not None and result.param_rel_l2 <= TRAJECTORY_RTOL, result
+    assert {e["layout"] for e in events(tmp_path / "tp", "rank_started")} == {"tp"}
 
 
 def test_two_dimensional_replicas_shard_by_tp(reference, tiny_dataset, tmp_path):

@@ -155,10 +155,10 @@ def test_a_second_failure_during_recovery(reference, tiny_dataset, tmp_path):
 
 def assert_due_checkpoint_once(out: Path) -> None:
     """The one checkpoint due in a run with --ckpt-every 3 (after step 2) is on disk, announced
-    once, and no temporary file is left."""
+    once, and no temporary is left."""
     ckpts = out / "checkpoints"
     assert [e["step"] for e in events(out, "checkpoint_saved")] == [3]
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000003.ckpt"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000003"]
 
 
 def test_a_hung_writer_is_evicted_and_writes_nothing_when_it_wakes(

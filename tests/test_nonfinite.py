@@ -38,7 +38,7 @@ def assert_stopped_on_the_last_finite_state(out, r) -> None:
     assert len(skipped) >= 3 and skipped[-3:] == list(range(skipped[-1] - 2, skipped[-1] + 1))
     assert [rec["step"] for rec in steps] == list(range(len(steps))), "a step record is missing"
     state = load_latest(out / "checkpoints")
-    assert state is not None and state["step"] == steps[-1]["step"] + 1
+    assert state is not None and state["meta"]["step"] == steps[-1]["step"] + 1
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
     assert not (out / "final" / "model.safetensors").exists()
 

@@ -150,9 +150,10 @@ def test_corrupt_checkpoint_gives_a_clear_error(tiny_dataset, tmp_path):
     ckpts = sorted((out / "checkpoints").iterdir())
     assert ckpts, "a checkpoint at step 2 was expected"
     newest = ckpts[-1]
-    data = bytearray(newest.read_bytes())
+    (shard,) = newest.glob("*.distcp")
+    data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
-    newest.write_bytes(bytes(data))
+    shard.write_bytes(bytes(data))
     r = run_cli(train_args(tiny_dataset, out, "--steps", "6", "--ckpt-every", "2", "--resume"))
     assert r.returncode == 2
     assert "corrupt" in r.stderr and newest.name in r.stderr

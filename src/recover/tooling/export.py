@@ -49,12 +49,12 @@ def load_run_model(run: Path) -> tuple[GPT, dict]:
         load_model(model, str(paths.final_model))
         source = str(paths.final_model)
     else:
-        from recover.training.checkpoint import find_resume_point
+        from recover.training.checkpoint import find_resume_point, read_checkpoint
 
         point = find_resume_point(paths.checkpoints)
         if point is None:
             raise ExportError(f"{run}: no final model and no checkpoint to export")
-        model.load_state_dict(point.state["model"])  # the whole model, whatever the layout
+        model.load_state_dict(read_checkpoint(point.path)["model"])  # whole, whatever the layout
         source = str(point.path)
     model.eval()
     return model, {**config, "source": source}

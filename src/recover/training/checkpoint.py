@@ -1,83 +1,125 @@
-"""Checkpoints: periodic, asynchronous, atomic, verified.
+"""Checkpoints: torch.distributed.checkpoint (DCP) folders, written by every rank, published atomically.
 
-Job: save the committed training state (model, optimizer, the next step to run, the trajectory
-config and the dataset hash) so that a resumed run continues on exactly the trajectory of an
-uninterrupted one. Sample order and dropout are pure functions of (seed, step, j), so no RNG state
-is needed.
+Job: save the committed training state (model, optimizer, any extra state, and our metadata: the
+next step to run, the trajectory config, the dataset hash) so that a resumed run continues on
+exactly the trajectory of an uninterrupted one, in any layout. Sample order and dropout are pure
+functions of (seed, step, j), so no RNG state is needed. The format is documented in
+docs/checkpoints.md; `recover.checkpoint` is the public face of this module.
+
+The form saved: every rank passes DCP its own part of the state (`dcp_state`): the model's state
+dict and the optimizer's flattened per-parameter state (`state.FQN.exp_avg`, `param_groups.FQN.lr`),
+both from torch's `get_*_state_dict` helpers, so FSDP2 and tensor-parallel parameters are DTensors
+holding this rank's shard. DCP records each tensor's global shape and every chunk's offsets, so a
+checkpoint of any layout loads into any other (`load_dcp_state`): resharding is DCP's planner
+reading the chunks that overlap each rank's part. Tied weights are saved once, under their
+canonical name (`aliases`).
 
 Invariants:
-- A checkpoint file is either absent or complete: it is written to `NAME.tmp.HOST.PID`, fsynced,
-  renamed into place, and the folder is fsynced. Only then does the writer call its `on_saved`
-  callback (the `checkpoint_saved` event): an event never names a file that is not durable.
-- Fencing: with a `fence`, the rename happens only while it is open (checked after the fsync,
-  just before publishing); a writer evicted meanwhile removes its temporary file and publishes
-  nothing, and announces nothing.
-- A temporary file whose writer is gone (a process of this host that no longer exists: killed
+- A checkpoint folder `step_N/` is either absent or complete. Every rank writes its files into
+  `step_N.tmp.HOST.PID/` (the leading rank's host and PID); DCP fsyncs each file and its
+  `.metadata`; then the leading rank writes the marker `recover.json` last (format, step, metadata,
+  every file's size and CRC-32), fsyncs it, renames the folder into place and fsyncs the parent.
+  Only then is `on_saved` called (the `checkpoint_saved` event).
+- Fencing: with a `fence`, the leading rank asks it before the save starts (the answer is agreed
+  by the replica's ranks) and again just before the rename; a writer evicted meanwhile removes its
+  temporary folder and publishes and announces nothing.
+- One process group: a replica of several ranks saves over its own checkpoint group (a gloo group
+  of the replica's ranks, built for this and used by nothing else, so the background save never
+  interleaves with the training's collectives); a one-rank replica saves without any group.
+- A temporary folder whose writer is gone (a process of this host that no longer exists: killed
   mid-save) is removed when the next writer starts (`remove_stale_tmp`). Another host's
   temporaries are left alone: its writer may be alive.
-- A checkpoint is verified on load: the file starts with a magic tag and the SHA-256 of the payload;
-  a truncated or altered file raises `CheckpointError` naming the path.
-- Resuming (`find_resume_point`) takes the newest *valid* checkpoint: a corrupt newer one is
-  skipped with its error reported to the caller (who warns loudly and writes an event); when
-  checkpoints exist and none is valid, it raises, never falling back to step 0.
-- Only the last `keep` checkpoints are kept.
+- A checkpoint is verified before it is used (`verify_checkpoint`): the marker must be there, and
+  every file it lists must have its recorded size (a truncated shard) and CRC-32 (an altered one);
+  a failure raises `CheckpointError` naming the path and the file.
+- Resuming (`find_resume_point`) takes the newest *valid* checkpoint: a corrupt newer one is skipped
+  with its error reported to the caller; when checkpoints exist and none is valid, it raises,
+  never falling back to step 0.
+- Only the last `keep` checkpoints are kept (an old folder is renamed to a temporary name first,
+  so a prune cut short never leaves a half-deleted checkpoint under a valid name).
+- Checkpoints of the older single-file form (`step_N.ckpt`: b'RCVRCKP1', SHA-256, a torch.save
+  payload of the full state) are still read, never written.
 
-Cost: the state is copied to CPU memory on the caller's thread (a memcpy of the model and the
-optimizer moments); serialisation and the disk write run on one background thread, so a save costs
-the training loop only the copy. Errors on that thread surface at the next save or at `close()`.
+Cost: on the training thread, only DCP's staging copy of this rank's part (`dcp.async_save`: a
+memcpy into buffers kept from one save to the next). Planning, serialisation, the writes and fsyncs
+run on DCP's background thread; the marker's CRC-32 pass over the files runs on the leading rank's
+checkpoint thread. Errors there surface at the next save or at `close()`. Loading reads each
+tensor into its place in the model and optimizer (peak host memory about the state itself; see
+benchmarks/checkpoint_format.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import re
+import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+import warnings
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-MAGIC = b"RCVRCKP1"
-_NAME = re.compile(r"^step_(\d{8})\.ckpt$")
-# A temporary file: `step_N.ckpt.tmp.HOST.PID` (and `step_N.ckpt.tmpPID`, an older form).
-_TMP = re.compile(r"^step_\d{8}\.ckpt\.tmp(?:\.(?P<host>[^/]+)\.|)(?P<pid>\d+)$")
+FORMAT = "recover-dcp/1"
+MARKER = "recover.json"  # written last: a folder without it is not a checkpoint
+LEGACY_MAGIC = b"RCVRCKP1"
+_NAME = re.compile(r"^step_(\d{8})$")
+_LEGACY_NAME = re.compile(r"^step_(\d{8})\.ckpt$")
+# A temporary: a save in progress `step_N.tmp.HOST.PID`, a checkpoint being removed
+# `step_N.old.tmp.HOST.PID`, and the older single-file forms `step_N.ckpt.tmp.HOST.PID` and
+# `step_N.ckpt.tmpPID`.
+_TMP = re.compile(r"^step_\d{8}(?:\.ckpt|\.old)?\.tmp(?:\.(?P<host>[^/]+)\.|)(?P<pid>\d+)$")
+# Per-parameter optimizer state, flattened: `state.FQN.exp_avg`, `param_groups.FQN.lr`.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_CHUNK = 1 << 22
+# A one-rank replica saves and loads with `no_dist=True` on purpose: DCP's warning about it says
+# nothing to our users.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be read or does not belong to this run."""
+    """A checkpoint could not be written or read, or does not belong to this run."""
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
-    return directory / f"step_{step:08d}.ckpt"
+    """The folder of the checkpoint whose next step to run is `step`."""
+    return directory / f"step_{step:08d}"
 
 
 def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of the complete checkpoints in `directory`, oldest first."""
+    """(step, path) of the published checkpoints in `directory`, oldest first: folders, and files
+    of the older form (a folder wins over a file of the same step)."""
     if not directory.is_dir():
         return []
-    found = []
+    found: dict[int, Path] = {}
     for entry in directory.iterdir():
         m = _NAME.match(entry.name)
-        if m:
-            found.append((int(m.group(1)), entry))
-    return sorted(found)
-
-
-def _detach_copy(obj: Any) -> Any:
-    """A deep copy of a state dict with every tensor cloned to CPU, so training can go on."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _detach_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_detach_copy(v) for v in obj)
-    return obj
+        if m and entry.is_dir():
+            found[int(m.group(1))] = entry
+    for entry in directory.iterdir():
+        m = _LEGACY_NAME.match(entry.name)
+        if m and entry.is_file():
+            found.setdefault(int(m.group(1)), entry)
+    return sorted(found.items())
 
 
 def _host() -> str:
@@ -94,11 +136,26 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_tmp(directory: Path) -> list[Path]:
-    """Remove the temporary files of writers of this host that are gone; return their paths.
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
-    A writer SIGKILLed mid-save leaves `step_N.ckpt.tmp.HOST.PID`. Its PID no longer exists on
-    this host, so it is stale. A file of another host, or of a live process here, is kept."""
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_tmp(directory: Path) -> list[Path]:
+    """Remove the temporaries of writers of this host that are gone; return their paths.
+
+    A writer SIGKILLed mid-save leaves `step_N.tmp.HOST.PID/`. Its PID no longer exists on this
+    host, so it is stale. A temporary of another host, or of a live process here, is kept."""
     if not directory.is_dir():
         return []
     host, removed = _host(), []
@@ -109,56 +166,295 @@ def remove_stale_tmp(directory: Path) -> list[Path]:
         pid = int(m.group("pid"))
         if pid == os.getpid() or _pid_alive(pid):
             continue
-        try:
-            entry.unlink()
-        except FileNotFoundError:  # another writer starting at the same moment removed it
+        if not entry.exists():  # another writer starting at the same moment removed it
             continue
+        _remove(entry)
         removed.append(entry)
     return sorted(removed)
 
 
-def write_checkpoint(
-    path: Path, state: dict, *, fence: Callable[[], bool] | None = None
-) -> int | None:
-    """Serialise `state` and write it atomically and durably to `path` (synchronous); return its
-    size in bytes. When this returns, the file and its name are on disk (fsync, rename, fsync of
-    the folder). None, and nothing published, when `fence` says this process may not write."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
-    # One temporary name per process: two replicas saving the same state race harmlessly. The host
-    # and PID in the name let the next writer tell a dead writer's leftover from a live one's.
-    tmp = path.with_name(f"{path.name}.tmp.{_host()}.{os.getpid()}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "wb") as f:
-        f.write(MAGIC)
-        f.write(hashlib.sha256(payload).digest())
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    if fence is not None and not fence():  # evicted while it wrote: publish nothing
-        tmp.unlink(missing_ok=True)
-        return None
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return len(MAGIC) + 32 + len(payload)
+# ---- the state each rank saves ---------------------------------------------------------------
+def _alias_keys(flat: dict, aliases: Mapping[str, str], *, prefixes: tuple[str, ...]) -> dict:
+    """`flat` with every key naming an aliased parameter renamed to its canonical name; an alias
+    whose canonical key is already there (the same tied tensor) is dropped."""
+    if not aliases:
+        return flat
+    out: dict = {}
+    renamed: dict = {}
+    for key, value in flat.items():
+        new = key
+        for prefix in prefixes:
+            for alias, canonical in aliases.items():
+                head = f"{prefix}{alias}"
+                if key == head or key.startswith(head + "."):
+                    new = f"{prefix}{canonical}{key[len(head) :]}"
+        (renamed if new != key else out)[new] = value
+    for key, value in renamed.items():
+        if key not in out:
+            out[key] = value
+        elif _storage(out[key]) != _storage(value):
+            raise ValueError(f"{key} and its alias are different tensors: not tied, name no alias")
+    return out
 
 
-def read_checkpoint(path: Path) -> dict:
-    """Load and verify a checkpoint; raise CheckpointError naming the path if it is corrupt."""
+def _storage(value: Any) -> Any:
+    """What identifies a tensor's memory (a DTensor's local part), to tell a tied alias."""
+    if not isinstance(value, torch.Tensor):
+        return id(value)
+    local = value.to_local() if hasattr(value, "to_local") else value
+    return (local.data_ptr(), tuple(local.shape))
+
+
+def dcp_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    aliases: Mapping[str, str] | None = None,
+) -> dict:
+    """This rank's part of the state, in the form DCP saves and reshards: `model` (FQN -> tensor
+    or DTensor), `optimizer` (flattened per parameter; absent while the optimizer has no state:
+    asking torch for it would create it, with one step counted), `extra` (each object's
+    state_dict()). `aliases` {FQN: canonical FQN} names tied parameters saved once."""
+    aliases = dict(aliases or {})
+    state: dict = {"model": _alias_keys(get_model_state_dict(model), aliases, prefixes=("",))}
+    if optimizer is not None and optimizer.state:
+        flat = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+        state["optimizer"] = _alias_keys(flat, aliases, prefixes=("state.", "param_groups."))
+    if extra:
+        state["extra"] = {name: obj.state_dict() for name, obj in extra.items()}
+    return state
+
+
+# ---- the marker and verification ------------------------------------------------------------
+def _crc32(path: Path) -> int:
+    crc = 0
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb") as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
+
+
+def _describe_files(folder: Path) -> dict[str, dict[str, int]]:
+    return {
+        entry.name: {"bytes": entry.stat().st_size, "crc32": _crc32(entry)}
+        for entry in sorted(folder.iterdir())
+        if entry.is_file() and entry.name != MARKER
+    }
+
+
+def verify_checkpoint(path: Path, *, checksums: bool = True) -> dict:
+    """The marker of the checkpoint folder `path`, after checking that every file it lists has
+    its size and (with `checksums`) its CRC-32; CheckpointError naming the path otherwise."""
+    marker_path = path / MARKER
     try:
-        data = path.read_bytes()
+        marker = json.loads(marker_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: it has no {MARKER} (the marker written last)"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt: unreadable {MARKER}: {e}") from e
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path} is not in a format this version reads "
+            f"({marker.get('format') if isinstance(marker, dict) else '?'}; expected {FORMAT})"
+        )
+    for name, want in marker.get("files", {}).items():
+        file = path / name
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} is missing") from None
+        if size != want["bytes"]:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {name} has {size} bytes, {want['bytes']} were "
+                "written (truncated or altered); delete it to resume from an older one"
+            )
+        if checksums and _crc32(file) != want["crc32"]:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: the checksum of {name} does not match (altered); "
+                "delete it to resume from an older one"
+            )
+    return marker
+
+
+# ---- writing --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A checkpoint that is durable on disk: what `checkpoint_saved` reports."""
+
+    step: int  # the next step to run
+    path: Path
+    bytes: int
+    seconds: float  # from the save's start to the fsync of the parent folder
+    stall_s: float = 0.0  # of which the training thread was blocked (the staging copy)
+
+
+class CheckpointWriter:
+    """Saves checkpoints with `dcp.async_save` (every rank of the replica its own part) and
+    publishes them from the leading rank; keeps the last `keep`.
+
+    `process_group`: the replica's checkpoint group (None: one rank, no group). Every rank of the
+    replica calls `save` together (a collective). `on_saved` is called on the leading rank's
+    checkpoint thread once a checkpoint is durable, never before; an error in it is recorded like
+    a failed save."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        keep: int,
+        on_saved: Callable[[SavedCheckpoint], None] | None = None,
+        fence: Callable[[], bool] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if keep <= 0:
+            raise ValueError(f"keep must be positive, got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.on_saved = on_saved
+        self.fence = fence  # asked by the leading rank (see the module docstring)
+        self.group = process_group
+        self.leads = process_group is None or dist.get_rank(process_group) == 0
+        # Kept from one save to the next: the staging copy reuses its buffers.
+        self._stager = DefaultStager(StagingOptions(False, False, False, False))
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_stall_s = 0.0
+
+    def _agree(self, go: bool, tmp: str) -> tuple[bool, str]:
+        """The leading rank's decision and temporary folder name, on every rank."""
+        if self.group is None:
+            return go, tmp
+        box: list[Any] = [(go, tmp)]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        return box[0]
+
+    def save(
+        self,
+        step: int,
+        state: dict,
+        meta: Mapping[str, Any],
+        *,
+        aliases: Mapping[str, str] | None = None,
+        block: bool = False,
+    ) -> Path | None:
+        """Save `state` (a `dcp_state` dict: this rank's part) as the checkpoint of `step`, with
+        `meta` (JSON values) in it, and the `aliases` dcp_state used (for readers); returns its
+        path, or None when fenced. The training thread
+        is blocked for the staging copy; the checkpoint is durable when `on_saved` is called (at
+        the latest when `wait()` returns; `block`: before this returns)."""
+        self.wait()
+        path = checkpoint_path(self.directory, step)
+        go = self.fence is None or not self.leads or self.fence()
+        go, tmp_name = self._agree(go, f"{path.name}.tmp.{_host()}.{os.getpid()}")
+        if not go:  # evicted: nothing is written, anywhere
+            return None
+        tmp = self.directory / tmp_name
+        if self.leads:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            _remove(tmp)
+        if self.group is not None:
+            dist.barrier(group=self.group)  # the folder is clean before anyone writes into it
+        meta = {"step": step, **meta}
+        t0 = time.perf_counter()
+        future = dcp.async_save(
+            {**state, "recover_meta": json.dumps(meta)},
+            storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+            process_group=self.group,
+            no_dist=self.group is None,
+            async_stager=self._stager,
+        )
+        self.last_stall_s = time.perf_counter() - t0
+        self._thread = threading.Thread(
+            target=self._finish,
+            args=(future, step, path, tmp, meta, dict(aliases or {}), t0, self.last_stall_s),
+            name="checkpoint-writer",
+            daemon=True,
+        )
+        self._thread.start()
+        if block:
+            self.wait()
+        return path
+
+    def _finish(self, future, step, path, tmp, meta, aliases, t0: float, stall: float) -> None:
+        try:
+            future.result()  # every rank's files and DCP's .metadata are written and fsynced
+            if not self.leads:
+                return
+            files = _describe_files(tmp)
+            marker = {
+                "format": FORMAT,
+                "step": step,
+                "meta": meta,
+                "aliases": aliases,
+                "files": files,
+                "saved_at": time.time(),
+            }
+            with open(tmp / MARKER, "w") as f:
+                json.dump(marker, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            if self.fence is not None and not self.fence():  # evicted while it wrote
+                _remove(tmp)
+                return
+            if path.exists():  # the same step saved again (a resumed run): replace it whole
+                self._discard(path)
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+            size = sum(f["bytes"] for f in files.values()) + (path / MARKER).stat().st_size
+            saved = SavedCheckpoint(step, path, size, time.perf_counter() - t0, stall)
+            if self.on_saved is not None:
+                self.on_saved(saved)
+            for _, old in list_checkpoints(self.directory)[: -self.keep]:
+                self._discard(old)
+        except BaseException as e:  # recorded and re-raised on the training thread by wait()
+            self._error = e
+            if self.leads:
+                _remove(tmp)
+
+    def _discard(self, old: Path) -> None:
+        """Remove a published checkpoint: renamed to a temporary name first (atomic), so that
+        a removal cut short leaves a temporary, never a half checkpoint under a valid name."""
+        trash = old.with_name(f"{old.name.split('.')[0]}.old.tmp.{_host()}.{os.getpid()}")
+        try:
+            os.replace(old, trash)
+        except FileNotFoundError:
+            return
+        _remove(trash)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is on disk; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"checkpoint save failed: {error}") from error
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._stager.close()
+
+
+# ---- reading --------------------------------------------------------------------------------
+def read_legacy_checkpoint(path: Path) -> dict:
+    """Load and verify a checkpoint file of the older form (b'RCVRCKP1', SHA-256, payload)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(LEGACY_MAGIC) + 32)
+            payload = f.read()
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
-    header = len(MAGIC) + 32
-    if len(data) < header or data[: len(MAGIC)] != MAGIC:
+    if len(head) < len(LEGACY_MAGIC) + 32 or head[: len(LEGACY_MAGIC)] != LEGACY_MAGIC:
         raise CheckpointError(f"checkpoint {path} is corrupt: not a ReCoVer checkpoint file")
-    digest, payload = data[len(MAGIC) : header], data[header:]
-    if hashlib.sha256(payload).digest() != digest:
+    if hashlib.sha256(payload).digest() != head[len(LEGACY_MAGIC) :]:
         raise CheckpointError(
             f"checkpoint {path} is corrupt: its checksum does not match (truncated or altered); "
             "delete it to resume from an older one"
@@ -172,104 +468,48 @@ def read_checkpoint(path: Path) -> dict:
     return state
 
 
-@dataclass(frozen=True)
-class SavedCheckpoint:
-    """A checkpoint that is durable on disk: what `checkpoint_saved` reports."""
-
-    step: int  # the next step to run
-    path: Path
-    bytes: int
-    seconds: float  # from the save's start (after the copy) to the fsync of its folder
-
-
-class CheckpointWriter:
-    """Writes checkpoints on one background thread; keeps the last `keep`.
-
-    `on_saved` is called on the writer thread once a checkpoint is durable (after fsync and
-    rename), never before; an error in it is recorded like a failed save."""
-
-    def __init__(
-        self,
-        directory: Path,
-        *,
-        keep: int,
-        on_saved: Callable[[SavedCheckpoint], None] | None = None,
-        fence: Callable[[], bool] | None = None,
-    ) -> None:
-        if keep <= 0:
-            raise ValueError(f"keep must be positive, got {keep}")
-        self.directory = directory
-        self.keep = keep
-        self.on_saved = on_saved
-        self.fence = fence  # checked before each rename (see the module docstring)
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def save(self, step: int, state: dict, *, block: bool = False) -> Path:
-        """Queue a save of `state` (copied now) as the checkpoint of `step`; returns its path.
-        The file is durable when `on_saved` is called (at the latest when `wait()` returns)."""
-        self.wait()
-        path = checkpoint_path(self.directory, step)
-        snapshot = _detach_copy(state)
-        self._thread = threading.Thread(
-            target=self._write, args=(step, path, snapshot), name="checkpoint-writer", daemon=True
-        )
-        self._thread.start()
-        if block:
-            self.wait()
-        return path
-
-    def _write(self, step: int, path: Path, state: dict) -> None:
-        try:
-            t0 = time.perf_counter()
-            size = write_checkpoint(path, state, fence=self.fence)
-            if size is None:  # fenced: nothing published, nothing to announce or prune
-                return
-            saved = SavedCheckpoint(step, path, size, time.perf_counter() - t0)
-            if self.on_saved is not None:
-                self.on_saved(saved)
-            for _, old in list_checkpoints(self.directory)[: -self.keep]:
-                old.unlink(missing_ok=True)
-        except BaseException as e:  # recorded and re-raised on the training thread by wait()
-            self._error = e
-
-    def wait(self) -> None:
-        """Block until the save in flight (if any) is on disk; re-raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise CheckpointError(f"checkpoint save failed: {error}") from error
-
-    def close(self) -> None:
-        self.wait()
+_LEGACY_META = ("step", "train", "data_hash", "layout")
 
 
 @dataclass(frozen=True)
 class ResumePoint:
     """The checkpoint a resumed run starts from, and the newer ones it had to skip."""
 
-    state: dict
     path: Path
+    meta: dict  # step (the next step to run), and what the writer recorded (train, data_hash...)
     skipped: tuple[tuple[Path, str], ...] = ()  # (path, why) of each corrupt newer checkpoint
+    legacy_state: dict | None = field(default=None, repr=False)  # a file of the older form
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+
+def open_checkpoint(path: Path) -> ResumePoint:
+    """A verified checkpoint (folder, or file of the older form), ready to load."""
+    if path.is_file():
+        state = read_legacy_checkpoint(path)
+        meta = {k: state[k] for k in _LEGACY_META if k in state}
+        return ResumePoint(path=path, meta=meta, legacy_state=state)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path}")
+    return ResumePoint(path=path, meta=verify_checkpoint(path)["meta"])
 
 
 def find_resume_point(directory: Path) -> ResumePoint | None:
     """The newest valid checkpoint in `directory`; None only when there is no checkpoint at all.
 
-    A corrupt checkpoint (bad magic, checksum, or payload) is skipped for the next older one and
-    listed in `skipped`, for the caller to warn about. If every checkpoint is corrupt this raises
-    CheckpointError naming each: a run with checkpoints never silently restarts from step 0."""
-    found = list_checkpoints(directory)
+    A corrupt checkpoint (no marker, a wrong size or checksum) is skipped for the next older one
+    and listed in `skipped`, for the caller to warn about. If every checkpoint is corrupt this
+    raises CheckpointError naming each: a run with checkpoints never silently restarts at 0."""
     skipped: list[tuple[Path, str]] = []
-    for _, path in reversed(found):
+    for _, path in reversed(list_checkpoints(directory)):
         try:
-            state = read_checkpoint(path)
+            point = open_checkpoint(path)
         except CheckpointError as e:
             skipped.append((path, str(e)))
             continue
-        return ResumePoint(state=state, path=path, skipped=tuple(skipped))
+        return ResumePoint(path, point.meta, tuple(skipped), point.legacy_state)
     if not skipped:
         return None
     reasons = "; ".join(why for _, why in skipped)
@@ -279,7 +519,153 @@ def find_resume_point(directory: Path) -> ResumePoint | None:
     )
 
 
+def _check_shapes(path: Path, metadata, flat: dict) -> None:
+    """CheckpointError naming the first tensor whose global shape differs from the checkpoint's
+    (another model shape), or that the checkpoint lacks."""
+    for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        saved = metadata.state_dict_metadata.get(key)
+        if saved is None:
+            raise CheckpointError(
+                f"checkpoint {path} has no {key}: it was saved from another model or optimizer"
+            )
+        if isinstance(saved, TensorStorageMetadata) and tuple(saved.size) != tuple(value.shape):
+            raise CheckpointError(
+                f"checkpoint {path} holds {key} of shape {tuple(saved.size)}, this model's is "
+                f"{tuple(value.shape)}: it was saved from a model of another shape"
+            )
+
+
+def _flatten(state: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def load_dcp_state(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    aliases: Mapping[str, str] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Load the checkpoint folder `path` into `model`, `optimizer` and `extra`, whatever layout
+    saved it: each rank reads the chunks of its own part (a collective over `process_group`, the
+    replica's checkpoint group; None for one rank). CheckpointError on another model's
+    checkpoint."""
+    reader = dcp.FileSystemReader(path)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt: DCP metadata: {e}") from e
+    saved_keys = metadata.state_dict_metadata
+    aliases = dict(aliases or {})
+    with_optimizer = optimizer is not None and any(
+        k.startswith("optimizer.state.") for k in saved_keys
+    )
+    if with_optimizer and not optimizer.state:  # torch creates the state to load into
+        get_optimizer_state_dict(model, optimizer, options=_FLAT)  # (a step with zero gradients)
+    state = dcp_state(model, optimizer if with_optimizer else None, extra=extra, aliases=aliases)
+    _check_shapes(path, metadata, _flatten({k: v for k, v in state.items() if k != "extra"}))
+    try:
+        dcp.load(
+            state, storage_reader=reader, process_group=process_group,
+            no_dist=process_group is None,
+        )  # fmt: skip
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {e}") from e
+    model_state = _unalias(state["model"], get_model_state_dict(model).keys(), aliases, "")
+    set_model_state_dict(model, model_state)
+    if with_optimizer:
+        own = get_optimizer_state_dict(model, optimizer, options=_FLAT).keys()
+        flat = _unalias(state["optimizer"], own, aliases, ("state.", "param_groups."))
+        set_optimizer_state_dict(model, optimizer, flat, options=_FLAT)
+    for name, obj in (extra or {}).items():
+        obj.load_state_dict(state["extra"][name])
+
+
+def _unalias(loaded: dict, wanted, aliases: Mapping[str, str], prefixes) -> dict:
+    """`loaded` (keys under canonical names) with the keys `wanted` (this rank's own names)."""
+    prefixes = (prefixes,) if isinstance(prefixes, str) else prefixes
+    out = {}
+    for key in wanted:
+        if key in loaded:
+            out[key] = loaded[key]
+            continue
+        for prefix in prefixes:
+            for alias, canonical in aliases.items():
+                head = f"{prefix}{alias}"
+                if key == head or key.startswith(head + "."):
+                    out[key] = loaded[f"{prefix}{canonical}{key[len(head) :]}"]
+    return out
+
+
+def _unflatten_optimizer(flat: dict) -> dict:
+    """{"state": {FQN: {name: value}}, "param_groups": {FQN: {name: value}}} from the flat keys
+    (the last dotted part is the state's or the hyperparameter's name)."""
+    out: dict = {"state": {}, "param_groups": {}}
+    for key, value in flat.items():
+        kind, _, rest = key.partition(".")
+        fqn, _, name = rest.rpartition(".")
+        out.setdefault(kind, {}).setdefault(fqn, {})[name] = value
+    return out
+
+
+def read_checkpoint(path: Path | str) -> dict:
+    """The whole content of a checkpoint as plain CPU objects: {"model": {FQN: tensor},
+    "optimizer": {"state": {FQN: {...}}, "param_groups": {FQN: {...}}} or None, "extra": {...},
+    "meta": {...}}. Verified first (CheckpointError naming the path). Reads every tensor whole:
+    needs host memory for the full state. A file of the older form is read too (its optimizer
+    state as that form saved it)."""
+    path = Path(path)
+    point = open_checkpoint(path)
+    if point.legacy_state is not None:
+        s = point.legacy_state
+        return {"model": s["model"], "optimizer": s.get("optimizer"), "extra": {},
+                "meta": point.meta}  # fmt: skip
+    marker = verify_checkpoint(path, checksums=False)  # (checked in full by open_checkpoint)
+    reader = dcp.FileSystemReader(path)
+    metadata = reader.read_metadata()
+    flat: dict = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            flat[key] = torch.empty(item.size, dtype=item.properties.dtype)
+        else:
+            flat[key] = None  # a pickled object: DCP puts it in place
+    dcp.load(flat, storage_reader=reader, no_dist=True)
+    parts: dict = {"model": {}, "optimizer": {}, "extra": {}}
+    for key, value in flat.items():
+        top, _, rest = key.partition(".")
+        if top in parts:
+            parts[top][rest] = value
+    model = parts["model"]
+    for alias, canonical in marker.get("aliases", {}).items():
+        if canonical in model:
+            model.setdefault(alias, model[canonical])  # one tensor, as in the tied model
+    extra: dict = {}
+    for key, value in parts["extra"].items():  # nested back: name -> its state dict
+        node = extra
+        *heads, last = key.split(".")
+        for h in heads:
+            node = node.setdefault(h, {})
+        node[last] = value
+    return {
+        "model": model,
+        "optimizer": _unflatten_optimizer(parts["optimizer"]) if parts["optimizer"] else None,
+        "extra": extra,
+        "meta": marker["meta"],
+    }
+
+
 def load_latest(directory: Path) -> dict | None:
-    """The newest valid checkpoint's state, or None if there is none (see find_resume_point)."""
+    """The newest valid checkpoint's content (read_checkpoint), or None if there is none."""
     point = find_resume_point(directory)
-    return None if point is None else point.state
+    return None if point is None else read_checkpoint(point.path)

@@ -33,8 +33,9 @@ Invariants:
   sharded on it counts on every rank, one replicated on it on coordinate 0 only;
 - `microbatch=K` in a fault names the K-th microbatch the targeted rank computes in the step.
 
-Checkpoints and the final model hold the full state (torch.distributed.checkpoint's state_dict
-helpers, keyed by parameter name); a checkpoint resumes into a replica of the same layout.
+Checkpoints are DCP folders to which every rank writes its own shards, over the replica's own
+checkpoint group (recover.training.checkpoint); any layout loads them. The final model holds the
+full state, gathered.
 Dropout under TP draws each rank's attention masks for its own heads: deterministic per
 (seed, step, j) and layout, but not the single-rank masks (use dropout 0 to compare layouts).
 
@@ -85,6 +86,8 @@ class MultiRankTrainer(ReplicaTrainer):
         self.intra = intra  # recover.runtime.links.IntraReplica: the replica's own ranks and mesh
         self._ordinal_step, self._ordinal = -1, 0
         super().__init__(cfg, dataset, device=device)
+        # For checkpoints alone: a save's background collectives never meet the training's.
+        self.checkpoint_group = dist.new_group(backend="gloo")
 
     def _next_ordinal(self, step: int) -> int:
         """The phase hook's index of this rank's next microbatch: the K-th it computes in the

@@ -44,7 +44,7 @@ from recover.training.console import format_duration, format_rate, format_step_l
 from recover.training.dashboards import RecordMirror, TensorBoardBackend, WandbBackend
 from recover.training.flops import achieved_flop_per_s, device_peak_tflops, format_flops, mfu
 from recover.training.model import training_flops_per_token
-from recover.training.trainer import CommitStats, ReplicaTrainer
+from recover.training.trainer import CHECKPOINT_ALIASES, CommitStats, ReplicaTrainer
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,7 @@ class RunRecorder:
             keep=self.cfg.keep_ckpts,
             on_saved=self._on_saved,
             fence=self.writer.allowed,  # an evicted incarnation publishes no checkpoint
+            process_group=trainer.checkpoint_group,  # every rank of the replica writes its part
         )
         if self.leads:  # a writer of this host killed mid-save left its temporary file
             for stale in remove_stale_tmp(self.paths.checkpoints):
@@ -262,19 +263,23 @@ class RunRecorder:
         return loss
 
     def checkpoint(self, next_step: int, *, block: bool = False) -> Path | None:
-        """Save the committed state; only the writer replica writes to disk."""
+        """Save the committed state; only the writer replica writes, each of its ranks its own
+        part (a collective inside the replica). An evicted incarnation saves nothing."""
         if not self.is_writer:
             return None
-        state = {
-            "step": next_step,
+        trainer = self.trainer
+        intra = getattr(trainer, "intra", None)
+        meta = {
             "train": self.cfg.to_dict(),
             "data_hash": self.data_hash,
-            **self.trainer.state_dict(),
+            # Who saved it, for people: any layout loads it.
+            "layout": intra.layout.dims if intra is not None else {},
+            "model": {k: getattr(trainer.model_config, k) for k in _MODEL_SHAPE},
         }
-        if not self.leads or not self.writer.allowed():  # (an evicted incarnation saves nothing)
-            return None
-        # `checkpoint_saved` is written by _on_saved once the file is durable, not here.
-        return self._ckpt.save(next_step, state, block=block)
+        # `checkpoint_saved` is written by _on_saved once the folder is durable, not here.
+        return self._ckpt.save(
+            next_step, trainer.checkpoint_state(), meta, aliases=CHECKPOINT_ALIASES, block=block
+        )
 
     def wait_saves(self) -> None:
         """Block until the checkpoint in flight, if any, is durable (and announced)."""
@@ -297,6 +302,7 @@ class RunRecorder:
             path=str(saved.path),
             bytes=saved.bytes,
             seconds=round(saved.seconds, 6),
+            stall_s=round(saved.stall_s, 6),
         )
 
     def finish(self, *, unigram_loss: float | None = None, extra: dict | None = None) -> dict:
@@ -367,6 +373,9 @@ class RunRecorder:
         return "\n".join(lines)
 
 
+# The model's shape, recorded in each checkpoint's metadata (the run's config.json has it too).
+_MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+
 # Commits whose step records every replica keeps (the gap a run of dead writers can leave).
 _RECENT_KEPT = 64
 
@@ -402,7 +411,7 @@ def unigram_loss(
 
 
 def check_resume_state(state: dict, *, cfg: TrainConfig, data_hash: str, path: Path) -> int:
-    """Validate a loaded checkpoint against the run; return the next step to run."""
+    """Validate a checkpoint's metadata against the run; return the next step to run."""
     if state.get("data_hash") != data_hash:
         raise CheckpointError(f"checkpoint in {path} was trained on another dataset")
     step = int(state["step"])

@@ -84,11 +84,11 @@ def build_trainer_for_run(
         point = load_resume_state(paths)
         if point is not None:
             start = check_resume_state(
-                point.state, cfg=cfg, data_hash=dataset.content_hash, path=point.path
+                point.meta, cfg=cfg, data_hash=dataset.content_hash, path=point.path
             )
             try:
-                trainer.load_state_dict(point.state)
-            except ValueError as e:  # a checkpoint of another layout
+                trainer.load_checkpoint(point)
+            except ValueError as e:  # an older single-file checkpoint of another layout
                 raise CheckpointError(f"{point.path}: {e}") from None
         if intra is None or intra.rank == 0:
             if emit is not None:

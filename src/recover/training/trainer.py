@@ -38,11 +38,15 @@ from recover.data.addressing import (
 from recover.runtime.grads import GradientSum
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.spec import DEVICES
+from recover.training.checkpoint import ResumePoint, dcp_state, load_dcp_state
 from recover.training.config import TrainConfig, compute_lr
 from recover.training.model import GPT, build_config
 
-# Full (unsharded) state dicts keyed by parameter name: the checkpoint form of every layout.
+# Full (unsharded) state dicts keyed by parameter name: the form of the older single-file
+# checkpoints, of the final model, and of the state a joiner receives from a one-rank replica.
 FULL_STATE = StateDictOptions(full_state_dict=True)
+# The tied head is saved once, as the embedding (the last pipeline stage's copy too).
+CHECKPOINT_ALIASES = {"lm_head.weight": "transformer.wte.weight"}
 
 
 def is_layout_free(state: dict) -> bool:
@@ -105,6 +109,9 @@ class NonFiniteError(RuntimeError):
 
 class ReplicaTrainer:
     """One model copy, its optimizer and its local gradient sum."""
+
+    # The replica's own group for checkpoints (recover.training.checkpoint): none for one rank.
+    checkpoint_group = None
 
     def __init__(
         self,
@@ -307,6 +314,22 @@ class ReplicaTrainer:
             )
         else:  # an older one-rank checkpoint: the optimizer's own form
             self.optimizer.load_state_dict(state["optimizer"])
+
+    def checkpoint_state(self) -> dict:
+        """This rank's part of the committed state, as a DCP checkpoint saves it (every layout
+        saves its own shards, keyed by parameter name: any layout loads it)."""
+        return dcp_state(self.model, self.optimizer, aliases=CHECKPOINT_ALIASES)
+
+    def load_checkpoint(self, point: ResumePoint) -> None:
+        """Load a checkpoint saved by any layout (each rank reads its own part), or a file of
+        the older single-file form."""
+        if point.legacy_state is not None:
+            self.load_state_dict(point.legacy_state)
+            return
+        load_dcp_state(
+            point.path, self.model, self.optimizer, aliases=CHECKPOINT_ALIASES,
+            process_group=self.checkpoint_group,
+        )  # fmt: skip
 
     def transfer_state_dict(self) -> dict:
         """What the live state transfer sends to a joiner: this rank's committed state."""
