@@ -125,3 +125,13 @@ def test_the_reduce_gives_every_rank_the_one_process_root_bit_for_bit(plan) -> N
     expected = _root(leaves, range(8)).numpy().tobytes()
     for got in _reduce_in_threads(leaves, plan):
         assert got.numpy().tobytes() == expected
+
+
+@pytest.mark.inprocess
+@pytest.mark.timeout(60)
+def test_a_buffer_shorter_than_the_group_is_padded_and_cut_back() -> None:
+    torch.set_num_threads(1)
+    leaves = _leaves(4, 3)  # 3 values over 4 ranks: the last rank's shard is all padding
+    expected = _root(leaves, range(4)).numpy().tobytes()
+    for got in _reduce_in_threads(leaves, [[0], [1], [2], [3]]):
+        assert got.numel() == 3 and got.numpy().tobytes() == expected

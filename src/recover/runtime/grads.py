@@ -60,12 +60,14 @@ class GradientSum:
         """A fresh flat fp32 copy of the local gradient sum and loss sum (numel + 1 values), on
         `device` (default: the gradients' own): the attempt's one buffer, which the cross-replica
         reduce sums in place (`p.grad`, the local sum, is never touched by it)."""
-        flat = torch.zeros(self.numel + 1, dtype=torch.float32, device=device or self.device)
+        flat = torch.empty(self.numel + 1, dtype=torch.float32, device=device or self.device)
         offset = 0
-        for p in self.params:
+        for p in self.params:  # every value written once: a copy, or a zero where no gradient
             n = local_part(p).numel()
             if p.grad is not None:
                 flat[offset : offset + n].copy_(local_part(p.grad).reshape(-1))
+            else:
+                flat[offset : offset + n].zero_()
             offset += n
         flat[-1] = self.loss_sum
         return flat

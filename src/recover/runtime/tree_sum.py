@@ -155,7 +155,9 @@ def ordered_reduce(
     chunk, padded = shard_bounds(numel, world)
     device = group.device
     # What goes to owner o: the o-th shard of each of this rank's nodes, in node order.
-    send = torch.zeros(world, len(mine), chunk, dtype=torch.float32, device=device)
+    send = torch.empty(world, len(mine), chunk, dtype=torch.float32, device=device)
+    for o in range(world):  # the padding past numel (last shards) is zeros
+        send[o, :, max(0, min(chunk, numel - o * chunk)) :].zero_()
     for i, (_, value) in enumerate(mine):
         flat = value.to(device)
         for o in range(world):
