@@ -17,14 +17,16 @@ replica's nodes by the same rule: each replica owns a fixed shard (1/R) of the f
 receives that shard of every node of every replica (one all-to-all), combines them, and an
 all-gather of the combined shards gives every replica the whole root. Since a node's value
 does not depend on where or in which order it was formed, nor on how the flat buffer is cut
-into shards (the additions are elementwise), the sum is the same bits for any plan, any R.
+into shards (the additions are elementwise), the sum is the same bits for any plan, any R,
+given leaves that are the same bits wherever they are computed: the same parameters
+(agreement), the same kernels and thread count (`set_determinism_switches`).
 
 Invariants: a node is formed from exactly its ids, each once (constant batch); the local nodes
 are never touched by a collective (no corruption: the all-to-all sends a fresh copy); every
 replica computes every other replica's node list from the attempt's plan alone.
 
-Costs: one flat copy per microbatch (the leaf, taken from `.grad`), and at most
-log2(M) + 1 node buffers held between microbatches (the normal mode holds one). Traffic: a
+Costs: one flat copy per microbatch (the leaf, taken from `.grad`), and up to about log2(M)
+node buffers held per contiguous run of ids (the normal mode holds one buffer). Traffic: a
 replica whose share is one whole node sends (R-1)/R of a buffer and receives as much (the
 all-to-all), then the same again in the all-gather: a ring all-reduce's. A share that is not
 one node (R not a power of two, weighted plans, reassigned ids after a failure) is several

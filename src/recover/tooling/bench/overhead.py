@@ -5,9 +5,9 @@ init_process_group, the same ReplicaTrainer, a flat all-reduce of the gradients,
 no snapshot, no commit) and (b) `recover train --replicas R` with the same model, data, M and
 seed; prints the median step-time ratio b/a and its spread over the pairs.
 
-With --deterministic: alternates `recover train` in the normal mode and with --deterministic
-(same flags otherwise) and prints the ratio deterministic / normal the same way, with the
-per-pair figures.
+With --deterministic: pairs of `recover train` in the normal mode and with --deterministic
+(same flags otherwise; which runs first alternates), and the ratio deterministic / normal the
+same way, also for each run's fastest step.
 """
 
 from __future__ import annotations
@@ -135,10 +135,15 @@ def bench_deterministic(args: argparse.Namespace) -> dict:
     pairs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
-            normal = run_recover(flags, Path(tmp) / f"normal-{i}", timeout_s=args.timeout)
-            det = run_recover(
-                [*flags, "--deterministic"], Path(tmp) / f"det-{i}", timeout_s=args.timeout
-            )
+            # Which mode runs first alternates, so that a load that drifts during the pairs
+            # favours neither.
+            runs = {}
+            for mode in ("normal", "det") if i % 2 == 0 else ("det", "normal"):
+                extra = ["--deterministic"] if mode == "det" else []
+                runs[mode] = run_recover(
+                    [*flags, *extra], Path(tmp) / f"{mode}-{i}", timeout_s=args.timeout
+                )
+            normal, det = runs["normal"], runs["det"]
             a, b = median_step_s(normal), median_step_s(det)
             fast_a, fast_b = _fastest_step_s(normal), _fastest_step_s(det)
             pairs.append({
@@ -153,8 +158,8 @@ def bench_deterministic(args: argparse.Namespace) -> dict:
     fastest = [p["fastest_ratio"] for p in pairs]
     result = {
         "benchmark": "overhead-deterministic",
-        "method": "alternating pairs of recover train runs on one machine (normal mode, then "
-        f"--deterministic); per run the median step time after {WARMUP_STEPS} warm-up steps; "
+        "method": "pairs of recover train runs on one machine, the normal mode and "
+        "--deterministic, which one first alternating from pair to pair; per run the median step time after {WARMUP_STEPS} warm-up steps; "
         "ratio = deterministic / normal; fastest_ratio: the same for each run's fastest step "
         "after the warm-up (less sensitive to other load on a shared machine)",
         "config": {**cfg.to_dict(), "replicas": args.replicas},
