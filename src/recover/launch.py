@@ -892,8 +892,12 @@ class LocalLauncher:
         while time.monotonic() < deadline and any(p.poll() is None for p in replicas):
             time.sleep(0.05)
         self.writer.event("launcher.coordinator_lost", exit_status=status)
-        self.say(f"stopped, the coordinator lost: {self._resume_hint()}", logging.ERROR)
+        self.say(f"stopped, the coordinator lost: {self._lost_hint()}", logging.ERROR)
         return exits.COORDINATOR_LOST
+
+    def _lost_hint(self) -> str:
+        """Where the last committed state is after a lost coordinator, and how to continue."""
+        return self._resume_hint()
 
     def _resume_hint(self) -> str:
         saved = [
@@ -985,6 +989,13 @@ class ScriptLauncher(LocalLauncher):
         return (
             "the replicas left at a step boundary (replica.stopped in the script); resume the "
             "script from what it saved"
+        )
+
+    def _lost_hint(self) -> str:
+        return (
+            "each replica's microbatches() raised recover.CoordinatorLost, holding the last "
+            "committed state (its writer saves it if the script catches it, docs/api.md); resume "
+            "the script from what it saved"
         )
 
     def _replica_env(self, r: int, host: str, port: int) -> dict[str, str]:

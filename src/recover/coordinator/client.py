@@ -268,6 +268,11 @@ class CoordinatorClient:
         self._confirmed_at: float | None = None  # send time of the last confirming round
         self._last_sent: float | None = None  # send time of the last round
         self._silent = False  # a silence longer than the fence window; an answer clears it
+        # Whether no coordinator was listening (connections refused) since the last answer, and
+        # already when the silence began: then no coordinator could have evicted this
+        # incarnation meanwhile (see writes_allowed).
+        self._refused_since_answer: bool | None = None  # None: no failed round since
+        self._silent_while_gone = False
 
     # ------------------------------------------------------------ properties
 
@@ -310,6 +315,11 @@ class CoordinatorClient:
                 now = time.monotonic()
                 confirmed = self._confirmed_at
                 if not self._silent and confirmed is not None and now - confirmed <= self._fence_s:
+                    return True
+                if self._silent and self._silent_while_gone and self._refused_since_answer:
+                    # A silence (a starved thread, say) that began after the last coordinator
+                    # stopped listening, none listening since: nobody can have evicted it. This
+                    # lets the lowest replica save when the coordinator is lost (worker.py).
                     return True
                 if now >= end:
                     return False
@@ -570,6 +580,8 @@ class CoordinatorClient:
             next_at = sent + self._heartbeat_s
             with self._beat:
                 if self._last_sent is not None and sent - self._last_sent > self._fence_s:
+                    gone = self._refused_since_answer is True  # (the rounds before the gap)
+                    self._silent_while_gone = gone and (self._silent_while_gone or not self._silent)
                     self._silent = True  # frozen or starved this long: evicted meanwhile?
                 self._last_sent = sent
             view = self.view
@@ -593,6 +605,10 @@ class CoordinatorClient:
             except CoordinatorUnreachable as e:
                 if self._coordinator_lost():
                     self._unreachable = self._lost_reason(e)
+                with self._beat:  # refused: nothing listens there (a timeout: frozen, or cut off)
+                    refused = isinstance(e.__cause__, ConnectionRefusedError)
+                    before = self._refused_since_answer
+                    self._refused_since_answer = refused and before is not False
                 self._heard_back(sent, answered=False)
                 continue
             if reply.get("code") not in ("evicted", "unknown"):
@@ -618,6 +634,7 @@ class CoordinatorClient:
         with self._beat:
             if answered:
                 self._silent = False
+                self._refused_since_answer, self._silent_while_gone = None, False
             if not self._silent:
                 self._confirmed_at = max(sent, self._confirmed_at or sent)
             self._beat.notify_all()
