@@ -10,6 +10,7 @@ Skipped where no etcd binary is installed (Debian: etcd-server; CI installs it).
 
 from __future__ import annotations
 
+import base64
 import os
 import threading
 import time
@@ -139,3 +140,18 @@ def test_takeover_redoes_the_attempt_without_deaths():
     # every member's lease now runs 5 s from the takeover
     assert all(m.last_seen + s.options.lease_s == pytest.approx(15.0) for m in t.members.values())
     assert "term 2 took over" in why
+
+
+def test_history_is_compacted(etcd):
+    store = EtcdStateStore(_client(etcd), "/t4")
+    store.client.put("/t4/term", "1")
+    store.fence(1)
+    store.COMPACT_EVERY = 3
+    store.save(_state(1))
+    first = store.client.get("/t4/state")[1]  # the mod revision of the first save
+    for n in range(2, 4):
+        store.save(_state(n))
+    key = base64.b64encode(b"/t4/state").decode()
+    with pytest.raises(ValueError, match="compacted"):  # that version is gone
+        store.client.call("/v3/kv/range", {"key": key, "revision": str(first)})
+    assert state_to_json(store.load()) == state_to_json(_state(3))

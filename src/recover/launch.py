@@ -306,6 +306,8 @@ class LocalLauncher:
         self._standby_since: dict[str, float] = {}  # name -> when it was started (monotonic)
         self.standby_coordinators: tuple[tuple[str, int], ...] = ()  # --coordinators N
         self._etcd: LocalEtcd | None = None  # the private etcd of --coordinators N
+        self._coordinator_specs: dict[str, tuple] = {}  # name -> its _spawn_coordinator args
+        self._coordinator_restarts: dict[str, int] = {}
 
     # What a warm start pre-imports: everything a replica process of `recover train` loads.
     WARM_MODULES = (
@@ -402,6 +404,7 @@ class LocalLauncher:
             port = self._ports.pop()  # free a moment ago; the coordinator binds it a moment later
             name = "coordinator" if i == 0 else f"coordinator.{i}"
             self._spawn_coordinator(name, port, address_file, ha)
+            self._coordinator_specs[name] = (port, address_file, ha)
             addresses.append(("127.0.0.1", port))
         self.standby_coordinators = tuple(addresses[1:])
         return addresses[0]
@@ -427,6 +430,26 @@ class LocalLauncher:
             self._etcd.stop()
             shutil.rmtree(self._etcd.data_dir, ignore_errors=True)
             self._etcd = None
+
+    def _restart_coordinators(self, finishing: bool) -> None:
+        """With --coordinators N, a coordinator that died while others live is started again on
+        its port, as a standby (the one leading now keeps leading): the next leader death is
+        survived too. At most --max-restarts times each."""
+        if len(self._coordinator_specs) < 2 or finishing:
+            return
+        for name, spec in self._coordinator_specs.items():
+            proc = self.children[name]
+            if (
+                proc.poll() is None
+                or self._coordinator_restarts.get(name, 0) >= self.lcfg.max_restarts
+            ):
+                continue
+            self._coordinator_restarts[name] = self._coordinator_restarts.get(name, 0) + 1
+            self.say(f"{name} exited (status {proc.returncode}); starting it again as a standby")
+            self.writer.event(
+                "launcher.coordinator_restarted", coordinator=name, exit_status=proc.returncode
+            )
+            self._spawn_coordinator(name, *spec)
 
     def _spawn_coordinator(
         self, name: str, port: int, address_file: Path, ha: list[str] | None
@@ -736,6 +759,7 @@ class LocalLauncher:
                 p.poll() is not None for n, p in self.children.items() if n.startswith("coord")
             ):
                 return self._coordinator_lost(coordinator.returncode)
+            self._restart_coordinators(finishing)
             now = time.monotonic()
             for r, k in sorted((r, k) for r, ranks in alive.items() for k in ranks):
                 who = f"replica {r}" + (f" rank {k}" if lc.ranks > 1 else "")

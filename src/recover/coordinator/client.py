@@ -479,9 +479,6 @@ class CoordinatorClient:
             generation = self._session.generation
             reply = self._session.call(self._member(req))
         self._absorb(reply)
-        store = reply.get("store")
-        if reply.get("ok") and store:  # a new leader hosts a new store: the next epoch uses it
-            self._store_address = (str(store[0]), int(store[1]))
         if self._session.generation != generation:
             self._rpc.interrupt()  # a call parked on the old leader moves on at once
         return reply
@@ -493,7 +490,7 @@ class CoordinatorClient:
         try:
             try:
                 reply = self._rpc.call(req, wait_s)
-            except CoordinatorUnreachable:
+            except CoordinatorUnreachable:  # gone, or a takeover: the channel tries the next
                 reply = self._call_within_grace(req, wait_s)
         finally:
             self._rpc.lock.release()
@@ -513,6 +510,9 @@ class CoordinatorClient:
 
     def _absorb(self, reply: dict[str, Any]) -> None:
         self._answered_at = time.monotonic()  # every reply passes here
+        store = reply.get("store")
+        if reply.get("ok") and store:  # a new leader hosts a new store: the next epoch uses it
+            self._store_address = (str(store[0]), int(store[1]))
         raw = reply.get("view")
         if raw is None:
             return

@@ -231,6 +231,7 @@ class CoordinatorServer(LoopService):
         self._pending_records: list[Decision] = []
         self._unsaved_events: list[tuple[int, bytes]] = []  # (revision, line), durable stores
         self._last_saved = -1  # the saver thread's last saved revision
+        self._view_revision = 0  # the revision at which the published view last changed
 
     # ------------------------------------------------------------ lifecycle
 
@@ -252,6 +253,7 @@ class CoordinatorServer(LoopService):
             self._pending_records = decisions  # recorded once the events file is open
             log.warning("%s", reason)
         self._wake_key = self._key(self._state)
+        self._view_revision = self._state.revision
         alive = [m for m in self._state.members.values() if m.state in (PENDING, LIVE)]
         self._leases = LeaseQueue(
             self._options.lease_s, [(m.replica_id, m.last_seen) for m in alive]
@@ -377,6 +379,9 @@ class CoordinatorServer(LoopService):
         for d in decisions:
             self._record(d)
         if new.view_version != old.view_version:
+            # What a reply shows must be durable before it leaves: the view, as of this revision
+            # (a registration alone moves no view, so R registrations wait for no save).
+            self._view_revision = new.revision
             key = self._key(new)
             if key != self._wake_key:
                 if key[:2] != self._wake_key[:2]:  # (epoch, status): push to held heartbeats
@@ -429,11 +434,17 @@ class CoordinatorServer(LoopService):
     def _save_loop(self) -> None:
         """Save the newest revision at most every save_interval_s, and once more at stop."""
         saved = None
+        failing = False
+        started = 0.0
         while True:
-            if self._durable:  # at once when dirty: replies wait for it (group commit)
+            if self._durable:  # when dirty (replies wait for it), at most one save per interval:
+                # what changes meanwhile goes in the next (group commit), so a burst of changes
+                # (R registrations) costs ten saves a second, not one per change
+                self._save_stop.wait(max(0.0, started + self._save_interval_s - time.monotonic()))
                 self._dirty.wait(self._save_interval_s)
                 self._dirty.clear()
                 stopping = self._save_stop.is_set()
+                started = time.monotonic()
             else:
                 stopping = self._save_stop.wait(self._save_interval_s)
             state = self._state
@@ -441,13 +452,18 @@ class CoordinatorServer(LoopService):
                 try:
                     self._state_store.save(state)
                     saved = self._last_saved = state.revision
+                    if failing:
+                        log.warning("saving the coordinator state works again")
+                    failing = False
                     if self._durable:
                         self._call_in_loop(self._on_saved, saved)
                 except Fenced as e:
                     self._call_in_loop(self._depose, str(e))
                     return
-                except Exception:  # keep serving; the next round retries
-                    log.exception("saving the coordinator state failed")
+                except Exception as e:  # keep serving; the next round retries
+                    if not failing:  # once per outage (it retries ten times a second)
+                        log.warning("saving the coordinator state failed (retrying): %s", e)
+                    failing = True
                     self._save_stop.wait(self._save_interval_s)
                     self._dirty.set()
             if stopping:
@@ -573,7 +589,7 @@ class CoordinatorServer(LoopService):
                 if reply.get("view") is _VIEW and isinstance(req.get("replica_id"), int):
                     self._delivered[req["replica_id"]] = self._state.view_version
                 shows = self._durable and ("view" in reply or "outcome" in reply)
-                revision = self._state.revision
+                revision = self._view_revision
                 data = self._frame(reply, req.get("view_version"))
                 if shows and not await self._saved(revision):
                     break  # deposed or stopping: what it shows may never be durable
@@ -799,7 +815,7 @@ class CoordinatorServer(LoopService):
             return None
 
         result = await self._wait_for(ready, deadline_s)
-        return result or {"ok": True, "timeout": True, "view": _VIEW}
+        return self._with_store(result or {"ok": True, "timeout": True, "view": _VIEW})
 
     async def _handle_wait_outcome(self, req: dict[str, Any]) -> dict[str, Any]:
         who = self._who(req, required=True)
@@ -822,8 +838,15 @@ class CoordinatorServer(LoopService):
 
         result = await self._wait_for(ready, deadline_s)
         if result is None:
-            return {"ok": True, "outcome": "timeout", "reason": "deadline passed", "view": _VIEW}
-        return result
+            result = {"ok": True, "outcome": "timeout", "reason": "deadline passed", "view": _VIEW}
+        return self._with_store(result)
+
+    def _with_store(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """The store's address with the replies after which a replica may build a process group
+        (a new epoch): after a takeover, the new leader's store, whichever reply comes first."""
+        if self._term is not None and self._store_address is not None and reply.get("ok"):
+            reply["store"] = list(self._store_address)
+        return reply
 
     def _who(self, req: dict[str, Any], *, required: bool) -> tuple[int, str] | None:
         if not required and "replica_id" not in req:

@@ -606,13 +606,9 @@ def run_once(cfg: BenchCoordinatorConfig) -> dict:
                 raise RuntimeError("; ".join(failed[:3]))
             row.update(_merge(cfg, parts, sampler, coord, relays, drivers))
             if writes is not None:
-                writes.close()
                 t0 = max(p["window"][0] for p in parts)
                 t1 = min(p["window"][1] for p in parts)
-                n = writes.between(t0, t1)
-                row["etcd_writes_per_step"] = None if n is None else n / max(1, cfg.steps)
-                row["etcd_writes_per_s"] = None if n is None else n / (t1 - t0)
-                row["etcd_state_bytes"] = writes.state_bytes("/bench/state")
+                row.update(writes.per_step(t0, t1, cfg.steps, "/bench/state"))
             t_end = min(p["t_wall_end"] for p in parts)
             _stop_all(procs)
             row["false_deaths"] = len(_false_deaths(work / "events.jsonl", t_end))
@@ -666,6 +662,17 @@ class _EtcdWrites:
         a = min(self.samples, key=lambda s: abs(s[0] - t0))
         b = min(self.samples, key=lambda s: abs(s[0] - t1))
         return b[1] - a[1] if b[0] > a[0] else None
+
+    def per_step(self, t0: float, t1: float, steps: int, key: str) -> dict:
+        """etcd_writes_per_step and _per_s over the measured window [t0, t1] of `steps` steps,
+        and etcd_state_bytes, the size of one state write now (compressed)."""
+        self.close()
+        n = self.between(t0, t1)
+        return {
+            "etcd_writes_per_step": None if n is None else n / max(1, steps),
+            "etcd_writes_per_s": None if n is None else n / (t1 - t0),
+            "etcd_state_bytes": self.state_bytes(key),
+        }
 
     def state_bytes(self, key: str) -> int | None:
         from recover.coordinator.etcd import EtcdClient  # noqa: PLC0415

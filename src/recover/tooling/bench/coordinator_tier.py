@@ -30,10 +30,12 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from recover.coordinator.etcd_local import start_local_etcd
 from recover.tooling.bench.coordinator import (
     BenchCoordinatorConfig,
     _Conn,
     _CpuSampler,
+    _EtcdWrites,
     _false_deaths,
     _parse_view,
     _pct,
@@ -239,10 +241,16 @@ def run_tier(cfg: BenchCoordinatorConfig) -> dict:
     }
     procs: list[subprocess.Popen] = []
     sampler = None
+    etcd = writes = None
     with tempfile.TemporaryDirectory(prefix="recover-bench-tier-") as tmp:
         work = Path(tmp)
         try:
-            coord, info = start_coordinator(cfg, work, procs)
+            state = None
+            if cfg.etcd:  # the state in a private etcd; its writes counted (coordinator.py)
+                etcd = start_local_etcd(work / "etcd")
+                state = f"{etcd.url}/bench"
+                writes = _EtcdWrites(etcd.client_port)
+            coord, info = start_coordinator(cfg, work, procs, state)
             sampler = _CpuSampler([coord.pid, os.getpid()])
             out = asyncio.run(_drive_tier(cfg, info["host"], info["port"]))
             sampler.close()
@@ -262,6 +270,8 @@ def run_tier(cfg: BenchCoordinatorConfig) -> dict:
                 expiry_publish_s=out.get("expiry_publish_s"),
                 loadavg=os.getloadavg()[0],
             )
+            if writes is not None:
+                row.update(writes.per_step(t0, t1, cfg.steps, "/bench/state"))
             _stop_all(procs)
             row["false_deaths"] = len(_false_deaths(work / "events.jsonl", out["t_wall_end"]))
         except (RuntimeError, TimeoutError, OSError) as e:
@@ -270,6 +280,10 @@ def run_tier(cfg: BenchCoordinatorConfig) -> dict:
             if sampler is not None:
                 sampler.close()
             _stop_all(procs)
+            if writes is not None:
+                writes.close()
+            if etcd is not None:
+                etcd.stop()
     return row
 
 
