@@ -42,9 +42,9 @@ def assert_invariants(
     check_invariants(reference, out, r, steps=steps, microbatches=M)
 
 
-def cli(*args: str, env=None) -> subprocess.Popen:
+def cli(*args: str, env=None, stdin=subprocess.DEVNULL) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "recover.cli", *args],
+        [sys.executable, "-m", "recover.cli", *args], stdin=stdin,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or child_env(),
     )  # fmt: skip
 
@@ -54,6 +54,13 @@ def failure_free(data: Path, out: Path, steps: int) -> Path:
                120)  # fmt: skip
     assert r.returncode == 0, r.stdout
     return out
+
+
+def send_and_close(proc: subprocess.Popen, text: str) -> None:
+    """Write `text` to `proc`'s stdin and close it (then `finish` waits for it as for any)."""
+    proc.stdin.write(text)
+    proc.stdin.close()
+    proc.stdin = None  # (communicate() would flush the closed pipe)
 
 
 @pytest.fixture(scope="module")
@@ -252,3 +259,28 @@ def test_standby_settings_are_checked():
         LaunchConfig(replicas=2, standby=1, replica=ReplicaSpec(layout=ReplicaLayout(shard=2)))
     with pytest.raises(ValueError, match="--mode recover"):
         LaunchConfig(replicas=2, standby=1, replica=ReplicaSpec(mode="shrink"))
+
+
+@pytest.mark.timeout(180)
+def test_a_standby_started_by_hand_waits_writing_nothing(tiny_dataset, tmp_path):
+    # A node agent's standby: closed without a line it leaves (exit 0) and wrote nothing; a line
+    # that names no replica is refused with the expected form. Neither contacts the coordinator
+    # (none listens at the address given).
+    out = tmp_path / "never"
+    args = ["worker", "--standby", *FLAGS, "--steps", "10", "--coordinator", "127.0.0.1:9",
+            "--data", str(tiny_dataset), "--out", str(out)]  # fmt: skip
+    retired = cli(*args, stdin=subprocess.PIPE)
+    garbled = cli(*args, stdin=subprocess.PIPE)
+    try:
+        send_and_close(retired, "")
+        send_and_close(garbled, "replica 5\n")
+        r, g = finish(retired, 120), finish(garbled, 120)  # (each imports torch: 25 s at load 15)
+    finally:
+        for p in (retired, garbled):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert r.returncode == 0, r.stdout
+    assert not out.exists()
+    assert g.returncode == 2 and "JSON object with RECOVER_REPLICA_ID" in g.stdout, g.stdout
+    assert not out.exists()

@@ -279,9 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--standby",
         action="store_true",
-        help="with --launched: a warm standby of the local launcher (recover train --standby); "
-        "build the replica, then wait unregistered for one line on stdin, the JSON object of the "
-        "variables that make it a replica (RECOVER_REPLICA_ID, RECOVER_FAULTS, ...)",
+        help="a warm standby (recover train --standby, or a node agent's): build the replica, "
+        'then wait unregistered for one line on stdin, e.g. {"RECOVER_REPLICA_ID": "1"}, that '
+        "makes it that replica (instead of --replica-id); end of input: exit 0, nothing written",
     )
     worker.add_argument(
         "--register-timeout",
@@ -641,10 +641,11 @@ def run_worker_cli(args: argparse.Namespace) -> int:
     from recover.training.worker import WorkerConfig, run_worker
 
     prepared = None
-    if args.standby:  # a warm standby of the local launcher (recover.launch)
-        if not args.launched:
-            return _error("--standby is for processes the local launcher starts (--launched)")
-        prepared = _stand_by(args)
+    if args.standby:  # a warm standby: the local launcher's, or a node agent's (by hand)
+        try:
+            prepared = _stand_by(args)
+        except ValueError as e:
+            return _error(str(e))
         if prepared is None:  # retired before it was needed: it leaves without a trace
             sys.stdout.flush()
             os._exit(0)
@@ -720,30 +721,47 @@ def run_worker_cli(args: argparse.Namespace) -> int:
 def _stand_by(args: argparse.Namespace):
     """A standby: build the replica (torch, dataset, model and optimizer) with the job's spec,
     then wait, unregistered and writing nothing, for one line on stdin: the JSON object of the
-    variables that make it a replica (its id, faults, device), which are added to its
-    environment. Returns the prepared replica, or None at end of input (the launcher retired it
-    or is gone)."""
+    variables that make it a replica (RECOVER_REPLICA_ID, and from the local launcher its faults
+    and device too), which are added to its environment. Started by hand (no --launched), the job
+    comes from its flags and the line's RECOVER_REPLICA_ID becomes --replica-id. Returns the
+    prepared replica, or None at end of input (retired, or its launcher is gone)."""
     import json
     import os
 
     import torch
 
-    from recover.runtime.env import device_index, spec_from_environ
+    from recover.runtime.env import REPLICA_ENV, device_index, spec_from_environ
+    from recover.runtime.spec import ReplicaSpec
     from recover.training.config import TRAIN_CONFIG_ENV, TrainConfig
     from recover.training.worker import prepare_replica
 
+    if args.replica_id is not None:
+        raise ValueError("--standby waits for its replica id on stdin: drop --replica-id")
+    if args.launched:
+        cfg = TrainConfig.from_json(os.environ[TRAIN_CONFIG_ENV])
+        spec = spec_from_environ(os.environ)
+    else:
+        cfg, spec = train_config_from_args(args), ReplicaSpec.from_args(args)
     torch.set_num_threads(1)  # one core per replica process
-    cfg = TrainConfig.from_json(os.environ[TRAIN_CONFIG_ENV])
     prepared = prepare_replica(
-        cfg,
-        data=args.data,
-        spec=spec_from_environ(os.environ),
-        device_index=device_index(os.environ),
+        cfg, data=args.data, spec=spec, device_index=device_index(os.environ)
     )
     line = sys.stdin.readline()
     if not line.strip():
         return None
-    os.environ.update({str(k): str(v) for k, v in json.loads(line).items()})
+    try:
+        promotion = json.loads(line)
+        rid = str(promotion[REPLICA_ENV])
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(
+            f"--standby: the line on stdin must be a JSON object with {REPLICA_ENV}, e.g. "
+            f'{{"{REPLICA_ENV}": "1"}}; got {line.strip()[:80]!r}'
+        ) from None
+    if not rid.isdigit():
+        raise ValueError(f"--standby: {REPLICA_ENV} must be an int >= 0, got {rid!r}")
+    os.environ.update({str(k): str(v) for k, v in promotion.items()})
+    if not args.launched:
+        args.replica_id = int(rid)
     return prepared
 
 

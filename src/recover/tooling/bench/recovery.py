@@ -4,7 +4,9 @@
   from the kill (`failure_injected`) to the next commit (`coordinator.committed`) beside the
   median failure-free step time of the same runs;
 - `rejoin` kills a replica, respawns it, and measures the state transfer and the time to the
-  joiner's first commit, per preset.
+  joiner's first commit, per preset, for three ways of starting the joiner side by side: a warm
+  standby (`--standby 1`: model built ahead, waiting), a warm fork (the default: forked from the
+  zygote, torch imported) and a cold start (`--cold-start`: a fresh process).
 """
 
 from __future__ import annotations
@@ -113,20 +115,41 @@ REJOIN_KILL_STEP = 2
 
 
 def rejoin_figures(out: Path) -> dict:
-    """Transfer size and time, and seconds from the respawn to the joiner's first commit."""
+    """Transfer size and time; seconds from the respawn (or a standby's promotion) to the
+    joiner's first commit, and from its admission (the coordinator's, at a step boundary) to
+    that commit; with a standby, what the one still waiting at the end cost (CPU seconds over
+    its life, its build included, and its resident memory)."""
     records = list(read_metrics(out / "metrics.jsonl"))
     respawned = next(r for r in records if r.get("name") == "launcher.respawned")
     transfer = next(r for r in records if r.get("name") == "state_transfer")
+    admitted = next(
+        r for r in records
+        if r.get("name") == "coordinator.admitted" and respawned["replica"] in r["replica_ids"]
+        and r["t_wall"] > respawned["t_wall"]
+    )  # fmt: skip
     first_commit = min(
         r["t_wall"]
         for r in records
         if r.get("name") == "coordinator.committed" and r["t_wall"] > transfer["t_wall"]
     )
-    return {
+    figures = {
         "transfer_bytes": transfer["bytes"],
         "transfer_s": transfer["seconds"],
         "start_to_first_commit_s": first_commit - respawned["t_wall"],
+        "admission_to_first_commit_s": first_commit - admitted["t_wall"],
     }
+    retired = [r for r in records if r.get("name") == "launcher.standby_retired" and "cpu_s" in r]
+    if retired:
+        figures |= {
+            "standby_cpu_s": retired[0]["cpu_s"],
+            "standby_age_s": retired[0]["age_s"],
+            "standby_rss_mib": retired[0]["rss_mib"],
+        }
+    return figures
+
+
+# How the joiner starts, in the order the runs alternate: flags for each.
+REJOIN_STARTS = {"standby": ["--standby", "1"], "warm": [], "cold": ["--cold-start"]}
 
 
 def bench_rejoin(args: argparse.Namespace) -> dict:
@@ -149,34 +172,44 @@ def bench_rejoin(args: argparse.Namespace) -> dict:
             flags = [*train_flags(cfg), "--replicas", str(args.replicas), "--data", str(data),
                      "--respawn", "0", "--fault",
                      f"kill:replica={args.replicas - 1},step={REJOIN_KILL_STEP},phase=backward"]  # fmt: skip
-            # Warm (the respawn forked from the zygote) and cold (a fresh process) alternate, so
-            # both see the same machine.
-            figures: dict[str, list[dict]] = {"warm": [], "cold": []}
+            # The three starts alternate, so that all see the same machine.
+            figures: dict[str, list[dict]] = {start: [] for start in REJOIN_STARTS}
             for i in range(args.repeats):
-                for start, extra in (("warm", []), ("cold", ["--cold-start"])):
+                for start, extra in REJOIN_STARTS.items():
                     run = Path(tmp) / f"{preset}-{start}-{i}"
                     out = run_recover([*flags, *extra], run, timeout_s=args.timeout)
                     figures[start].append(rejoin_figures(out))
             row = {"preset": preset, "microbatches": M, "microbatch_size": B, "seq_len": T}
-            for key in figures["warm"][0]:
+            for key in figures["warm"][0]:  # (unprefixed: the warm fork's, as before)
                 row[key] = statistics.median(f[key] for f in figures["warm"])
-            row["cold_start_to_first_commit_s"] = statistics.median(
-                f["start_to_first_commit_s"] for f in figures["cold"]
-            )
+            for start in ("standby", "cold"):
+                for key in figures[start][0]:
+                    if key.startswith("transfer_bytes"):
+                        continue
+                    name = key if key.startswith("standby_") else f"{start}_{key}"
+                    row[name] = statistics.median(f[key] for f in figures[start])
+            row["raw"] = figures
             rows.append(row)
-            print(f"  {preset:<10} state {row['transfer_bytes'] / 2**20:.1f} MiB in "
-                  f"{row['transfer_s']:.3f} s; joiner start -> first commit "
+            print(f"  {preset:<10} state {row['transfer_bytes'] / 2**20:.1f} MiB; joiner start "
+                  f"-> first commit {row['standby_start_to_first_commit_s']:.2f} s standby, "
                   f"{row['start_to_first_commit_s']:.2f} s warm, "
-                  f"{row['cold_start_to_first_commit_s']:.2f} s cold", flush=True)  # fmt: skip
+                  f"{row['cold_start_to_first_commit_s']:.2f} s cold; admission -> first commit "
+                  f"{row['standby_admission_to_first_commit_s']:.2f} s standby (transfer "
+                  f"{row['standby_transfer_s']:.3f} s)", flush=True)  # fmt: skip
     print(format_rejoin_table(rows))
     return {
         "benchmark": "rejoin",
         "method": f"{args.replicas} replicas; the last is SIGKILLed at step {REJOIN_KILL_STEP} and "
-        "respawned at once (--respawn 0); transfer = the joiner's state_transfer event; start -> "
-        "first commit = from the launcher's respawn to the first commit after the transfer "
-        "(includes process start, the model build and, cold, the torch import); warm: the "
-        "respawn is forked from the launcher's zygote (the default), cold: --cold-start; the two "
-        f"alternate; median of {args.repeats} each",
+        "replaced at once (--respawn 0); transfer = the joiner's state_transfer event; start -> "
+        "first commit = from the launcher's launcher.respawned event to the first commit after "
+        "the transfer (includes, but with a standby, process start and the model build, and, "
+        "cold, the torch import); admission -> first commit = from the coordinator's admission "
+        "of the joiner at a step boundary to that commit (the group build, the transfer and one "
+        "step); standby: --standby 1 (the joiner was built ahead and waited), warm: the respawn "
+        "is forked from the launcher's zygote (the default), cold: --cold-start; the three "
+        f"alternate; median of {args.repeats} each; standby_cpu_s/age_s/rss_mib: the standby "
+        "still waiting at the end (started behind the promoted one), CPU over its whole life "
+        "(its build included) and resident memory (pages shared with the zygote included)",
         "machine": machine_info(),
         "rows": rows,
     }
@@ -184,14 +217,20 @@ def bench_rejoin(args: argparse.Namespace) -> dict:
 
 def format_rejoin_table(rows: list[dict]) -> str:
     lines = [
-        "| preset | state transferred | transfer time (s) | joiner start -> first commit, warm "
-        "(s) | cold (s) |",
-        "|---|---|---|---|---|",
+        "| preset | state transferred | joiner start -> first commit: standby (s) | warm fork "
+        "(s) | cold (s) | admission -> first commit, standby (s) | of which transfer (s) |",
+        "|---|---|---|---|---|---|---|",
     ]
+
+    def cell(r: dict, key: str, digits: int = 2) -> str:
+        return "-" if r.get(key) is None else f"{r[key]:.{digits}f}"
+
     for r in rows:
-        cold = r.get("cold_start_to_first_commit_s")
         lines.append(
-            f"| {r['preset']} | {r['transfer_bytes'] / 2**20:.1f} MiB | {r['transfer_s']:.3f} | "
-            f"{r['start_to_first_commit_s']:.2f} | {'-' if cold is None else f'{cold:.2f}'} |"
+            f"| {r['preset']} | {r['transfer_bytes'] / 2**20:.1f} MiB "
+            f"| {cell(r, 'standby_start_to_first_commit_s')} "
+            f"| {cell(r, 'start_to_first_commit_s')} | {cell(r, 'cold_start_to_first_commit_s')} "
+            f"| {cell(r, 'standby_admission_to_first_commit_s')} "
+            f"| {cell(r, 'standby_transfer_s', 3)} |"
         )
     return "\n".join(lines)
