@@ -5,7 +5,8 @@ Checked: the state round-trips through etcd; a save under a superseded term is r
 nothing; one candidate wins a term, the other waits and wins the next term when the leader's
 lease runs out (never while it is renewed); a leader whose process stalls lets its lease go; a
 frozen leader (no renewals past its TTL) knows it no longer leads before anyone tells it.
-Skipped where no etcd binary is installed (Debian: etcd-server; CI installs it).
+The tests that need etcd skip where no etcd binary is installed (Debian: etcd-server; CI installs
+it); the launcher's checks of --coordinators and --state need none.
 """
 
 from __future__ import annotations
@@ -32,13 +33,12 @@ from recover.coordinator.state_store import CoordinatorOptions, state_to_json
 
 if find_etcd() is None and os.environ.get("CI"):  # CI must run these (.ci/run installs it)
     raise RuntimeError("no etcd binary in CI: .ci/run installs Debian's etcd-server")
-pytestmark = pytest.mark.skipif(
-    find_etcd() is None, reason="no etcd binary (apt-get install etcd-server)"
-)
 
 
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory):
+    if find_etcd() is None:
+        pytest.skip("no etcd binary (apt-get install etcd-server)")
     server = start_local_etcd(tmp_path_factory.mktemp("etcd"))
     try:
         yield server
@@ -155,3 +155,16 @@ def test_history_is_compacted(etcd):
     with pytest.raises(ValueError, match="compacted"):  # that version is gone
         store.client.call("/v3/kv/range", {"key": key, "revision": str(first)})
     assert state_to_json(store.load()) == state_to_json(_state(3))
+
+
+def test_launch_config_names_what_ha_needs(monkeypatch):
+    import recover.launch as launch
+
+    with pytest.raises(ValueError, match="--coordinators must be an int >= 1"):
+        launch.LaunchConfig(replicas=2, coordinators=0)
+    with pytest.raises(ValueError, match="--state must look like etcd://"):
+        launch.LaunchConfig(replicas=2, coordinators=2, state="http://h:2379")
+    monkeypatch.setattr(launch, "find_etcd", lambda: None)
+    with pytest.raises(ValueError, match="apt-get install etcd-server, or give --state"):
+        launch.LaunchConfig(replicas=2, coordinators=2)
+    launch.LaunchConfig(replicas=2, coordinators=2, state="etcd://h:2379/run1")  # no binary needed
