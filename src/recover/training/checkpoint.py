@@ -78,6 +78,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 FORMAT = "recover-dcp/1"
 MARKER = "recover.json"  # written last: a folder without it is not a checkpoint
@@ -571,8 +572,8 @@ def load_dcp_state(
     with_optimizer = optimizer is not None and any(
         k.startswith("optimizer.state.") for k in saved_keys
     )
-    if with_optimizer and not optimizer.state:  # torch creates the state to load into
-        get_optimizer_state_dict(model, optimizer, options=_FLAT)  # (a step with zero gradients)
+    if with_optimizer and not optimizer.state:
+        _create_optimizer_state(model, optimizer)  # the tensors to load into
     state = dcp_state(model, optimizer if with_optimizer else None, extra=extra, aliases=aliases)
     _check_shapes(path, metadata, _flatten({k: v for k, v in state.items() if k != "extra"}))
     try:
@@ -590,6 +591,31 @@ def load_dcp_state(
         set_optimizer_state_dict(model, optimizer, flat, options=_FLAT)
     for name, obj in (extra or {}).items():
         obj.load_state_dict(state["extra"][name])
+
+
+def _create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create a fresh optimizer's state, as torch's state_dict helpers do (one step at learning
+    rate 0 with zero gradients), but with stride-0 zero gradients: no gradient buffer per
+    parameter, so that a resume's peak host memory stays near the state itself. Sharded (DTensor)
+    parameters go through torch's own helper."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(p.grad is not None or isinstance(p, DTensor) for p in params):
+        get_optimizer_state_dict(model, optimizer, options=_FLAT)
+        return
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
+    lrs = [group.get("lr") for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            if lr is not None:
+                group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
 
 
 def _unalias(loaded: dict, wanted, aliases: Mapping[str, str], prefixes) -> dict:
