@@ -277,8 +277,9 @@ class Replica:
             self._link = SoloLink(client)
         else:
             self._link = ReplicaLink(
-                self.intra, client=client, host=host, port=port, token=env.token
-            )
+                self.intra, client=client, host=host, port=port, token=env.token,
+                standbys=env.standbys,
+            )  # fmt: skip
         view = self._link.register(
             fingerprint=self._fingerprint(total_steps), next_step=start_step, deadline_s=180.0
         )

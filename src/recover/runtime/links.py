@@ -57,6 +57,7 @@ from recover.coordinator.client import (
     RequestRefused,
     Stopped,
     _Channel,
+    _Leader,
 )
 from recover.coordinator.protocol import View
 from recover.runtime.env import RankEnv
@@ -307,13 +308,14 @@ class ReplicaLink:
         host: str = "",
         port: int = 0,
         token: str | None = None,
+        standbys: tuple[tuple[str, int], ...] = (),
     ) -> None:
         self.intra = intra
         self.client = client if intra.leader else None
         self._view: View | None = None
         self._pending: BaseException | None = None
         self._store_address: tuple[str, int] | None = None
-        self._watcher = None if intra.leader else _ViewWatcher(host, port, token)
+        self._watcher = None if intra.leader else _ViewWatcher(host, port, token, standbys)
 
     # ---- what every rank sees --------------------------------------------------------------
     @property
@@ -393,14 +395,17 @@ class ReplicaLink:
             except BaseException as e:
                 self.intra.relay(("raise", *_describe_error(e)))
                 raise
+            # With the store's address: a standby that took over hosts a new one (every rank
+            # builds the next epoch's group there).
+            store = list(self.client.store_address or ())
             if isinstance(out, Committed):
-                msg = ("committed", out.step, self.client.view.to_dict())
+                msg = ("committed", out.step, self.client.view.to_dict(), store)
             elif isinstance(out, Redo):
-                msg = ("redo", out.step, out.view.to_dict())
+                msg = ("redo", out.step, out.view.to_dict(), store)
             else:
-                msg = ("stopped", out.status, out.reason, self.client.view.to_dict())
+                msg = ("stopped", out.status, out.reason, self.client.view.to_dict(), store)
         msg = self.intra.relay(msg)
-        self._absorb(msg)
+        self._absorb(msg, store=True)
         kind = msg[0]
         if kind == "committed":
             return Committed(msg[1])
@@ -428,7 +433,7 @@ class ReplicaLink:
         if msg[0] == "raise":
             _raise_relayed(*msg[1:])
         self._view = View.from_dict(msg[-2] if store else msg[-1])
-        if store:
+        if store and msg[-1]:
             self._store_address = tuple(msg[-1])
         return self._view
 
@@ -436,8 +441,11 @@ class ReplicaLink:
 class _ViewWatcher:
     """A read-only long poll of the coordinator's view (no membership, no effect on it)."""
 
-    def __init__(self, host: str, port: int, token: str | None) -> None:
-        self._channel = _Channel(host, port, 5.0)
+    def __init__(
+        self, host: str, port: int, token: str | None, standbys: tuple[tuple[str, int], ...] = ()
+    ) -> None:
+        # every coordinator's address: after a takeover it follows the new leader
+        self._channel = _Channel(host, port, 5.0, _Leader([(host, port), *standbys]))
         self._token = token
         self._view: View | None = None
         self._stop = threading.Event()

@@ -222,6 +222,7 @@ def run_worker(
             host=host,
             port=port,
             token=wcfg.env.token,
+            standbys=wcfg.env.standbys,
         )
     recorder = RunRecorder(
         cfg=cfg,
