@@ -130,6 +130,8 @@ def test_a_script_that_does_not_catch_coordinator_lost_ends_with_one_line(tmp_pa
     assert sorted(line.split("]")[0] for line in lost) == ["[replica 0", "[replica 1"], lost
     (said,) = [line for line in r.stdout.splitlines() if "stopped, the coordinator lost" in line]
     assert said.startswith("[launcher]") and "raised recover.CoordinatorLost" in said, said
+    (ended,) = events(out / "job", "launcher.coordinator_lost")
+    assert ended["replicas"] == {"replica 0": 11, "replica 1": 11}, ended
     assert leftover_processes(str(out)) == []
 
 

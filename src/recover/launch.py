@@ -911,11 +911,12 @@ class LocalLauncher:
             "s for it (--coordinator-grace), then save the last committed step and stop",
             logging.ERROR,
         )
-        replicas = [p for n, p in self.children.items() if n.startswith("replica ")]
+        replicas = {n: p for n, p in self.children.items() if n.startswith("replica ")}
         deadline = time.monotonic() + grace + self.lcfg.stop_grace_s
-        while time.monotonic() < deadline and any(p.poll() is None for p in replicas):
+        while time.monotonic() < deadline and any(p.poll() is None for p in replicas.values()):
             time.sleep(0.05)
-        self.writer.event("launcher.coordinator_lost", exit_status=status)
+        ended = {n: p.poll() for n, p in sorted(replicas.items())}  # None: still running (reaped)
+        self.writer.event("launcher.coordinator_lost", exit_status=status, replicas=ended)
         self.say(f"stopped, the coordinator lost: {self._lost_hint()}", logging.ERROR)
         return exits.COORDINATOR_LOST
 

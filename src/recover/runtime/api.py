@@ -485,6 +485,9 @@ class Replica:
             live = view.live if view is not None else ()
             held = self._machine is not None and self._machine.has_state
             self.is_writer = held and self.rank == 0 and (not live or self.replica_id == min(live))
+            # No step can run any more: stop the heartbeats and the replica's watchdog now, so
+            # that the ranks of a replica that end on it are not taken for lost mates.
+            self.close()
             raise CoordinatorLost(
                 f"replica {self.replica_id}: the coordinator is lost ({str(e)[:200]}); the model "
                 f"holds the state after step {self._committed}, the last committed (is_writer: "
