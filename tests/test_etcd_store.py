@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import base64
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -168,3 +172,31 @@ def test_launch_config_names_what_ha_needs(monkeypatch):
     with pytest.raises(ValueError, match="apt-get install etcd-server, or give --state"):
         launch.LaunchConfig(replicas=2, coordinators=2)
     launch.LaunchConfig(replicas=2, coordinators=2, state="etcd://h:2379/run1")  # no binary needed
+
+
+def test_a_private_etcd_dies_with_the_process_that_started_it(tmp_path):
+    """A launcher SIGKILLed mid-run leaves no etcd behind (PR_SET_PDEATHSIG)."""
+    if find_etcd() is None:
+        pytest.skip("no etcd binary (apt-get install etcd-server)")
+    code = (
+        "import sys, time; from recover.coordinator.etcd_local import start_local_etcd; "
+        "print(start_local_etcd(sys.argv[1]).proc.pid, flush=True); time.sleep(60)"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    etcd_pid = None
+    try:
+        etcd_pid = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        end = time.monotonic() + 10
+        while Path(f"/proc/{etcd_pid}").exists() and time.monotonic() < end:
+            time.sleep(0.05)  # (reparented: init reaps it)
+        assert not Path(f"/proc/{etcd_pid}").exists(), "etcd outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if etcd_pid is not None and Path(f"/proc/{etcd_pid}").exists():
+            os.kill(etcd_pid, signal.SIGKILL)

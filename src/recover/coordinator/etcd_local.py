@@ -10,6 +10,7 @@ It runs with a 50 ms heartbeat and a 500 ms election timeout: etcd refuses lease
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -30,6 +31,16 @@ def find_etcd() -> str | None:
     if found:
         return found
     return "/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies, even by SIGKILL
+    (Linux prctl PR_SET_PDEATHSIG), so that a killed launcher leaves no etcd behind."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: stop() still ends it
 
 
 def _free_port() -> int:
@@ -95,7 +106,10 @@ def start_local_etcd(
         "--election-timeout", "500",
     ]  # fmt: skip
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )  # fmt: skip
     etcd = LocalEtcd(proc=proc, client_port=port, peer_port=peer, data_dir=data, log_path=log_path)
     client = EtcdClient(etcd.endpoints, timeout_s=1.0)
     end = time.monotonic() + timeout_s
