@@ -28,7 +28,8 @@ Invariants:
   a stalled host) may have been evicted meanwhile: it waits for a fresh answer before it writes.
   A coordinator that refuses connections (its process is gone) evicts nobody, so a round that
   fails fast keeps the confirmation of a process that was not silent (a network partition looks
-  the same: a known limit, docs/design.md).
+  the same: a known limit, docs/design.md); likewise a silence that began when none was
+  listening any more, none listening since (the lowest replica's save, coordinator lost).
 
 With standbys (`standbys=[(host, port), ...]`, docs/coordinator.md, "A standby that takes
 over"): only the leader of the current term listens, so a connection that fails moves on to

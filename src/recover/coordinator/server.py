@@ -16,7 +16,9 @@ Work per message does not grow with R (docs/coordinator.md has the measurements)
 - a heartbeat of a current, unaccused member is answered at once and queued with the time it was
   read; the queue reaches `decide` as one `Heartbeats` batch per tick. A lease is judged only
   after the loop has drained the sockets that were readable (a few zero sleeps) and the batch
-  applied, so a burst of work that delays reading never turns into false deaths. The leases are
+  applied, so a burst of work that delays reading never turns into false deaths. A gap of more
+  than half a lease in the loop's own ticks (the coordinator stopped or stalled) restarts every
+  lease first (`Resumed`, `_notice_pause`): nobody dies for the coordinator's pause. The leases are
   kept in deadline order (an ordered map, moved to the end at each heartbeat): a tick looks only
   at the members whose deadline passed (`Tick(due=...)`), never scans them all;
 - each view version is encoded to JSON once and spliced into every reply that carries it;
