@@ -6,6 +6,9 @@ with SGD + Nesterov momentum and a warmup-then-cosine LambdaLR on a nanoGPT-styl
     python examples/train_custom.py --make-data data/custom.bin      # once: a token file
     recover run --replicas 3 --fault kill:replica=1,step=3,phase=backward \\
         -- python examples/train_custom.py --data data/custom.bin --out runs/custom
+
+With `--ckpt-every N` the writer checkpoints the model, optimizer and schedule every N steps
+(`recover.checkpoint`: DCP folders in OUT/checkpoints); `--resume` continues from the newest.
 """
 
 import argparse
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 
 import recover
+import recover.checkpoint
 
 
 def parse_args(argv=None):
@@ -32,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: never)")
+    p.add_argument("--resume", action="store_true", help="start from the newest checkpoint")
     return p.parse_args(argv)
 
 
@@ -72,10 +78,10 @@ def optimizer_for(model, args):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def train(replica, model, optimizer, scheduler, data, args):
+def train(replica, model, optimizer, scheduler, data, args, *, saver=None, start=0):
     """The loop: plain PyTorch, with each step's microbatches taken from the replica."""
     args.out.mkdir(parents=True, exist_ok=True)
-    for step in replica.steps(args.steps):
+    for step in replica.steps(args.steps, start_step=start):
         for j in replica.microbatches():  # this replica's ids, then any reassigned to it
             x, y = data.batch(step, j)  # a pure function of (step, j)
             torch.manual_seed(args.seed * 1_000_003 + step * args.microbatches + j)  # dropout
@@ -91,6 +97,9 @@ def train(replica, model, optimizer, scheduler, data, args):
                       "time": time.time()}  # fmt: skip
             with open(args.out / "losses.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
+            due = args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps
+            if saver is not None and due:  # the state before step + 1, written in the background
+                saver.save(step + 1, model, optimizer, extra={"scheduler": scheduler})
 
 
 def main():
@@ -109,7 +118,14 @@ def main():
         check_data=data.batch,  # opt-in: every 5 steps the replicas compare a replayed microbatch
     )
     replica.attach(model, optimizer, extra_state={"scheduler": scheduler})
-    train(replica, model, optimizer, scheduler, data, args)
+    saver, start = None, 0
+    if args.ckpt_every or args.resume:
+        saver = recover.checkpoint.Checkpointer(args.out / "checkpoints", keep=2)
+    if args.resume:  # every replica loads the same newest valid checkpoint
+        start = saver.restore(model, optimizer, extra={"scheduler": scheduler}) or 0
+    train(replica, model, optimizer, scheduler, data, args, saver=saver, start=start)
+    if saver is not None:
+        saver.close()  # the last save is durable
     if replica.is_writer:
         torch.save(model.state_dict(), args.out / "final.pt")
 

@@ -5,6 +5,7 @@ optimizer and scheduler state; misuse of the API fails with a named error, never
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import recover.checkpoint
 from conftest import child_env, events, finish, leftover_processes
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -167,6 +169,37 @@ def test_the_script_sharded_by_fsdp2_survives_a_rank_kill_and_rejoins(token_file
     transfers = events(out / "job", "state_transfer")
     assert sorted((e["replica"], e["rank"]) for e in transfers) == [(1, 0), (1, 1)], transfers
     assert_same_trajectory(ref, out, steps=steps)
+
+
+@pytest.mark.timeout(240)
+def test_a_script_checkpoints_its_own_state_and_resumes_on_the_same_trajectory(
+    token_file, tmp_path
+):
+    """examples/train_custom.py with --ckpt-every: the writer replica saves the script's own model,
+    SGD momentum and LambdaLR state through recover.checkpoint (the code `recover train` uses).
+    A run folder holding only the checkpoint after step 4 resumes (--resume, start_step from the
+    checkpoint) and commits steps 4..7 on the uninterrupted run's trajectory."""
+    steps = 8
+    args = [*custom_args(token_file, steps), "--ckpt-every", "4"]
+    full = tmp_path / "full"
+    r = recover_run(full, "train_custom.py", "--replicas", "2", script_args=args)
+    assert r.returncode == 0, r.stdout[-3000:]
+    saved = full / "result" / "checkpoints" / "step_00000004"
+    state = recover.checkpoint.load(saved)
+    assert state["meta"]["step"] == 4 and state["extra"]["scheduler"]["last_epoch"] == 4
+    out = tmp_path / "resumed"
+    shutil.copytree(saved, out / "result" / "checkpoints" / saved.name)
+    r = recover_run(out, "train_custom.py", "--replicas", "2", script_args=[*args, "--resume"])
+    assert r.returncode == 0, r.stdout[-3000:]
+    ref, got = records(full), records(out)
+    assert [x["step"] for x in got] == [4, 5, 6, 7]
+    for a, b in zip(ref[4:], got, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
+    pa = torch.load(full / "result" / "final.pt")
+    pb = torch.load(out / "result" / "final.pt")
+    num = sum(float(((pa[k] - pb[k]).double() ** 2).sum()) for k in pa) ** 0.5
+    den = sum(float((pa[k].double() ** 2).sum()) for k in pa) ** 0.5
+    assert num / den <= 1e-4, num / den
 
 
 @pytest.mark.timeout(120)

@@ -616,6 +616,10 @@ def _create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optim
             if lr is not None:
                 group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():  # loaded in place: each must own its memory
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor) and not value.is_contiguous():
+                state[name] = value.contiguous()
 
 
 def _unalias(loaded: dict, wanted, aliases: Mapping[str, str], prefixes) -> dict:
