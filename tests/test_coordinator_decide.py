@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 from hypothesis import given, settings
@@ -118,8 +119,8 @@ def one(ds, name):
 
 def check_invariants(s):
     if s.status == "running":
-        assert set(s.holdings) == set(s.attempt_members)
-        flat = sorted(j for ids in s.holdings.values() for j in ids)
+        assert set(s.plan) == set(s.attempt_members)
+        flat = sorted(j for ids in s.plan.values() for j in ids)
         if s.options.mode == "shrink":  # the baseline drops ids: each at most once
             assert len(flat) == len(set(flat)) and set(flat) <= set(range(s.options.microbatches))
         else:
@@ -143,7 +144,7 @@ def test_forms_at_R_registrations_with_epoch_1_and_the_policy_plan():
     assert names(ds) == ["registered", "admitted", "epoch_changed"]
     v = view_of(sim.state)
     assert (v.epoch, v.live, v.step, v.status) == (1, (0, 1, 2, 3), 5, "running")
-    assert v.holdings == assign(8, [0, 1, 2, 3]) and v.attempt_epoch == 1
+    assert v.plan == assign(8, [0, 1, 2, 3]) and v.attempt_epoch == 1
     assert v.committed_step == -1
 
 
@@ -185,7 +186,7 @@ def test_start_deadline_with_too_few_is_quorum_lost_and_with_enough_starts():
         sim.hb(1, epoch=0)
         sim.tick(0.95)
     assert sim.state.status == "running" and sim.state.live == (0, 1)
-    assert sim.state.holdings == assign(8, [0, 1])
+    assert sim.state.plan == assign(8, [0, 1])
 
 
 # ---------------------------------------------------------------- liveness
@@ -257,7 +258,7 @@ def test_all_done_commits_and_plans_the_next_step():
     assert (c.step, c.epoch) == (7, 1)
     s = sim.state
     assert (s.committed_step, s.step, s.epoch, s.attempt_epoch) == (7, 8, 1, 1)
-    assert s.holdings == assign(8, [0, 1, 2, 3]) and s.reports == {}
+    assert s.plan == assign(8, [0, 1, 2, 3]) and s.reports == {}
 
 
 def test_death_while_commit_pending_commits_when_all_survivors_are_done():
@@ -268,12 +269,12 @@ def test_death_while_commit_pending_commits_when_all_survivors_are_done():
     assert names(ds) == ["member_dead", "epoch_changed", "committed"]
     s = sim.state
     assert (s.committed_step, s.step, s.epoch, s.attempt_epoch) == (0, 1, 2, 2)
-    assert s.holdings == assign(8, [0, 1, 2])
+    assert s.plan == assign(8, [0, 1, 2])
 
 
 def test_death_while_commit_pending_redoes_when_a_survivor_failed():
     sim = Sim().formed()
-    lost = sim.state.holdings[3]
+    lost = sim.state.plan[3]
     sim.done(0)
     sim.done(1)
     sim.failed(2, suspects=[3])
@@ -283,13 +284,13 @@ def test_death_while_commit_pending_redoes_when_a_survivor_failed():
     assert sorted(j for ids in redo.reassigned.values() for j in ids) == list(lost)
     s = sim.state
     assert s.attempt_epoch == 2 and s.attempt_members == (0, 1, 2) and s.committed_step == -1
-    assert s.holdings[0][: len(assign(8, range(4))[0])] == assign(8, range(4))[0]
+    assert s.plan[0][: len(assign(8, range(4))[0])] == assign(8, range(4))[0]
     assert attempt_outcome(s, 0, 1)[0] == "redo" and attempt_outcome(s, 0, 2) is None
 
 
-def test_two_deaths_in_one_step_lose_the_union_of_their_holdings():
+def test_two_deaths_in_one_step_lose_the_union_of_their_ids():
     sim = Sim().formed()
-    h = dict(sim.state.holdings)
+    h = dict(sim.state.plan)
     sim.exit(1)
     sim.exit(3)
     assert sim.state.epoch == 3
@@ -298,7 +299,7 @@ def test_two_deaths_in_one_step_lose_the_union_of_their_holdings():
     redo = one(ds, "redo")
     assert redo.epoch == 3 and redo.lost == tuple(sorted(h[1] + h[3]))
     assert "epoch_changed" not in names(ds)  # the deaths already moved the epoch
-    assert set(sim.state.holdings) == {0, 2}
+    assert set(sim.state.plan) == {0, 2}
 
 
 def test_death_during_recovery_redoes_the_redo_with_the_reassigned_ids():
@@ -307,7 +308,7 @@ def test_death_during_recovery_redoes_the_redo_with_the_reassigned_ids():
     for r in (0, 1, 2):
         sim.failed(r)
     assert sim.state.attempt_epoch == 2
-    held_by_1 = sim.state.holdings[1]  # its own ids plus a share of 3's
+    held_by_1 = sim.state.plan[1]  # its own ids plus a share of 3's
     assert len(held_by_1) > 2
     sim.exit(1)  # dies during the redo
     sim.done(0)
@@ -316,7 +317,7 @@ def test_death_during_recovery_redoes_the_redo_with_the_reassigned_ids():
     assert redo.epoch == 3 and redo.lost == tuple(sorted(held_by_1))
     sim.done(0)
     ds = sim.done(2)
-    assert one(ds, "committed").step == 0 and sim.state.holdings == assign(8, [0, 2])
+    assert one(ds, "committed").step == 0 and sim.state.plan == assign(8, [0, 2])
 
 
 def test_join_during_a_failure_is_admitted_only_at_the_next_commit():
@@ -327,7 +328,7 @@ def test_join_during_a_failure_is_admitted_only_at_the_next_commit():
     for r in (0, 1):
         sim.failed(r)
     ds = sim.failed(2)
-    assert one(ds, "redo").epoch == 2 and 7 not in sim.state.holdings
+    assert one(ds, "redo").epoch == 2 and 7 not in sim.state.plan
     sim.hb(7)
     sim.done(0)
     sim.done(1)
@@ -335,7 +336,7 @@ def test_join_during_a_failure_is_admitted_only_at_the_next_commit():
     assert names(ds) == ["committed", "admitted", "epoch_changed"]
     s = sim.state
     assert s.live == (0, 1, 2, 7) and s.epoch == 3 and s.attempt_epoch == 3
-    assert s.holdings == assign(8, [0, 1, 2, 7])
+    assert s.plan == assign(8, [0, 1, 2, 7])
 
 
 def test_hung_member_wakes_after_eviction_is_refused_and_may_rejoin_anew():
@@ -353,7 +354,7 @@ def test_hung_member_wakes_after_eviction_is_refused_and_may_rejoin_anew():
 
 def test_false_accusation_is_dismissed_and_the_attempt_regroups():
     sim = Sim().formed()
-    before = dict(sim.state.holdings)
+    before = dict(sim.state.plan)
     sim.failed(0, suspects=[3])
     for r in (1, 2):
         assert "redo" not in names(sim.failed(r, suspects=[3]))
@@ -364,7 +365,7 @@ def test_false_accusation_is_dismissed_and_the_attempt_regroups():
     assert "dismissed" in changed.reason
     assert changed.live == (0, 1, 2, 3) and changed.epoch == 2
     redo = one(ds, "redo")
-    assert redo.epoch == 2 and redo.lost == () and sim.state.holdings == before
+    assert redo.epoch == 2 and redo.lost == () and sim.state.plan == before
     assert "member_dead" not in names(ds)
     sim.tick(1.0)
     assert sim.state.members[3].state == "live"
@@ -466,7 +467,7 @@ def test_throughput_weights_and_joiners_start_at_the_median():
         sim.done(r, throughput=tp)  # one sample per replica per step, with its report
     s = sim.state
     assert s.weights == {0: 1.0, 1: 1.0, 2: 2.0, 5: 1.0}
-    assert [len(s.holdings[r]) for r in (0, 1, 2, 5)] == [3, 2, 5, 2]
+    assert [len(s.plan[r]) for r in (0, 1, 2, 5)] == [3, 2, 5, 2]
     # The next samples fold into a moving average (alpha 0.3 here), not a replacement,
     # and the plan follows only a material change (rebalance_threshold 0.1 of a share): replica
     # 2's average falls to 1.7, its share from 0.40 to 0.36 (-10%): the plan stays.
@@ -477,7 +478,7 @@ def test_throughput_weights_and_joiners_start_at_the_median():
     for r in (0, 1, 2, 5):  # 1.49: its share falls to 0.33 (-17%): re-planned
         sim.done(r, throughput=1.0)
     assert sim.state.weights[2] == pytest.approx(0.3 + 0.7 * 1.7)
-    assert [len(sim.state.holdings[r]) for r in (0, 1, 2, 5)] == [3, 3, 4, 2]
+    assert [len(sim.state.plan[r]) for r in (0, 1, 2, 5)] == [3, 3, 4, 2]
 
 
 def test_decide_never_mutates_its_input():
@@ -590,6 +591,17 @@ def test_joiners_are_marked_for_state_transfer_until_their_first_step_commits():
     assert state.joined == ()
 
 
+def test_a_state_saved_before_the_plan_was_named_plan_still_loads():
+    sim = Sim().formed()
+    sim.exit(3)
+    for r in (0, 1, 2):
+        sim.failed(r)
+    assert sim.state.plan != assign(8, [0, 1, 2])  # a redo's plan: 3's ids reassigned
+    saved = json.loads(state_to_json(sim.state))
+    saved["holdings"] = saved.pop("plan")  # the previous version's key
+    assert state_from_json(json.dumps(saved)) == sim.state
+
+
 def one_view(sim):
     return view_of(sim.state)
 
@@ -597,14 +609,14 @@ def one_view(sim):
 def test_shrink_baseline_drops_the_dead_replicas_ids_and_keeps_fixed_slots():
     sim = Sim(mode="shrink").formed()
     full = assign(8, [0, 1, 2, 3])
-    assert sim.state.holdings == full
+    assert sim.state.plan == full
     sim.exit(3)
     for r in (0, 1, 2):
         sim.failed(r)
-    assert sim.state.holdings == {r: full[r] for r in (0, 1, 2)}  # nothing reassigned
+    assert sim.state.plan == {r: full[r] for r in (0, 1, 2)}  # nothing reassigned
     for r in (0, 1, 2):
         sim.done(r)
-    assert sim.state.holdings == {r: full[r] for r in (0, 1, 2)}  # the batch stays shrunk
+    assert sim.state.plan == {r: full[r] for r in (0, 1, 2)}  # the batch stays shrunk
     with pytest.raises(ValueError, match="mode"):
         CoordinatorOptions(expected_replicas=2, microbatches=4, mode="other")
 
@@ -623,7 +635,7 @@ def test_microbatches_learned_from_the_replicas_when_not_given():
     s, _, _ = decide(0.0, s, Register(replica_id=0, incarnation="a", fingerprint=fp, next_step=0))
     s, _, _ = decide(0.0, s, Register(replica_id=1, incarnation="b", fingerprint=fp, next_step=0))
     assert s.status == "running"
-    assert sorted(j for ids in s.holdings.values() for j in ids) == list(range(6))
+    assert sorted(j for ids in s.plan.values() for j in ids) == list(range(6))
     s2, out, reason = decide(
         0.1,
         s,
@@ -696,8 +708,8 @@ def test_a_planned_leave_is_released_at_its_commit_without_a_redo():
     ds = sim.done(1) + sim.done(2)
     assert names(ds) == ["committed", "epoch_changed"]
     v = view_of(sim.state)
-    assert v.live == (1, 2) and sorted(v.holdings) == [1, 2] and v.writer == 1
-    assert sorted(j for ids in v.holdings.values() for j in ids) == list(range(8))
+    assert v.live == (1, 2) and sorted(v.plan) == [1, 2] and v.writer == 1
+    assert sorted(j for ids in v.plan.values() for j in ids) == list(range(8))
     assert sim.state.fenced[sim.inc[0]] == "left"
     assert attempt_outcome(sim.state, 0, 1)[0] == "committed"
     for r in (1, 2):
@@ -724,14 +736,14 @@ def test_a_non_finite_part_is_recomputed_elsewhere_and_its_replica_evicted_if_it
     suspect hardware and the step commits without it. Not finite there either: the step commits
     as it is (every replica skips it) and replica 1 stays. Every part non-finite: commits at once."""
     sim = Sim(expected_replicas=3).formed(3)
-    held = dict(sim.state.holdings)
+    held = dict(sim.state.plan)
     for r in (0, 2):
         done_part(sim, r, True)
     ds = done_part(sim, 1, False)
     assert names(ds) == ["epoch_changed", "redo"] and sim.state.committed_step == -1
     v = view_of(sim.state)
-    assert v.discard == (1,) and v.holdings[1] == () and one(ds, "redo").lost == held[1]
-    assert sorted(j for ids in v.holdings.values() for j in ids) == list(range(8))
+    assert v.discard == (1,) and v.plan[1] == () and one(ds, "redo").lost == held[1]
+    assert sorted(j for ids in v.plan.values() for j in ids) == list(range(8))
     for r in (0, 1, 2):
         ds = done_part(sim, r, True)
     assert names(ds)[:2] == ["suspect_hardware", "member_dead"] and "committed" in names(ds)

@@ -52,7 +52,7 @@ def test_a_batch_of_done_reports_is_judged_as_the_same_reports_one_by_one():
         one_by_one = decide(0.1, one_by_one, _done(r, s, throughput=2.0))[0]
     batch = decide(0.1, s, ReportsDone(tuple(_done(r, s, throughput=2.0) for r in range(4))))[0]
     assert one_by_one.committed_step == batch.committed_step == s.step
-    assert batch.members == one_by_one.members and batch.holdings == one_by_one.holdings
+    assert batch.members == one_by_one.members and batch.plan == one_by_one.plan
 
     # A batch missing one live member commits nothing; a stale report in it is refused alone.
     stale = replace(_done(3, s), step=s.step + 5)
@@ -107,7 +107,7 @@ def test_a_view_sent_relative_to_the_one_held_rebuilds_the_current_view():
     # A relay keeps the plan as bytes: cut off, the rest is the view without its plan.
     rest, plan = split_plan(cache.encoded(-1))
     assert json.loads(b"{" + plan + b"}")["plan"] and b'"plan":' not in rest
-    assert View.from_dict({**json.loads(rest), "holdings": {}, "weights": {}}).live == s.live
+    assert View.from_dict({**json.loads(rest), "plan_ids": {}, "weights": {}}).live == s.live
 
 
 def test_the_whole_view_is_compact_and_decodes_to_the_same_view():
@@ -115,7 +115,7 @@ def test_the_whole_view_is_compact_and_decodes_to_the_same_view():
     cache = ViewCache()
     cache.publish(view_of(s), microbatches=8192)
     body = cache.encoded(-1)
-    assert len(body) < 600  # 64 live replicas, 8,192 ids: the rule, not the holdings
+    assert len(body) < 600  # 64 live replicas, 8,192 ids: the rule, not the runs
     assert json.loads(body)["plan"]["assign"] == 8192
     assert View.from_dict(json.loads(body)) == view_of(s)
     # After a death, the next attempt's plan is the rule over the survivors (two runs of ids).
@@ -184,7 +184,7 @@ def test_replicas_behind_relays_commit_and_their_deaths_reach_the_coordinator():
             # The coordinator holds no replica lease: they are the relays'.
             assert len(server._leases._at) == 0 and set(server._relays) == {"rack0", "rack1"}
             for _ in range(3):  # bursts of done reports, batched per relay
-                assert [type(o).__name__ for o in _step(clients)] == ["Committed"] * 6
+                assert [type(o).__name__ for o in _step(clients)] == ["StepCommitted"] * 6
             a = clients[0]
 
             clients[5].close()  # replica 5 (behind rack1) exits: its session EOF at the relay
@@ -198,7 +198,7 @@ def test_replicas_behind_relays_commit_and_their_deaths_reach_the_coordinator():
             }
             assert dead == {5: "exit", 3: "lease"}
             survivors = [clients[r] for r in (0, 1, 2, 4)]
-            assert [type(o).__name__ for o in _step(survivors)] == ["Committed"] * 4
+            assert [type(o).__name__ for o in _step(survivors)] == ["StepCommitted"] * 4
 
             relays[1].stop()  # rack1 dies: its replicas (1 here) die with it
             _wait(lambda: 1 not in a.view.live)
@@ -210,7 +210,7 @@ def test_replicas_behind_relays_commit_and_their_deaths_reach_the_coordinator():
             assert dead == {5: "exit", 3: "lease", 1: "exit"}
             assert a.view.live == (0, 2, 4)
             assert [type(o).__name__ for o in _step([clients[0], clients[2], clients[4]])] == [
-                "Committed"
+                "StepCommitted"
             ] * 3
         finally:
             for c in clients:

@@ -141,7 +141,7 @@ def test_an_epoch_change_is_pushed_to_held_heartbeats_and_keeps_the_plan():
                 t.join(20)
             a = clients[0]
             before = a.view
-            assert before.epoch == 1 and before.holdings == {0: (0, 1), 1: (2, 3), 2: (4, 5)}
+            assert before.epoch == 1 and before.plan == {0: (0, 1), 1: (2, 3), 2: (4, 5)}
             end = time.monotonic() + 10  # the first heartbeats go 1 s after registering
             while len(server._held) < 3 and time.monotonic() < end:
                 time.sleep(0.01)
@@ -154,7 +154,7 @@ def test_an_epoch_change_is_pushed_to_held_heartbeats_and_keeps_the_plan():
             assert after.epoch == 2 and after.live == (0, 1)
             # The attempt is unchanged, so the pushed view came without its plan: the client
             # kept the attempt's plan (the dead replica's ids are reassigned by a redo, later).
-            assert after.attempt_epoch == 1 and after.holdings == before.holdings
+            assert after.attempt_epoch == 1 and after.plan == before.plan
             dead = [d for d in server.decisions() if d["decision"] == "member_dead"]
             assert [(d["replica_id"], d["how"]) for d in dead] == [(2, "exit")]
         finally:

@@ -139,7 +139,7 @@ def test_takeover_redoes_the_attempt_without_deaths():
     assert s.status == "running"
     t, out, why = decide(10.0, s, Takeover(term=2, grace_s=5.0))
     assert t.epoch == s.epoch + 1 and t.attempt_epoch == t.epoch and t.step == 0
-    assert t.live == s.live and sorted(t.holdings) == sorted(s.holdings)
+    assert t.live == s.live and sorted(t.plan) == sorted(s.plan)
     assert not any(d.name == "member_dead" for d in out), out
     # every member's lease now runs 5 s from the takeover
     assert all(m.last_seen + s.options.lease_s == pytest.approx(15.0) for m in t.members.values())

@@ -13,7 +13,6 @@ Importing this package does not import torch (the server imports it only when it
 
 from recover.coordinator.cli import run_coordinator_process
 from recover.coordinator.client import (
-    Committed,
     CoordinatorClient,
     CoordinatorError,
     CoordinatorUnreachable,
@@ -21,8 +20,9 @@ from recover.coordinator.client import (
     Evicted,
     Outcome,
     QuorumLost,
-    Redo,
     RequestRefused,
+    StepCommitted,
+    StepRedo,
     Stopped,
 )
 from recover.coordinator.protocol import View
@@ -31,7 +31,6 @@ from recover.coordinator.server import CoordinatorServer
 from recover.coordinator.state_store import CoordinatorOptions, InMemoryStateStore, StateStore
 
 __all__ = [
-    "Committed",
     "CoordinatorClient",
     "CoordinatorError",
     "CoordinatorOptions",
@@ -42,10 +41,11 @@ __all__ = [
     "InMemoryStateStore",
     "Outcome",
     "QuorumLost",
-    "Redo",
     "RelayServer",
     "RequestRefused",
     "StateStore",
+    "StepCommitted",
+    "StepRedo",
     "Stopped",
     "View",
     "run_coordinator_process",

@@ -182,7 +182,7 @@ def _parse_addr(addr: str, flag: str = "--addr") -> tuple[str, int]:
 
 def _shares(view: dict[str, Any]) -> dict[str, int]:
     """replica id (a string) -> microbatches it holds in the current attempt's plan."""
-    runs = view.get("holding_runs") or {}
+    runs = view.get("plan_runs") or {}
     return {
         r: sum(b - a for a, b in zip(flat[::2], flat[1::2], strict=True))
         for r, flat in runs.items()

@@ -60,7 +60,6 @@ from recover.coordinator.protocol import (
 )
 
 __all__ = [
-    "Committed",
     "CoordinatorClient",
     "CoordinatorError",
     "CoordinatorUnreachable",
@@ -68,8 +67,9 @@ __all__ = [
     "Evicted",
     "Outcome",
     "QuorumLost",
-    "Redo",
     "RequestRefused",
+    "StepCommitted",
+    "StepRedo",
     "Stopped",
     "request_once",
 ]
@@ -106,15 +106,17 @@ class RequestRefused(CoordinatorError):
         self.code = code
 
 
+# The outcome of a step attempt, as `wait_outcome` returns it to a replica (the coordinator's
+# decisions behind the first two are protocol.Committed and protocol.Redo).
 @dataclass(frozen=True)
-class Committed:
+class StepCommitted:
     step: int
 
 
 @dataclass(frozen=True)
-class Redo:
+class StepRedo:
     step: int
-    view: View  # holdings for the survivors, attempt_epoch = the epoch to reduce in
+    view: View  # the plan for the survivors, attempt_epoch = the epoch to reduce in
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ class Stopped:
     reason: str
 
 
-Outcome = Committed | Redo | Stopped
+Outcome = StepCommitted | StepRedo | Stopped
 
 
 def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
@@ -423,7 +425,8 @@ class CoordinatorClient:
         self._raise_report_refusal(self._rpc_call(self._member(req)), step, epoch)
 
     def wait_outcome(self, *, step: int, epoch: int, deadline_s: float) -> Outcome:
-        """Committed(step), Redo(step, view) or Stopped(status, reason) for attempt (step, epoch)."""
+        """StepCommitted(step), StepRedo(step, view) or Stopped(status, reason) for attempt
+        (step, epoch)."""
         end = time.monotonic() + deadline_s
         while True:
             self._check()
@@ -436,9 +439,9 @@ class CoordinatorClient:
             self._raise_refusal(reply)
             outcome = reply.get("outcome")
             if outcome == "committed":
-                return Committed(step)
+                return StepCommitted(step)
             if outcome == "redo":
-                return Redo(step, self.view)
+                return StepRedo(step, self.view)
             if outcome == "stopped":
                 return Stopped(self.view.status, str(reply.get("reason", "")))
             if outcome != "timeout":

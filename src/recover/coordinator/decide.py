@@ -33,8 +33,8 @@ Rules (docs/design.md has the narrative):
 - A dead or left incarnation is fenced forever; (t, a) reports that are not the current attempt
   are refused as "stale".
 
-Invariants (tested): `decide` never mutates its input; while running, the holdings of the
-attempt's members split 0..M-1 with every id exactly once; epochs never decrease.
+Invariants (tested): `decide` never mutates its input; while running, the plan splits
+0..M-1 among the attempt's members with every id exactly once; epochs never decrease.
 Costs: a heartbeat, or a batch of them, copies the members map once (O(R) in C, no sort); a
 done report, or a batch of them, copies the reports map once and checks the attempt (O(R) in
 C; membership is a dict lookup); a registration is O(1) apart
@@ -122,7 +122,7 @@ def decide(
     view_changed = _view_changed(state, s)
     if view_changed:
         s.view_version += 1
-        if not (_same(state.holdings, s.holdings) and _same(state.weights, s.weights)):
+        if not (_same(state.plan, s.plan) and _same(state.weights, s.weights)):
             s.plan_version = s.view_version
         s.reason = "; ".join(d.reason for d in out if not isinstance(d, Refused)) or note
     if view_changed or _durable_changed(state, s, msg):
@@ -266,7 +266,7 @@ def _check_report(s: CoordinatorState, m: ReportDone | ReportFailed, out: list) 
         _refuse(out, m, s.status, f"the run is {s.status}: {s.reason}")
     # The attempt's members are its plan's keys: a dict lookup, not a scan of the tuple (O(R)
     # per report was O(R^2) per step: 2 s at R = 12,500).
-    elif not _is_current_attempt(s, m.step, m.epoch) or m.replica_id not in s.holdings:
+    elif not _is_current_attempt(s, m.step, m.epoch) or m.replica_id not in s.plan:
         _refuse(
             out,
             m,
@@ -615,11 +615,11 @@ def _redo(s: CoordinatorState, out: list, survivors: list[int]) -> None:
         _bump_epoch(s, out, f"regroup to redo step {t}: replicas {failed} failed in epoch {a}")
     if tuple(survivors) != s.live:  # pragma: no cover - joiners only enter at commits
         raise AssertionError(f"survivors {survivors} != live {s.live}")
-    lost = tuple(sorted(j for r in dead for j in s.holdings[r]))
+    lost = tuple(sorted(j for r in dead for j in s.plan[r]))
     weights = {r: s.weights[r] for r in survivors}
     workload = WORKLOADS[s.options.mode]
     extra = workload.lost(lost, survivors, weights)
-    s.holdings = {r: s.holdings[r] + extra[r] for r in survivors}
+    s.plan = {r: s.plan[r] + extra[r] for r in survivors}
     s.weights = weights
     s.attempt_epoch = s.epoch
     s.attempt_members = tuple(survivors)
@@ -640,9 +640,9 @@ def _verify(s: CoordinatorState, out: list, survivors: list[int], bad: list[int]
     t, a = s.step, s.attempt_epoch
     _bump_epoch(s, out, f"recompute step {t}'s ids of replicas {bad} on the others")
     good = [r for r in survivors if r not in bad]
-    lost = tuple(sorted(j for r in bad for j in s.holdings[r]))
+    lost = tuple(sorted(j for r in bad for j in s.plan[r]))
     extra = reassign(lost, good, {r: s.weights[r] for r in good})
-    s.holdings = {r: () if r in bad else s.holdings[r] + extra[r] for r in survivors}
+    s.plan = {r: () if r in bad else s.plan[r] + extra[r] for r in survivors}
     s.attempt_epoch = s.epoch
     s.attempt_members = tuple(survivors)
     s.reports, s.param_hashes, s.nonfinite = {}, {}, ()
@@ -682,13 +682,13 @@ def _new_attempt(s: CoordinatorState) -> None:
     weights = _weights(s, s.live)
     if weights != s.weights:
         s.weights = weights
-    holdings = WORKLOADS[s.options.mode].plan(
+    plan = WORKLOADS[s.options.mode].plan(
         s.options.microbatches, s.live, s.weights, s.options.expected_replicas
     )
     # The same plan keeps its object (and plan_version): replies then leave it out (O(R) once
     # per attempt, against O(R + plan) bytes to every replica at every commit).
-    if holdings != s.holdings:
-        s.holdings = holdings
+    if plan != s.plan:
+        s.plan = plan
     s.attempt_epoch = s.epoch
     s.attempt_members = s.live
     s.reports, s.param_hashes = {}, {}
@@ -792,7 +792,7 @@ def _view_changed(old: CoordinatorState, new: CoordinatorState) -> bool:
         and old.committed_step == new.committed_step
         and old.attempt_epoch == new.attempt_epoch
         and _same(old.live, new.live)
-        and _same(old.holdings, new.holdings)
+        and _same(old.plan, new.plan)
         and _same(old.weights, new.weights)
     )
 

@@ -10,16 +10,16 @@ Invariants:
   partially valid message reaches the rules.
 - Every request may carry `token`; the server, not this module, checks it.
 
-Wire additions for scale (docs/coordinator.md): a view's plan travels as `holding_runs`
-(replica -> flat [start, stop, ...] runs; `from_dict` still reads plain `holdings`); a
+Wire additions for scale (docs/coordinator.md): a view's plan travels as `plan_runs`
+(replica -> flat [start, stop, ...] runs; `from_dict` still reads the plain `plan_ids`); a
 heartbeat may carry `hold_s` (the server holds the reply until the epoch or status changes, at
 most that long). Every request may carry `view_version`, the view its sender holds; the view in
 the reply is then relative to it (`merge_view`): without the plan (`"pulse": true`) when the
 plan is the one of that version (`plan_version`), and with `live_from` (the ids gone and new since
 that version's epoch) instead of `live`. The whole view travels compact (views.py):
-`live_runs` for `live`, and `plan` for the holdings: the rule {"assign": M, "members", "weight"}
-that `assign` recomputes, or {"holding_runs", "weights"}. `Heartbeats` and `Tick(due=...)` are
-not wire messages: the server builds them for the rules. Relays (relay.py) add `done_batch` (`ReportsDone`: the done
+`live_runs` for `live`, and `plan` for the plan and its weights: the rule {"assign": M,
+"members", "weight"} that `assign` recomputes, or {"plan_runs", "weights"}. `Heartbeats` and
+`Tick(due=...)` are not wire messages: the server builds them for the rules. Relays (relay.py) add `done_batch` (`ReportsDone`: the done
 reports of several replicas in one message) and `lease_expired` (`LeaseExpired`: a lease judged
 at the relay).
 
@@ -339,7 +339,7 @@ def encode_message(msg: Message) -> dict[str, Any]:
 class View:
     """What the coordinator publishes after every change (see docs/design.md).
 
-    `holdings` is the plan of the current attempt (step, attempt_epoch): its keys are the
+    `plan` is the current attempt's (step, attempt_epoch): its keys are the
     attempt's members, i.e. the group that reduces in attempt_epoch. `live` can already lack a
     member that died during the attempt (then epoch > attempt_epoch, and a Redo follows unless
     every survivor reports done).
@@ -348,7 +348,7 @@ class View:
     epoch: int
     live: tuple[int, ...]
     step: int  # the step being worked on now (committed_step + 1 while running)
-    holdings: dict[int, tuple[int, ...]]  # replica -> microbatch ids of (step, attempt_epoch)
+    plan: dict[int, tuple[int, ...]]  # replica -> microbatch ids of (step, attempt_epoch)
     weights: dict[int, float]
     status: str  # forming | running | quorum_lost | finished | diverged
     committed_step: int  # -1 before any commit
@@ -366,18 +366,18 @@ class View:
     # Replicas whose part of the current attempt's step was not finite while others' was: their
     # ids are recomputed by the others in this attempt, and they drop their own sum (compute none).
     discard: tuple[int, ...] = ()
-    # The view version at which this plan (holdings, weights) was made: a replica that holds a
+    # The view version at which this plan (and its weights) was made: a replica that holds a
     # view with the same plan_version holds this plan, so replies may leave it out.
     plan_version: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        """The wire form. Holdings travel as runs ("holding_runs": replica -> flat [start, stop,
+        """The wire form. The plan travels as runs ("plan_runs": replica -> flat [start, stop,
         ...] pairs of consecutive ids): a plan is a few contiguous blocks per replica, so the view
         grows with R, not with M."""
         return {
             **self.scalars(),
             "live": list(self.live),
-            "holding_runs": {str(r): id_runs(ids) for r, ids in self.holdings.items()},
+            "plan_runs": {str(r): id_runs(ids) for r, ids in self.plan.items()},
             "weights": {str(r): w for r, w in self.weights.items()},
         }
 
@@ -406,7 +406,7 @@ class View:
                 epoch=int(d["epoch"]),
                 live=_live_of(d),
                 step=int(d["step"]),
-                holdings=_holdings_of(d),
+                plan=_plan_of(d),
                 weights=_weights_of(d),
                 status=str(d["status"]),
                 committed_step=int(d["committed_step"]),
@@ -448,8 +448,8 @@ def merge_view(old: View | None, raw: dict[str, Any]) -> View | None:
             if old is None or old.plan_version != int(d.get("plan_version", -1)):
                 return None
             d = {k: v for k, v in d.items() if k != "plan"}
-            view = View.from_dict({**d, "holdings": {}, "weights": {}})
-            return replace(view, holdings=old.holdings, weights=old.weights)
+            view = View.from_dict({**d, "plan_ids": {}, "weights": {}})
+            return replace(view, plan=old.plan, weights=old.weights)
         return View.from_dict(d)
     except (TypeError, ValueError, AttributeError) as e:
         raise ProtocolError(f"malformed view: {e!r}") from e
@@ -485,23 +485,24 @@ def _live_of(d: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _weights_of(d: dict[str, Any]) -> dict[int, float]:
-    plan = d.get("plan")
-    if isinstance(plan, dict) and "assign" in plan:  # one weight for every attempt member
-        return {r: float(plan["weight"]) for r in _ids_of_runs(plan["members"])}
-    weights = plan["weights"] if isinstance(plan, dict) else d["weights"]
+    compact = d.get("plan")
+    if isinstance(compact, dict) and "assign" in compact:  # one weight for every attempt member
+        return {r: float(compact["weight"]) for r in _ids_of_runs(compact["members"])}
+    weights = compact["weights"] if isinstance(compact, dict) else d["weights"]
     return {int(r): float(w) for r, w in weights.items()}
 
 
-def _holdings_of(d: dict[str, Any]) -> dict[int, tuple[int, ...]]:
-    plan = d.get("plan")
-    if isinstance(plan, dict):  # the compact form (views.encode_plan)
-        if "assign" in plan:  # the plan is the pure rule's, for these members and weights
-            members = _ids_of_runs(plan["members"])
-            return assign(int(plan["assign"]), members, {r: float(plan["weight"]) for r in members})
-        d = plan
-    if "holding_runs" not in d:  # the plain form: replica -> every id
-        return {int(r): tuple(int(j) for j in ids) for r, ids in d["holdings"].items()}
-    return {int(r): tuple(_ids_of_runs(runs)) for r, runs in d["holding_runs"].items()}
+def _plan_of(d: dict[str, Any]) -> dict[int, tuple[int, ...]]:
+    compact = d.get("plan")
+    if isinstance(compact, dict):  # the compact form (views.encode_plan)
+        if "assign" in compact:  # the plan is the pure rule's, for these members and weights
+            members = _ids_of_runs(compact["members"])
+            weights = {r: float(compact["weight"]) for r in members}
+            return assign(int(compact["assign"]), members, weights)
+        d = compact
+    if "plan_runs" not in d:  # the plain form: replica -> every id
+        return {int(r): tuple(int(j) for j in ids) for r, ids in d["plan_ids"].items()}
+    return {int(r): tuple(_ids_of_runs(runs)) for r, runs in d["plan_runs"].items()}
 
 
 # ---------------------------------------------------------------- decisions (outputs of decide)

@@ -246,7 +246,7 @@ class RelayServer(LoopService):
         rest, plan = split_plan(body)
         raw = json.loads(rest)
         if plan is not None:
-            raw["holdings"], raw["weights"] = {}, {}  # we keep the plan as bytes only
+            raw["plan_ids"], raw["weights"] = {}, {}  # we keep the plan as bytes only
         view = merge_view(self._view, raw)
         if view is None:
             return

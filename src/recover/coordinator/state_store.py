@@ -158,8 +158,8 @@ class CoordinatorState:
     verifying: tuple[int, ...] = ()
     attempt_epoch: int = 0  # the epoch in which the current attempt of `step` reduces
     attempt_members: tuple[int, ...] = ()  # live set when this attempt began (the dead stay)
-    holdings: dict[int, tuple[int, ...]] = field(default_factory=dict)  # attempt's plan
-    weights: dict[int, float] = field(default_factory=dict)  # weights used for `holdings`
+    plan: dict[int, tuple[int, ...]] = field(default_factory=dict)  # the attempt's plan
+    weights: dict[int, float] = field(default_factory=dict)  # weights used for `plan`
     reports: dict[int, str] = field(default_factory=dict)  # replica -> done | failed
     param_hashes: dict[int, str] = field(default_factory=dict)
     members: dict[int, Member] = field(default_factory=dict)  # latest incarnation per id
@@ -173,7 +173,7 @@ class CoordinatorState:
     joined: tuple[int, ...] = ()
     n_pending: int = 0  # members in state pending (kept by decide: no O(R) count per register)
     view_version: int = 0
-    plan_version: int = 0  # the view_version at which holdings or weights last changed
+    plan_version: int = 0  # the view_version at which plan or weights last changed
     revision: int = 0
     reason: str = "waiting for registrations"  # why the view last changed
 
@@ -193,7 +193,7 @@ class CoordinatorState:
         return getattr(self, name)
 
 
-_INT_KEYED = ("holdings", "weights", "reports", "param_hashes", "members", "accusations")
+_INT_KEYED = ("plan", "weights", "reports", "param_hashes", "members", "accusations")
 _MEMBER_FIELDS = tuple(f.name for f in fields(Member))
 _ACCUSATION_FIELDS = tuple(f.name for f in fields(Accusation))
 
@@ -226,7 +226,10 @@ def state_from_json(text: str) -> CoordinatorState:
     d["options"] = CoordinatorOptions(**d["options"])
     d["members"] = {int(k): Member(**m) for k, m in d["members"].items()}
     d["accusations"] = {int(k): Accusation(**a) for k, a in d["accusations"].items()}
-    d["holdings"] = {int(k): tuple(v) for k, v in d["holdings"].items()}
+    # "holdings": the plan's key in a state saved before it was named `plan`; still read, so a
+    # state kept in etcd outlives the upgrade.
+    plan = d.pop("plan") if "plan" in d else d.pop("holdings")
+    d["plan"] = {int(k): tuple(v) for k, v in plan.items()}
     for name in ("weights", "reports", "param_hashes"):
         d[name] = {int(k): v for k, v in d[name].items()}
     d["live"] = tuple(d["live"])
@@ -316,7 +319,7 @@ def view_of(state: CoordinatorState) -> View:
         epoch=state.epoch,
         live=state.live,
         step=state.step,
-        holdings=dict(state.holdings),
+        plan=dict(state.plan),
         weights=dict(state.weights),
         status=state.status,
         committed_step=state.committed_step,

@@ -8,7 +8,7 @@ remembered version (O(change) bytes); an unknown or forgotten `known` gets the w
 whole view is compact too: the live set as runs of consecutive ids (`live_runs`), and the plan,
 when it is `assign(M, members, equal weights)` (every attempt that is not a redo), as that rule
 (`"plan": {"assign": M, "members": runs, "weight": w}`, which the receiver recomputes: `assign`
-is pure), else as `{"holding_runs", "weights"}`. A run of R replicas formed without gaps is a few
+is pure), else as `{"plan_runs", "weights"}`. A run of R replicas formed without gaps is a few
 hundred bytes whatever R. `protocol.merge_view` is the other half.
 `frame(reply, view)` splices view bytes into a reply frame without decoding them. The server and
 the relays (relay.py) both answer through it, so a replica cannot tell them apart.
@@ -45,22 +45,22 @@ def _dumps(obj: Any) -> bytes:
 
 def encode_plan(view: View, microbatches: int = 0) -> bytes:
     """`"plan":{...}` of a view (a fragment of an object): the rule when the plan is `assign`'s
-    with equal weights over its members and `microbatches` (M) is known, else the holdings as
+    with equal weights over its members and `microbatches` (M) is known, else the plan as
     runs and the weights. O(R + M), once per plan."""
-    members = sorted(view.holdings)
+    members = sorted(view.plan)
     weights = set(view.weights.values())
     if microbatches > 0 and members and len(weights) == 1 and set(view.weights) == set(members):
         w = weights.pop()
-        if assign(microbatches, members, {r: w for r in members}) == view.holdings:
+        if assign(microbatches, members, {r: w for r in members}) == view.plan:
             rule = {"assign": microbatches, "members": id_runs(tuple(members)), "weight": w}
             return b'"plan":' + _dumps(rule)
     d = view.to_dict()
-    return b'"plan":' + _dumps({"holding_runs": d["holding_runs"], "weights": d["weights"]})
+    return b'"plan":' + _dumps({"plan_runs": d["plan_runs"], "weights": d["weights"]})
 
 
 def split_plan(body: bytes) -> tuple[bytes, bytes | None]:
     """A view's bytes -> (the view without its plan, the plan fragment or None). Inside a JSON
-    string every quote is escaped, so `,"holding_runs":` can only be the key itself."""
+    string every quote is escaped, so `,"plan":` can only be the key itself."""
     at = body.find(_PLAN_AT)
     if at < 0:
         return body, None

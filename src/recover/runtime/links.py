@@ -48,13 +48,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from recover import exits
 from recover.coordinator.client import (
-    Committed,
     CoordinatorClient,
     CoordinatorUnreachable,
     Evicted,
     QuorumLost,
-    Redo,
     RequestRefused,
+    StepCommitted,
+    StepRedo,
     Stopped,
     _Channel,
     _Leader,
@@ -398,9 +398,9 @@ class ReplicaLink:
             # With the store's address: a standby that took over hosts a new one (every rank
             # builds the next epoch's group there).
             store = list(self.client.store_address or ())
-            if isinstance(out, Committed):
+            if isinstance(out, StepCommitted):
                 msg = ("committed", out.step, self.client.view.to_dict(), store)
-            elif isinstance(out, Redo):
+            elif isinstance(out, StepRedo):
                 msg = ("redo", out.step, out.view.to_dict(), store)
             else:
                 msg = ("stopped", out.status, out.reason, self.client.view.to_dict(), store)
@@ -408,9 +408,9 @@ class ReplicaLink:
         self._absorb(msg, store=True)
         kind = msg[0]
         if kind == "committed":
-            return Committed(msg[1])
+            return StepCommitted(msg[1])
         if kind == "redo":
-            return Redo(msg[1], self._view)
+            return StepRedo(msg[1], self._view)
         return Stopped(msg[1], msg[2])
 
     def agree(self, ok: bool) -> bool:

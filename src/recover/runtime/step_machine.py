@@ -3,8 +3,8 @@
 Job: for every step, hand the caller the microbatch ids this rank must compute (the plan's share
 of this replica, then any ids reassigned to it after a failure), take the snapshot of the local
 sum, all-reduce a fresh copy of it over the epoch's group (the fault-tolerant collective), report
-the outcome to the coordinator and wait for its decision; on a Redo compute the newly held ids on
-top of the kept sum and redo the reduce in the new epoch; on a Commit hand back the sum over all
+the outcome to the coordinator and wait for its decision; on a redo compute the newly held ids on
+top of the kept sum and redo the reduce in the new epoch; on a commit hand back the sum over all
 M ids. When the view marks joiners (admitted at this step boundary), every member first takes
 part in the live state transfer to them (`recover.runtime.transfer`).
 
@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 import torch
 
-from recover.coordinator.client import Committed, QuorumLost, Redo, Stopped
+from recover.coordinator.client import QuorumLost, StepCommitted, StepRedo, Stopped
 from recover.coordinator.protocol import View
 from recover.runtime.collective import CollectiveAborted, GroupCache
 from recover.runtime.links import replica_hash
@@ -276,7 +276,7 @@ class StepMachine:
             if view.joined:  # every rank of the replica goes on only if all of them got it
                 transferred = self.link.agree(transferred)
             if transferred:
-                todo = [j for j in view.holdings.get(self.me, ()) if j not in attempt.computed]
+                todo = [j for j in view.plan.get(self.me, ()) if j not in attempt.computed]
                 t0 = time.perf_counter()
                 with hooks.guard.busy("computing microbatches"):
                     if self.options.deterministic:  # one leaf per id: a Todo per id
@@ -313,14 +313,14 @@ class StepMachine:
             outcome = self.link.wait_outcome(
                 step=step, epoch=epoch, deadline_s=self.options.outcome_timeout_s
             )
-            if isinstance(outcome, Committed):
+            if isinstance(outcome, StepCommitted):
                 if reduced is None:
                     raise RuntimeError(
                         f"step {step} committed although this replica's reduce failed"
                     )
                 finite = self.link.agree(attempt.sum_finite)  # every rank checked its part
                 return self._committed(step, view, epoch, reduced, attempt, finite)
-            if isinstance(outcome, Redo):
+            if isinstance(outcome, StepRedo):
                 # The local sum (p.grad) was never touched by the reduce: it is the snapshot.
                 # Dropped: the shrink baseline's in-flight step; or this replica's part, not finite
                 # where the others' was (the others recompute its ids in this attempt).
@@ -380,7 +380,7 @@ class StepMachine:
         should_abort = self._should_abort(epoch)
         should_abort_reduce = self._with_fault("reduce", step, should_abort)
         t0 = time.perf_counter()
-        mine = set(view.holdings.get(self.me, ()))
+        mine = set(view.plan.get(self.me, ()))
         tree = attempt.tree if attempt.tree is not None else TreeSum(_step_size(view))
         if tree.ids() != mine:  # a bug, not a fault: the sum would miss or repeat ids
             raise RuntimeError(
@@ -396,7 +396,7 @@ class StepMachine:
                 if self._numel is None:
                     nodes = list(tree.nodes.values())
                     self._numel = nodes[0].numel() if nodes else self.work.snapshot().numel()
-                plan = [view.holdings[m] for m in members]
+                plan = [view.plan[m] for m in members]
                 return ordered_reduce(
                     group, tree, plan, numel=self._numel, should_abort=should_abort_reduce
                 )
@@ -415,9 +415,9 @@ class StepMachine:
         return CommittedStep(
             step=step,
             reduced=reduced,
-            count=sum(len(ids) for ids in view.holdings.values()),
+            count=sum(len(ids) for ids in view.plan.values()),
             epoch=epoch,
-            shares={r: len(ids) for r, ids in sorted(view.holdings.items())},
+            shares={r: len(ids) for r, ids in sorted(view.plan.items())},
             attempts=attempt.redos + 1,
             recovered_s=recovered,
             writer=self.me == _writer(step, view, latest),
@@ -455,9 +455,9 @@ class StepMachine:
         return should_abort
 
     def _group(self, view: View, should_abort):
-        # The attempt's members are the replicas holding ids of it (the view's live set can
+        # The attempt's members are its plan's keys (the view's live set can
         # already lack one that died during the attempt).
-        members = sorted(view.holdings)
+        members = sorted(view.plan)
         group = self.groups.get(
             epoch=view.attempt_epoch,
             rank=members.index(self.me),
@@ -483,7 +483,7 @@ class StepMachine:
     def _transfer_if_needed(self, view: View, step: int, attempt: StepAttempt) -> bool:
         """Take part in the state transfer to this epoch's joiners; False if it failed."""
         epoch = view.attempt_epoch
-        joined = [r for r in view.joined if r in view.holdings]
+        joined = [r for r in view.joined if r in view.plan]
         if not self.has_state and self.me not in joined:
             raise RuntimeError(f"replica {self.me} joined but the view no longer offers it state")
         if not joined or self._transferred_epoch == epoch:
@@ -530,9 +530,9 @@ class StepMachine:
 
 
 def _step_size(view: View) -> int:
-    """M, from an attempt's plan: its holdings cover the ids 0..M-1, each once (constant batch,
+    """M, from an attempt's plan: it covers the ids 0..M-1, each once (constant batch,
     which the deterministic mode relies on; ValueError otherwise)."""
-    ids = sorted(j for held in view.holdings.values() for j in held)
+    ids = sorted(j for held in view.plan.values() for j in held)
     if ids != list(range(len(ids))) or not ids:
         raise ValueError(
             "the deterministic mode needs plans that cover every id of the step once "
@@ -549,7 +549,7 @@ def _writer(step: int, attempt: View, latest: View) -> int:
     the same on every committing replica, since they all reduced in that attempt's group."""
     if latest.committed_step == step and latest.writer >= 0:
         return latest.writer
-    return min(attempt.holdings)
+    return min(attempt.plan)
 
 
 def _stop(status: str, reason: str) -> None:
