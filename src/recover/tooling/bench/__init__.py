@@ -82,8 +82,21 @@ def add_bench_parser(subparsers) -> None:
             p.add_argument(
                 "--deterministic",
                 action="store_true",
-                help="measure --deterministic against the normal mode instead: alternating "
-                "pairs of `recover train` runs, ratio = deterministic / normal step time",
+                help="measure --deterministic against the normal mode instead (the same "
+                "interleaved blocks), ratio = deterministic / normal step time",
+            )
+            p.add_argument(
+                "--blocks",
+                type=int,
+                default=30,
+                help="pairs of interleaved blocks, one of each job (--repeats is not used "
+                "here; default: 30)",
+            )
+            p.add_argument(
+                "--block-steps",
+                type=int,
+                default=3,
+                help="a block's length in step times of the slower job (default: 3)",
             )
         if name == "compare":
             p.add_argument(

@@ -1,38 +1,103 @@
 """`recover bench overhead`: the cost of the fault-tolerance path when nothing fails.
 
-Alternates, on the same machine, (a) a plain data-parallel loop (one static gloo group from
-init_process_group, the same ReplicaTrainer, a flat all-reduce of the gradients, no coordinator,
-no snapshot, no commit) and (b) `recover train --replicas R` with the same model, data, M and
-seed; prints the median step-time ratio b/a and its spread over the pairs.
+Job: measure, on one machine, the step time of (a) a plain data-parallel loop (one static gloo
+group from init_process_group, the same ReplicaTrainer, a flat all-reduce of the gradients, no
+coordinator, no snapshot, no commit) against (b) `recover train --replicas R` with the same
+model, data, M and seed, and state the ratio b/a with a confidence interval. With
+--deterministic, (a) is `recover train` in the normal mode and (b) the same with --deterministic.
 
-With --deterministic: pairs of `recover train` in the normal mode and with --deterministic
-(same flags otherwise; which runs first alternates), and the ratio deterministic / normal the
-same way, also for each run's fastest step.
+Method (interleaved blocks): both jobs are started once and run side by side, but never at the
+same time: the bench freezes every process of one job (SIGSTOP) while the other runs a block of
+`--block-steps` steps' worth of wall time, then swaps (SIGCONT), for `--blocks` pairs of blocks;
+which job goes first alternates from pair to pair, so that a load that drifts favours neither.
+A block's figure is the median of the steps that lie wholly inside it (the step under way when
+a job was frozen or resumed is dropped, and so are the warm-up steps before the first block).
+A pair's ratio is b's block median over a's; the overhead is the geometric mean of the pair
+ratios, with a 95% percentile-bootstrap interval over the pairs (10,000 resamples, fixed seed).
+The same for each block's fastest step (`fastest_ratio`). Adjacent blocks a few seconds apart
+see the same machine, which is what makes the figure repeat on a shared, loaded box; the
+earlier method (whole runs in alternating pairs, one median each) gave pair ratios 0.74-1.53.
+
+Invariants: the two jobs never run at once; a block with a failure is not a measurement (a
+`coordinator.member_dead` event fails the benchmark). Costs: two start-ups, then about
+2 x blocks x block-steps steps. Limits: SIGSTOP lands mid-step, so each block loses one or two
+steps; cold caches after a swap are paid by both jobs alike. Every process of both jobs has its
+own session (scheduling group under autogroup), else a loaded machine favours one side.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import random
+import signal
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from recover.record import committed_steps
-from recover.tooling.bench.common import (
-    WARMUP_STEPS,
-    bench_setup,
-    machine_info,
-    median_step_s,
-    run_recover,
-)
+from recover.record import committed_steps, read_metrics
+from recover.tooling.bench.common import WARMUP_STEPS, bench_setup, child_env, machine_info
 
-# ---- (a) the plain data-parallel loop --------------------------------------------------------
+CONFIDENCE = 0.95
+MIN_BLOCK_S = 0.5  # a block at least this long, so that a tiny model's block holds whole steps
+RESAMPLES = 10_000
+# Both jobs run "forever" and are ended by the bench once the blocks are measured.
+ENDLESS_STEPS = 100_000
+# Failure-path deadlines raised for a job that is frozen for whole blocks: they act only on a
+# failure, which this benchmark has none of (and fails on), so the failure-free path is unchanged.
+FROZEN_SAFE_FLAGS = [
+    "--coordinator-grace",
+    "600",
+    "--reduce-deadline",
+    "600",
+    "--stall-timeout",
+    "0",
+]
+
+# ---- pure parts: which steps count, and the ratio with its interval -------------------------
 
 
-def _plain_replica(rank: int, world: int, port: int, cfg_dict: dict, data: str, result_path: str):
+def steps_inside(records: list[tuple[float, float]], start: float, end: float) -> list[float]:
+    """The step times of the records (t_end wall time, step_s) that began and ended in [start, end]."""
+    return [s for t_end, s in records if t_end - s >= start and t_end <= end]
+
+
+def geometric_mean(xs: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+
+def ratio_interval(
+    ratios: list[float],
+    *,
+    confidence: float = CONFIDENCE,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """(geometric mean of the pair ratios, low, high): a percentile bootstrap over the pairs."""
+    if not ratios:
+        raise ValueError("no pair of blocks with whole steps in both: raise --block-steps")
+    point = geometric_mean(ratios)
+    rng = random.Random(seed)
+    logs = [math.log(r) for r in ratios]
+    n = len(logs)
+    means = sorted(sum(rng.choice(logs) for _ in range(n)) / n for _ in range(resamples))
+    tail = (1.0 - confidence) / 2
+    lo = math.exp(means[int(tail * (resamples - 1))])
+    hi = math.exp(means[int(math.ceil((1 - tail) * (resamples - 1)))])
+    return point, min(lo, point), max(hi, point)
+
+
+# ---- the jobs: start, freeze, resume, read their steps ---------------------------------------
+
+
+def _plain_replica(rank: int, world: int, port: int, cfg_dict: dict, data: str, record: str):
     import torch
     import torch.distributed as dist
 
@@ -41,6 +106,11 @@ def _plain_replica(rank: int, world: int, port: int, cfg_dict: dict, data: str, 
     from recover.training.config import TrainConfig
     from recover.training.trainer import ReplicaTrainer
 
+    # Its own session, as each process of `recover train` has (launch.py, zygote.py): with the
+    # kernel's autogroup scheduling (sched_autogroup_enabled) a session is one scheduling
+    # group, so ranks that shared the bench's session would get one share of a loaded machine's
+    # CPUs between them where recover's replicas get one each.
+    os.setsid()
     torch.set_num_threads(1)
     cfg = TrainConfig.from_dict(cfg_dict)
     dist.init_process_group(
@@ -48,137 +118,256 @@ def _plain_replica(rank: int, world: int, port: int, cfg_dict: dict, data: str, 
     )
     trainer = ReplicaTrainer(cfg, TokenDataset.open(data))
     mine = assign(cfg.microbatches, list(range(world)))[rank]
-    times = []
-    last = time.perf_counter()
-    for step in range(cfg.steps):
-        trainer.compute_microbatches(step, mine)
-        flat = trainer.snapshot()
-        dist.all_reduce(flat)
-        trainer.apply_commit(step, flat)
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
-    if rank == 0:
-        Path(result_path).write_text(json.dumps({"step_s": times}))
+    with open(record, "a") if rank == 0 else open(os.devnull, "w") as f:
+        last = time.perf_counter()
+        for step in range(cfg.steps):
+            trainer.compute_microbatches(step, mine)
+            flat = trainer.snapshot()
+            dist.all_reduce(flat)
+            trainer.apply_commit(step, flat)
+            now = time.perf_counter()
+            # The same fields as a `recover train` step record: its end (wall) and its duration.
+            rec = {"kind": "step", "step": step, "t_wall": time.time(), "step_s": now - last}
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            last = now
     dist.destroy_process_group()
 
 
-def run_plain(cfg_dict: dict, data: Path, replicas: int, *, timeout_s: float) -> list[float]:
+def _descendants(root: int) -> list[int]:
+    """root and every process below it (/proc; the launcher's children have their own sessions)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+@dataclass
+class Job:
+    """One side of the comparison, running in the background; frozen between its blocks."""
+
+    name: str
+    record: Path  # a metrics.jsonl file: {"kind": "step", step, t_wall (its end), step_s}
+    procs: list = field(default_factory=list)  # Popen or multiprocessing.Process
+    tree: bool = False  # freeze every descendant of procs[0] (a `recover train` launcher)
+    _pids: list[int] = field(default_factory=list)
+
+    def _signal(self, sig: int) -> None:
+        if not self._pids:  # the process tree is settled once the warm-up steps are done
+            roots = [p.pid for p in self.procs]
+            self._pids = _descendants(roots[0]) if self.tree else roots
+        for pid in self._pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def freeze(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def alive(self) -> bool:
+        polls = [p.poll() is None if hasattr(p, "poll") else p.is_alive() for p in self.procs]
+        return all(polls)
+
+    def steps(self) -> list[tuple[float, float]]:
+        """(t_wall at the step's end, step_s) of every step recorded so far, in order."""
+        if not self.record.exists():
+            return []
+        got = committed_steps(self.record)  # a torn last line is skipped
+        return [(r["t_wall"], r["step_s"]) for _, r in sorted(got.items())]
+
+    def failures(self) -> int:
+        if not self.tree or not self.record.exists():
+            return 0
+        return sum(r.get("name") == "coordinator.member_dead" for r in read_metrics(self.record))
+
+    def stop(self) -> None:
+        self.resume()
+        for pid in reversed(self._pids or [p.pid for p in self.procs]):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            p.wait() if hasattr(p, "wait") else p.join()
+
+
+def start_plain(cfg_dict: dict, data: Path, replicas: int, record: Path) -> Job:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "plain.json"
-        procs = [
-            ctx.Process(
-                target=_plain_replica, args=(r, replicas, port, cfg_dict, str(data), str(result))
-            )
-            for r in range(replicas)
-        ]
-        try:
-            for p in procs:
-                p.start()
-            deadline = time.monotonic() + timeout_s
-            for p in procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-            if any(p.exitcode != 0 for p in procs):
-                raise RuntimeError(f"plain loop failed: exit codes {[p.exitcode for p in procs]}")
-            return json.loads(result.read_text())["step_s"]
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join()
+    args = (replicas, port, cfg_dict, str(data), str(record))
+    procs = [ctx.Process(target=_plain_replica, args=(r, *args)) for r in range(replicas)]
+    for p in procs:
+        p.start()
+    return Job("plain", record, procs)
+
+
+def start_recover(name: str, flags: list[str], out: Path) -> Job:
+    cmd = [sys.executable, "-m", "recover.cli", "train", *flags, "--out", str(out), "--quiet"]
+    log = open(out.parent / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env())
+    return Job(name, out / "metrics.jsonl", [proc], tree=True)
+
+
+def _warm_up(job: Job, *, timeout_s: float) -> float:
+    """Run `job` alone until its warm-up steps are done; freeze it; its last step time."""
+    deadline = time.monotonic() + timeout_s
+    while len(job.steps()) <= WARMUP_STEPS:
+        if not job.alive():
+            raise RuntimeError(f"{job.name} ended before its warm-up steps (see its log)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{job.name}: no {WARMUP_STEPS + 1} steps in {timeout_s:.0f} s")
+        time.sleep(0.05)
+    time.sleep(0.01)  # let the launcher's tree settle before listing it
+    job.freeze()
+    return statistics.median(s for _, s in job.steps()[1:])
+
+
+# ---- the benchmark -----------------------------------------------------------------------------
+
+
+def interleave(a: Job, b: Job, *, blocks: int, block_s: float) -> dict:
+    """Alternate two warmed-up, frozen jobs in blocks; return the pairs and the ratios."""
+    windows: dict[str, list[tuple[float, float]]] = {a.name: [], b.name: []}
+    loads = []
+    for i in range(blocks):
+        for job in (a, b) if i % 2 == 0 else (b, a):
+            loads.append(os.getloadavg()[0])
+            start = time.time()
+            job.resume()
+            time.sleep(block_s)
+            job.freeze()
+            windows[job.name].append((start, time.time()))
+            if not job.alive():
+                raise RuntimeError(f"{job.name} ended during block {i + 1} (see its log)")
+    for job in (a, b):
+        if job.failures():
+            raise RuntimeError(f"{job.name}: a replica was declared dead; not a failure-free run")
+    steps = {job.name: job.steps() for job in (a, b)}
+    pairs = []
+    for i in range(blocks):
+        a_steps = steps_inside(steps[a.name], *windows[a.name][i])
+        b_steps = steps_inside(steps[b.name], *windows[b.name][i])
+        if not a_steps or not b_steps:
+            continue  # a block without a whole step: no figure (counted in blocks_dropped)
+        med_a, med_b = statistics.median(a_steps), statistics.median(b_steps)
+        pairs.append({
+            f"{a.name}_step_s": med_a, f"{b.name}_step_s": med_b, "ratio": med_b / med_a,
+            f"{a.name}_fastest_step_s": min(a_steps), f"{b.name}_fastest_step_s": min(b_steps),
+            "fastest_ratio": min(b_steps) / min(a_steps),
+            "steps": [len(a_steps), len(b_steps)], "first": a.name if i % 2 == 0 else b.name,
+        })  # fmt: skip
+    ratio, lo, hi = ratio_interval([p["ratio"] for p in pairs])
+    fast, fast_lo, fast_hi = ratio_interval([p["fastest_ratio"] for p in pairs])
+    return {
+        "block_s": block_s,
+        "blocks": len(pairs),
+        "blocks_dropped": blocks - len(pairs),
+        "pairs": pairs,
+        "ratio": ratio,
+        "ci_low": lo,
+        "ci_high": hi,
+        "confidence": CONFIDENCE,
+        "fastest_ratio": fast,
+        "fastest_ci_low": fast_lo,
+        "fastest_ci_high": fast_hi,
+        "median_pair_ratio": statistics.median(p["ratio"] for p in pairs),
+        "min_pair_ratio": min(p["ratio"] for p in pairs),
+        "max_pair_ratio": max(p["ratio"] for p in pairs),
+        "loadavg_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
+        "windows": windows,  # the blocks' (start, end) wall times, per job
+    }
+
+
+METHOD = (
+    "interleaved blocks: both jobs started once and run side by side, never at once (the bench "
+    "SIGSTOPs every process of one while the other runs a block of block_steps steps' worth of "
+    "wall time, then swaps; which goes first alternates per pair); per block the median of the "
+    "steps wholly inside it (warm-up steps before the first block excluded); ratio = geometric "
+    f"mean over pairs of {{b}} / {{a}} block medians, {CONFIDENCE:.0%} percentile-bootstrap "
+    f"interval over the pairs ({RESAMPLES} resamples, seed 0); fastest_ratio: the same with each "
+    "block's fastest step"
+)
 
 
 def bench_overhead(args: argparse.Namespace) -> dict:
-    if getattr(args, "deterministic", False):
-        return bench_deterministic(args)
+    for name in ("blocks", "block_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    deterministic = getattr(args, "deterministic", False)
     data, cfg, flags = bench_setup(args)
-    flags = [*flags, "--balance", "equal"]  # the plain loop's plan: equal contiguous shares
-    pairs = []
+    cfg = cfg.__class__.from_dict({**cfg.to_dict(), "steps": ENDLESS_STEPS})
+    flags = [*_with_steps(flags, ENDLESS_STEPS), *FROZEN_SAFE_FLAGS]
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeats):
-            plain = run_plain(cfg.to_dict(), data, args.replicas, timeout_s=args.timeout)
-            a = statistics.median(plain[WARMUP_STEPS:])
-            out = run_recover(flags, Path(tmp) / f"recover-{i}", timeout_s=args.timeout)
-            b = median_step_s(out)
-            pairs.append({"plain_step_s": a, "recover_step_s": b, "ratio": b / a})
-            print(f"  pair {i + 1}/{args.repeats}: plain {a * 1000:.1f} ms, recover {b * 1000:.1f} ms, "
-                  f"ratio {b / a:.3f}", flush=True)  # fmt: skip
-    ratios = [p["ratio"] for p in pairs]
+        tmp = Path(tmp)
+        if deterministic:
+            a = start_recover("normal", flags, tmp / "normal")
+            b_args = ("deterministic", [*flags, "--deterministic"], tmp / "det")
+        else:
+            # The plain loop's plan: equal contiguous shares, so recover gets --balance equal.
+            a = start_plain(cfg.to_dict(), data, args.replicas, tmp / "plain.jsonl")
+            b_args = ("recover", [*flags, "--balance", "equal"], tmp / "recover")
+        jobs = [a]
+        try:
+            step_a = _warm_up(a, timeout_s=args.timeout)  # alone: the start-ups never overlap
+            jobs.append(start_recover(*b_args))
+            step_b = _warm_up(jobs[1], timeout_s=args.timeout)
+            block_s = max(MIN_BLOCK_S, args.block_steps * max(step_a, step_b))
+            res = interleave(a, jobs[1], blocks=args.blocks, block_s=block_s)
+        except BaseException:
+            for job in jobs:
+                if (log := tmp / f"{job.name}.log").exists():
+                    print(log.read_text()[-3000:], file=sys.stderr)
+            raise
+        finally:
+            for job in jobs:
+                job.stop()
+    a_name, b_name = a.name, jobs[1].name
     result = {
-        "benchmark": "overhead",
-        "method": "alternating pairs on one machine; per run the median step time after "
-        f"{WARMUP_STEPS} warm-up steps; ratio = recover / plain data-parallel loop",
-        "config": {**cfg.to_dict(), "replicas": args.replicas},
+        "benchmark": "overhead-deterministic" if deterministic else "overhead",
+        "method": METHOD.format(a=a_name, b=b_name),
+        "config": {
+            **cfg.to_dict(),
+            "steps": None,
+            "replicas": args.replicas,
+            "blocks": args.blocks,
+            "block_steps": args.block_steps,
+        },
         "machine": machine_info(),
-        "pairs": pairs,
-        "median_ratio": statistics.median(ratios),
-        "min_ratio": min(ratios),
-        "max_ratio": max(ratios),
+        **res,
     }
+    what = "deterministic vs normal" if deterministic else "overhead (recover vs plain loop)"
+    load = res["loadavg_1min"]
     print(
-        f"overhead ({args.preset}, {args.replicas} replicas, M={args.microbatches}): "
-        f"median ratio {result['median_ratio']:.3f} (min {result['min_ratio']:.3f}, "
-        f"max {result['max_ratio']:.3f}) over {len(pairs)} pairs"
+        f"{what} ({args.preset}, {args.replicas} replicas, M={args.microbatches}): "
+        f"ratio {res['ratio']:.3f}, {CONFIDENCE:.0%} CI [{res['ci_low']:.3f}, {res['ci_high']:.3f}] "
+        f"over {res['blocks']} block pairs ({res['blocks_dropped']} dropped; blocks of "
+        f"{res['block_s']:.1f} s); fastest steps {res['fastest_ratio']:.3f} "
+        f"[{res['fastest_ci_low']:.3f}, {res['fastest_ci_high']:.3f}]; "
+        f"load average {load['min']:.1f}-{load['max']:.1f} (median {load['median']:.1f})"
     )
     return result
 
 
-def bench_deterministic(args: argparse.Namespace) -> dict:
-    """The step cost of --deterministic against the normal mode, side by side (module docstring)."""
-    data, cfg, flags = bench_setup(args)
-    pairs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeats):
-            # Which mode runs first alternates, so that a load that drifts during the pairs
-            # favours neither.
-            runs = {}
-            for mode in ("normal", "det") if i % 2 == 0 else ("det", "normal"):
-                extra = ["--deterministic"] if mode == "det" else []
-                runs[mode] = run_recover(
-                    [*flags, *extra], Path(tmp) / f"{mode}-{i}", timeout_s=args.timeout
-                )
-            normal, det = runs["normal"], runs["det"]
-            a, b = median_step_s(normal), median_step_s(det)
-            fast_a, fast_b = _fastest_step_s(normal), _fastest_step_s(det)
-            pairs.append({
-                "normal_step_s": a, "deterministic_step_s": b, "ratio": b / a,
-                "normal_fastest_step_s": fast_a, "deterministic_fastest_step_s": fast_b,
-                "fastest_ratio": fast_b / fast_a,
-            })  # fmt: skip
-            print(f"  pair {i + 1}/{args.repeats}: normal {a * 1000:.1f} ms, deterministic "
-                  f"{b * 1000:.1f} ms, ratio {b / a:.3f} (fastest steps: {fast_b / fast_a:.3f})",
-                  flush=True)  # fmt: skip
-    ratios = [p["ratio"] for p in pairs]
-    fastest = [p["fastest_ratio"] for p in pairs]
-    result = {
-        "benchmark": "overhead-deterministic",
-        "method": "pairs of recover train runs on one machine, the normal mode and "
-        "--deterministic, which one first alternating from pair to pair; per run the median step time after {WARMUP_STEPS} warm-up steps; "
-        "ratio = deterministic / normal; fastest_ratio: the same for each run's fastest step "
-        "after the warm-up (less sensitive to other load on a shared machine)",
-        "config": {**cfg.to_dict(), "replicas": args.replicas},
-        "machine": machine_info(),
-        "pairs": pairs,
-        "median_ratio": statistics.median(ratios),
-        "min_ratio": min(ratios),
-        "max_ratio": max(ratios),
-        "median_fastest_ratio": statistics.median(fastest),
-    }
-    print(
-        f"deterministic vs normal ({args.preset}, {args.replicas} replicas, "
-        f"M={args.microbatches}): median ratio {result['median_ratio']:.3f} "
-        f"(min {result['min_ratio']:.3f}, max {result['max_ratio']:.3f}) over {len(pairs)} pairs; "
-        f"fastest steps: median ratio {result['median_fastest_ratio']:.3f}"
-    )
-    return result
-
-
-def _fastest_step_s(out: Path) -> float:
-    steps = committed_steps(out / "metrics.jsonl")
-    return min(s["step_s"] for k, s in steps.items() if k >= WARMUP_STEPS)
+def _with_steps(flags: list[str], steps: int) -> list[str]:
+    out = list(flags)
+    out[out.index("--steps") + 1] = str(steps)
+    return out

@@ -1,0 +1,80 @@
+"""`recover bench overhead`: the interleaved-block method and its interval.
+
+The pure parts (which steps count in a block, the ratio's bootstrap interval) are unit tests; a
+tiny end-to-end run checks the JSON's structure and that each interval holds its point estimate,
+not any speed (this machine is shared).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from conftest import child_env, leftover_processes
+from recover.tooling.bench.overhead import ratio_interval, steps_inside
+from recover.tooling.simulate.scenarios import read_bench
+
+
+@pytest.mark.unit
+def test_a_block_counts_only_the_steps_wholly_inside_it():
+    records = [(10.0, 1.0), (11.0, 1.0), (12.5, 1.5), (13.2, 0.7), (14.1, 0.9)]
+    # The step that began before the block (ends at 11.0, began at 10.0 < 10.2) and the one that
+    # ends after it (14.1 > 14.0) are dropped.
+    assert steps_inside(records, 10.2, 14.0) == [1.5, 0.7]
+    assert steps_inside(records, 20.0, 30.0) == []
+
+
+@pytest.mark.unit
+def test_the_interval_holds_the_geometric_mean_and_narrows_with_agreement():
+    point, lo, hi = ratio_interval([1.0, 1.1, 0.95, 1.2, 1.05])
+    assert point == pytest.approx(math.exp(sum(map(math.log, [1.0, 1.1, 0.95, 1.2, 1.05])) / 5))
+    assert 0.95 <= lo <= point <= hi <= 1.2
+    assert ratio_interval([1.03]) == pytest.approx((1.03, 1.03, 1.03))
+    assert ratio_interval([1.02] * 8) == pytest.approx((1.02, 1.02, 1.02))
+    wide = ratio_interval([0.8, 1.3, 0.9, 1.2, 1.0, 1.1])
+    narrow = ratio_interval([0.99, 1.02, 1.0, 1.01, 1.0, 1.0])
+    assert wide[2] - wide[1] > 4 * (narrow[2] - narrow[1])
+    assert ratio_interval([1.0, 1.2], seed=3) == ratio_interval([1.0, 1.2], seed=3)
+    with pytest.raises(ValueError, match="block-steps"):
+        ratio_interval([])
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["vs-plain", "deterministic"])
+def test_a_tiny_run_reports_the_ratio_with_its_interval(tiny_dataset, tmp_path, deterministic):
+    blocks = 3
+    env = {**child_env(), "TMPDIR": str(tmp_path)}  # the run folders: found again below
+    r = subprocess.run(
+        [sys.executable, "-m", "recover.cli", "bench", "overhead", "--preset", "tiny",
+         "--replicas", "2", "--microbatches", "4", "--microbatch-size", "2", "--seq-len", "32",
+         "--blocks", str(blocks), "--block-steps", "3", "--data", str(tiny_dataset),
+         "--json", str(tmp_path / "o.json"), *(["--deterministic"] if deterministic else [])],
+        capture_output=True, text=True, timeout=280, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "o.json").read_text())
+    a, b = ("normal", "deterministic") if deterministic else ("plain", "recover")
+    assert res["benchmark"] == ("overhead-deterministic" if deterministic else "overhead")
+    assert "interleaved blocks" in res["method"] and f"{b} / {a}" in res["method"]
+    assert res["blocks"] + res["blocks_dropped"] == blocks and res["blocks"] == len(res["pairs"])
+    assert res["blocks"] >= 1 and res["block_s"] >= 0.5
+    assert res["ci_low"] <= res["ratio"] <= res["ci_high"] and res["ci_low"] > 0
+    assert res["fastest_ci_low"] <= res["fastest_ratio"] <= res["fastest_ci_high"]
+    assert res["min_pair_ratio"] <= res["median_pair_ratio"] <= res["max_pair_ratio"]
+    for pair in res["pairs"]:
+        assert pair["ratio"] == pytest.approx(pair[f"{b}_step_s"] / pair[f"{a}_step_s"])
+        assert all(n >= 1 for n in pair["steps"])
+        assert pair[f"{a}_fastest_step_s"] <= pair[f"{a}_step_s"]
+    assert [p["first"] for p in res["pairs"]][:2] in ([a, b], [a], [b])  # alternating order
+    load = res["loadavg_1min"]
+    assert 0 <= load["min"] <= load["median"] <= load["max"]
+    line = r.stdout.splitlines()[-2]
+    assert f"ratio {res['ratio']:.3f}" in line and "CI [" in line and "load average" in line
+    if not deterministic:  # the simulator reads the pairs (`--from-bench`)
+        assert read_bench([tmp_path / "o.json"], cpu_cores=2).step_overhead_s is not None
+    assert leftover_processes(str(tmp_path)) == []
