@@ -14,6 +14,9 @@ holds (the new commit is applied after). A checkpoint or evaluation due at an ol
 writers lost in a row) cannot be made any more: the next due one is.
 
 It must not decide anything about the trajectory: it only records and persists committed state.
+
+Size: one owner of the run folder's writes (records, lines, evaluations, checkpoints, the gap
+filling after a lost writer, the summary), so that "who writes what, when" reads in one place.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ replica holds, so views come relative to it (a live-set delta, no plan when it h
 Every step a replica "computes" for `compute_s`, reports done for (step, attempt epoch) and waits
 for the outcome, so all R done reports arrive in one burst.
 
+Size: the simulated replica (the wire protocol's client side without torch), the drivers, the
+fault injection and the figures of one benchmark, kept together because each figure's
+definition depends on how the drivers act.
+
 Faults (after `warmup_steps` commits and the measured steps): replica 0 is killed mid-step (both
 connections dropped, as a SIGKILL does), then, once its death reached the survivors of its
 driver, replica 1 hangs silently (its sockets stay open; it sends nothing). Survivors keep
