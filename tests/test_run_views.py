@@ -181,8 +181,10 @@ def test_dashboards_follow_the_pen_when_the_writer_dies(tiny_dataset, tmp_path, 
     # Every step reaches the W&B run with its value; replica 1 sends again the steps that replica
     # 0's client had not confirmed when replica 1 took the pen (at least once: at most twice).
     run_id = (out / "wandb_run_id").read_text().strip()
-    files = sorted((out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
-    assert 1 <= len(files) <= 2, sorted((out / "wandb").iterdir())
+    files = sorted(
+        (out / "wandb").glob(f"client-*/wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
+    )
+    assert 1 <= len(files) <= 2, sorted((out / "wandb").rglob("*.wandb"))
     history = [h for f in files for h in wandb_history(f)]
     losses = [(h["trainer/step"], h["train/loss"]) for h in history if "train/loss" in h]
     assert set(losses) == {(s, record[s]["loss"]) for s in range(STEPS)}
@@ -192,7 +194,7 @@ def test_dashboards_follow_the_pen_when_the_writer_dies(tiny_dataset, tmp_path, 
             if "events/failures" in h} == {(3, 1)}  # fmt: skip
     tables = [
         json.loads(p.read_text())
-        for p in (out / "wandb").glob("offline-run-*/files/media/table/*.json")
+        for p in (out / "wandb").glob("client-*/wandb/offline-run-*/files/media/table/*.json")
     ]
     texts = [text for t in tables for _, text in t["data"]]
     assert sum("member_dead" in text for text in texts) == 1

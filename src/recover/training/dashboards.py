@@ -26,8 +26,9 @@ W&B: one W&B run per run folder, whatever the writer: its id is drawn once and k
 `RUN/wandb_run_id`, so a later writer (after the writer died) and a `--resume` continue the same
 W&B run (`resume="allow"`). The x axis of every series is the training step (`trainer/step`), so
 a run resumed from a checkpoint may log a step again, as its record does. W&B's own files go to
-`RUN/wandb/`, and the last step its client confirmed to `RUN/wandb_mirrored`; `WANDB_MODE=offline`
-(W&B's own setting) keeps them there for `wandb sync`. The W&B client imports slowly and starts
+`RUN/wandb/client-PID/` (a folder per writer's client), and the last step its client confirmed
+to `RUN/wandb_mirrored`; `WANDB_MODE=offline` (W&B's own setting) keeps them there for `wandb
+sync`. The W&B client imports slowly and starts
 a service process: it runs in a process of its own, fed by a thread, so the training thread only
 queues; `close()` waits (at most `WANDB_CLOSE_S`) for it to send what it was given and finish the
 run. A W&B error is logged once and the mirror stops: the record itself is never at risk.
@@ -354,13 +355,17 @@ def _feed_wandb(lines) -> int:
 
     start = json.loads(next(lines))
     run_dir = Path(start["run"])
+    # A folder per client: W&B names its offline folder by the second and the run id, so two
+    # writers' clients started in the same second would share one file.
+    files = run_dir / "wandb" / f"client-{os.getpid()}"
+    files.mkdir(parents=True, exist_ok=True)
     run = wandb.init(
         project=start["project"],
         entity=start["entity"],
         id=wandb_run_id(run_dir),
         resume="allow",
         name=run_dir.name,
-        dir=str(run_dir),
+        dir=str(files),
         config=start["config"],
         settings=wandb.Settings(
             console="off", silent=True, x_disable_stats=True, disable_git=True, save_code=False
