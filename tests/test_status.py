@@ -33,7 +33,7 @@ def test_status_of_a_running_local_job(tiny_dataset, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "recover.cli", "train", *TINY_TRAIN_FLAGS, "--steps", "2000",
-         "--replicas", "2", "--data", str(tiny_dataset), "--out", str(out)],
+         "--replicas", "2", "--balance", "equal", "--data", str(tiny_dataset), "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
     )  # fmt: skip
     try:
