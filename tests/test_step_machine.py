@@ -86,8 +86,10 @@ def reference_parameters() -> torch.Tensor:
     return work.grads.flat_parameters()
 
 
-def run_replica(r: int, server, results: dict, leave_at: tuple[int, str] | None) -> None:
-    """Replica r's thread: register, run STEPS steps through the machine, record each commit."""
+def run_replica(r: int, server, results: dict, leave_at: tuple[int, str] | None, gate=None) -> None:
+    """Replica r's thread: register, run STEPS steps through the machine, record each commit.
+    `gate` (step, event): the others wait for the leaver at that step's compute until it has
+    left, so its collective is still in flight when it goes."""
     client = CoordinatorClient(*server.address, replica_id=r, heartbeat_s=0.05)
     link = SoloLink(client)
     work = LinearWork()
@@ -95,10 +97,14 @@ def run_replica(r: int, server, results: dict, leave_at: tuple[int, str] | None)
     def phase(name: str, step: int, index) -> None:
         if leave_at == (step, name):  # drop the session, abandon the thread
             client.close()
+            if gate is not None:
+                gate[1].set()
             raise _Gone
 
     def compute(todo) -> None:
         phase("compute", todo.step, None)
+        if gate is not None and leave_at is None and todo.step == gate[0]:
+            assert gate[1].wait(20), "the leaver never left"
         work.compute(todo)
 
     commits = []
@@ -128,12 +134,13 @@ def run_replica(r: int, server, results: dict, leave_at: tuple[int, str] | None)
         link.close()
 
 
-def run_job(replicas: int, leave_at: dict[int, tuple[int, str]]) -> dict:
+def run_job(replicas: int, leave_at: dict[int, tuple[int, str]], *, gate_step=None) -> dict:
     opts = CoordinatorOptions(expected_replicas=replicas, microbatches=0, lease_s=2.0)
     results: dict = {}
+    gate = None if gate_step is None else (gate_step, threading.Event())
     with CoordinatorServer(opts, store_port=0) as server:
         threads = [
-            threading.Thread(target=run_replica, args=(r, server, results, leave_at.get(r)))
+            threading.Thread(target=run_replica, args=(r, server, results, leave_at.get(r), gate))
             for r in range(replicas)
         ]
         for t in threads:
@@ -184,10 +191,11 @@ def test_a_replica_leaving_mid_step_is_recomputed_by_the_survivors():
 
 @pytest.mark.timeout(90)
 def test_a_replica_leaving_mid_reduce_never_breaks_the_step():
-    """Replica 0 drops out while its reduce of step 2 is in flight. Whether the sum had completed
-    (the step commits as it was) or not (it is redone without replica 0) depends on timing; either
-    way every step sums M ids once, one replica writes it, and the survivors agree."""
-    results = run_job(3, {0: (2, "reduce")})
+    """Replica 0 drops out while its reduce of step 2 is in flight (the others wait at step 2's
+    compute until it has gone, so the reduce cannot complete first and the fault point, polled
+    during the collective, always fires): every step sums M ids once, one replica writes it, and
+    the survivors agree."""
+    results = run_job(3, {0: (2, "reduce")}, gate_step=2)
     assert results[0].get("gone") and isinstance(results[1], dict), results
     check_commits(results, [1, 2])
     ref = reference_parameters()
