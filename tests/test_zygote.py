@@ -152,3 +152,28 @@ def test_a_forked_child_reads_the_stdin_pipe_it_was_given(zygote, tmp_path):
     assert p.stdout.read() == "end of input\n" and p.wait(timeout=30) == 0
     q = zygote.spawn(None, [], _env(), script=str(script))
     assert q.stdin is None and q.stdout.read() == "end of input\n" and q.wait(timeout=30) == 0
+
+
+def test_the_launchers_preload_leaves_a_replica_nothing_to_import(tmp_path):
+    """What a forked replica would otherwise import again in every process (1.6 s of CPU each
+    for torch._dynamo, which building a torch optimizer pulls in; the CLI's subcommand parsers,
+    which `MODULE:FUNCTION` preloads by calling the parser builder) is in the zygote already."""
+    from recover.launch import LocalLauncher
+
+    script = tmp_path / "replica.py"
+    script.write_text(
+        "import sys, torch\n"
+        "before = set(sys.modules)\n"
+        "torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())\n"
+        "import recover.cli\n"
+        "recover.cli.build_parser()\n"
+        "print(sorted(set(sys.modules) - before), flush=True)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    z = Zygote(list(LocalLauncher.WARM_MODULES), env, tag=str(tmp_path))
+    try:
+        p = z.spawn(None, [], _env(), script=str(script))
+        assert p.stdout.read().splitlines() == ["[]"]
+        assert p.wait(timeout=30) == 0
+    finally:
+        z.close()

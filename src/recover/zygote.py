@@ -162,7 +162,10 @@ def _main() -> None:
 
     die_with_launcher()
     for name in sys.argv[3:]:  # (argv[2]: the tag, for people reading `ps`)
-        importlib.import_module(name)
+        module, _, warm = name.partition(":")
+        loaded = importlib.import_module(module)
+        if warm:  # MODULE:FUNCTION: also call it, for what it imports lazily (a CLI's parsers)
+            getattr(loaded, warm)()
     sock.sendall(_READY)
     _serve(sock)
     os._exit(0)  # nothing to flush or tear down: skip the interpreter's (slow with torch) exit
@@ -214,7 +217,9 @@ class Zygote:
     def __init__(
         self, preload: list[str], env: dict[str, str], *, tag: str = "", timeout_s: float = 120.0
     ):
-        """`tag`: a word on the zygote's command line, which its children share (they are not
+        """`preload`: module names the zygote imports before it forks anything; `MODULE:FUNCTION`
+        also calls FUNCTION() once (no arguments), for modules it imports only when called.
+        `tag`: a word on the zygote's command line, which its children share (they are not
         exec'ed): the local launcher puts the run folder there."""
         ours, theirs = socket.socketpair()
         self._sock = ours
