@@ -203,17 +203,3 @@ def test_a_resumed_coordinator_judges_no_lease_for_its_own_pause():
     sim.hb(1)
     dead = [d for d in sim.tick(0.6) if d.name == "member_dead"]  # replica 2 stayed silent
     assert [(d.replica_id, d.how) for d in dead] == [(2, "lease")]
-
-
-@pytest.mark.unit
-def test_an_accusation_open_at_the_pause_gets_a_fresh_grace():
-    sim = Sim(expected_replicas=2)
-    for r in range(2):
-        sim.reg(r)
-    sim.tick(0.05)
-    sim.failed(0, suspects=[1])
-    sim.send(Resumed(paused_s=5.0), dt=5.0)
-    assert not [d for d in sim.tick(0.1) if d.name == "member_dead"]
-    sim.hb(0)
-    dead = [d for d in sim.tick(0.3) if d.name == "member_dead"]  # still silent after its grace
-    assert [(d.replica_id, d.how) for d in dead] == [(1, "report")]

@@ -254,7 +254,7 @@ def test_client_reports_commit_and_redo_through_the_server():
             tb.join(10)
             assert v.live == (0, 1) and v.plan == {0: (0, 1), 1: (2, 3)}
             a.report_done(step=0, epoch=1)
-            b.report_failed(step=0, epoch=1, suspects=[], reason="injected")
+            b.report_failed(step=0, epoch=1, reason="injected")
             out = a.wait_outcome(step=0, epoch=1, deadline_s=5)
             assert type(out).__name__ == "StepRedo" and out.view.attempt_epoch == 2
             for c in (a, b):

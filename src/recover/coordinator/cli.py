@@ -75,13 +75,6 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     serve.add_argument("--lease", type=float, default=1.0, help="lease in seconds")
     serve.add_argument(
-        "--suspect-grace",
-        type=float,
-        default=0.3,
-        help="seconds a replica accused by a peer has to show it is alive before it is declared "
-        "dead (default 0.3)",
-    )
-    serve.add_argument(
         "--start-deadline",
         type=float,
         default=300.0,
@@ -241,7 +234,6 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             microbatches=args.microbatches,
             min_replicas=args.min_replicas,
             lease_s=args.lease,
-            suspect_grace_s=args.suspect_grace,
             start_deadline_s=args.start_deadline,
             throughput_weights=args.balance == "throughput",
             mode=args.mode,

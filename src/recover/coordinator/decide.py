@@ -1,7 +1,7 @@
 """The coordinator's rules: a pure function from (now, state, message) to (state, decisions, reason).
 
 Job: membership (pending -> live -> dead/left), epochs, the plan of every step attempt, commit and
-redo decisions, lease expiry and accusations. No sockets, threads or clocks: the caller passes
+redo decisions and lease expiry. No sockets, threads or clocks: the caller passes
 `now` (a monotonic clock), so tests drive every race with an injected clock.
 
 Rules (docs/design.md has the narrative):
@@ -12,11 +12,10 @@ Rules (docs/design.md has the narrative):
   of A that is still live has reported: all done -> Committed(t); any failed -> Redo(t, e') where
   the ids held by the dead members of A are reassigned over the survivors and e' > a is the
   current epoch (bumped by a regroup if no membership change happened since a).
-  A redo also waits (at most suspect_grace_s) for open accusations of this attempt to resolve.
-- A failed report accuses suspects: an accused replica that does not heartbeat within
-  suspect_grace_s dies (how="report"); one that does is cleared and, if the epoch has not moved
-  since the attempt began, a regroup bumps the epoch so that the attempt is redone in a fresh
-  group. A failed report without a live suspect regroups at once for the same reason.
+- A failed report regroups at once (bumps the epoch, same live set) if the epoch has not moved
+  since the attempt began, so that peers blocked in the failed collective see the new epoch and
+  abandon it. Who hung or died is for the lease and the session's end to say: a replica never
+  names a suspect (an old client's `suspects` field is ignored by the decoder).
 - Joiners wait as pending and are admitted only at a commit (step boundary).
 - Non-finite parts: when every survivor reported done but some (not all) said their own part of
   the sum was not finite, the step is not committed: a new attempt recomputes the suspects' ids on
@@ -88,7 +87,6 @@ from recover.coordinator.state_store import (
     QUORUM_LOST,
     RUNNING,
     TERMINAL,
-    Accusation,
     CoordinatorState,
     Member,
     check_member,
@@ -216,38 +214,25 @@ def _on_heartbeat(s: CoordinatorState, now: float, m: Heartbeat, out: list) -> s
     member, code, why = _lookup(s, m.replica_id, m.incarnation)
     if member is None:
         return _refuse(out, m, code, why)
-    return _heard(s, m.replica_id, member, now, out)
+    return _heard(s, m.replica_id, member, now)
 
 
 def _on_heartbeats(s: CoordinatorState, now: float, m: Heartbeats, out: list) -> str:
     """Heartbeats the transport read since its last batch, each at the time it was read. Not a
     current member any more: skipped (it was answered already; its next heartbeat is refused)."""
-    notes = []
     for r, inc, at in m.seen:
         member = s.members.get(r)
         if member is None or member.incarnation != inc or member.state not in (PENDING, LIVE):
             continue
         if s.fenced.get(inc) or at <= member.last_seen:
             continue
-        note = _heard(s, r, member, at, out)
-        if note != "heartbeat":
-            notes.append(note)
-    return "; ".join(notes) or f"{len(m.seen)} heartbeats"
+        _heard(s, r, member, at)
+    return f"{len(m.seen)} heartbeats"
 
 
-def _heard(s: CoordinatorState, r: int, member: Member, at: float, out: list) -> str:
+def _heard(s: CoordinatorState, r: int, member: Member, at: float) -> str:
     s.own("members")[r] = replace(member, last_seen=max(at, member.last_seen))
-    acc = s.own("accusations").pop(r, None) if r in s.accusations else None
-    if acc is None:
-        return "heartbeat"
-    why = (
-        f"accusation of replica {acc.suspect} by replica {acc.accuser} dismissed: "
-        "it heartbeated after the accusation"
-    )
-    if _is_current_attempt(s, acc.step, acc.epoch) and s.epoch == s.attempt_epoch:
-        _bump_epoch(s, out, f"{why}; regroup with the same live set to redo step {s.step}")
-    _evaluate_attempt(s, out)
-    return why
+    return "heartbeat"
 
 
 def _on_process_exit(s: CoordinatorState, now: float, m: ProcessExit, out: list) -> str:
@@ -331,19 +316,11 @@ def _on_failed(s: CoordinatorState, now: float, m: ReportFailed, out: list) -> s
         return ""
     r = m.replica_id
     s.own("reports")[r] = "failed"
-    accused = []
-    for q in sorted(set(m.suspects)):
-        if q != r and q in s.live:
-            accused.append(q)
-            if q not in s.accusations:
-                s.own("accusations")[q] = Accusation(
-                    suspect=q, accuser=r, at=now, step=m.step, epoch=m.epoch
-                )
     why = f"replica {r} reported a failed collective in ({m.step}, {m.epoch}): {m.reason!r}"
-    if not accused and s.epoch == s.attempt_epoch:
-        _bump_epoch(s, out, f"{why} without a live suspect; regroup to redo step {s.step}")
+    if s.epoch == s.attempt_epoch:
+        _bump_epoch(s, out, f"{why}; regroup to redo step {s.step}")
     _evaluate_attempt(s, out)
-    return f"{why}; accused {accused}"
+    return why
 
 
 def _on_leave(s: CoordinatorState, now: float, m: Leave, out: list) -> str:
@@ -368,13 +345,6 @@ def _on_tick(s: CoordinatorState, now: float, m: Tick, out: list) -> str:
                 f"> lease_s={opts.lease_s}"
             )
             _kill(s, r, "lease", why, out)
-    for q, acc in sorted(s.accusations.items()):
-        if q in s.accusations and now - acc.at > opts.suspect_grace_s:
-            why = (
-                f"replica {q} accused by replica {acc.accuser} in ({acc.step}, {acc.epoch}) did "
-                f"not heartbeat within suspect_grace_s={opts.suspect_grace_s}"
-            )
-            _kill(s, q, "report", why, out)
     if s.status == FORMING and now >= s.start_deadline:
         n = s.n_pending
         head = f"start deadline passed with {n} of {opts.expected_replicas} replicas registered"
@@ -410,7 +380,7 @@ def _on_takeover(s: CoordinatorState, now: float, m: Takeover, out: list) -> str
 
 def _on_resumed(s: CoordinatorState, now: float, m: Resumed, out: list) -> str:
     """The coordinator itself was not running for `paused_s`: a silence nobody else caused. Each
-    live or pending member's lease and each open accusation's grace restart from now, so the
+    live or pending member's lease restarts from now, so the
     leases judged next judge only what happens after the pause (a member that died meanwhile
     misses its fresh lease and dies then). Nothing else changes: no epoch, no death."""
     members = s.own("members")
@@ -419,10 +389,6 @@ def _on_resumed(s: CoordinatorState, now: float, m: Resumed, out: list) -> str:
         if member.state in (PENDING, LIVE):
             members[r] = replace(member, last_seen=max(now, member.last_seen))
             renewed.append(r)
-    if s.accusations:
-        accusations = s.own("accusations")
-        for q, acc in list(accusations.items()):
-            accusations[q] = replace(acc, at=max(now, acc.at))
     why = (
         f"the coordinator did not run for {m.paused_s:.1f} s (stopped or stalled): the leases "
         f"of replicas {renewed} restart now; nobody is judged for that gap"
@@ -478,8 +444,6 @@ def _kill(s: CoordinatorState, r: int, how: str, why: str, out: list) -> None:
     # it may register again. Anything else is fenced forever.
     if not (member.state == PENDING and how == "lease"):
         s.own("fenced")[member.incarnation] = "left" if left else "evicted"
-    if r in s.accusations:
-        s.own("accusations").pop(r)
     if not left:
         out.append(MemberDead(replica_id=r, incarnation=member.incarnation, how=how, reason=why))
     if not was_live:
@@ -525,7 +489,7 @@ def _evaluate_attempt(s: CoordinatorState, out: list) -> None:
             if s.status != RUNNING:
                 return
         _commit(s, out, survivors)
-    elif not any(_is_current_attempt(s, a.step, a.epoch) for a in s.accusations.values()):
+    else:
         _redo(s, out, survivors)
 
 
@@ -804,11 +768,9 @@ def _durable_changed(old: CoordinatorState, new: CoordinatorState, msg: Message)
     # Per-attempt reports are not durable (docs/coordinator.md, "Durability": after a restart
     # the replicas time out on wait_outcome and report again), so a burst of R done reports
     # costs no saves of the whole state (82 ms each at R = 12,500) while it is being judged.
-    if not _same(old.accusations, new.accusations):
-        return True
     if old.members is new.members:
         return False
-    if isinstance(msg, Heartbeat | Heartbeats):  # only last_seen (accusations checked above)
+    if isinstance(msg, Heartbeat | Heartbeats):  # only last_seen
         return False
     if isinstance(msg, Register) and len(old.members) == len(new.members):
         cur = old.members.get(msg.replica_id)

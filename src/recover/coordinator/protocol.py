@@ -23,8 +23,8 @@ that version's epoch) instead of `live`. The whole view travels compact (views.p
 reports of several replicas in one message) and `lease_expired` (`LeaseExpired`: a lease judged
 at the relay).
 
-Wire additions for the record (docs/metrics.md): the register reply carries `lease_s` and
-`suspect_grace_s` (the replica's fence window is their minimum); a done report may carry
+Wire additions for the record (docs/metrics.md): the register reply carries `lease_s` (the
+replica's fence window); a done report may carry
 `leaving: true` (a planned leave at the boundary of that step); the view carries `records_from`
 (the first step the named writer makes sure is recorded).
 
@@ -150,7 +150,6 @@ class ReportFailed:
     incarnation: str
     step: int
     epoch: int
-    suspects: tuple[int, ...] = ()
     reason: str = ""
 
 
@@ -192,7 +191,7 @@ class Heartbeats:
 class Resumed:
     """The coordinator's own loop did not run for `paused_s` (its process was stopped, its host
     stalled or swapped): nobody could have been heard meanwhile. Every live or pending member
-    and every open accusation gets a fresh window from now before any lease is judged.
+    gets a fresh lease from now before any lease is judged.
 
     Not a wire message: the server applies it when it notices the gap."""
 
@@ -201,7 +200,7 @@ class Resumed:
 
 @dataclass(frozen=True)
 class Tick:
-    """The clock moved: expire leases and unanswered accusations, check the start deadline.
+    """The clock moved: expire leases, check the start deadline.
 
     `due`: the replicas whose lease may have run out (the server keeps leases in deadline
     order); None checks every member."""
@@ -264,7 +263,6 @@ _CHECKS = {
         "a number or null",
     ),
     "param_hash": (lambda v: v is None or isinstance(v, str), "a string or null"),
-    "suspects": (lambda v: isinstance(v, list) and all(_int(x) for x in v), "a list of ints"),
     "reason": (lambda v: isinstance(v, str), "a string"),
     "leaving": (lambda v: isinstance(v, bool), "a boolean"),
     "finite": (lambda v: isinstance(v, bool), "a boolean"),
@@ -279,7 +277,9 @@ def check_field(name: str, value: Any) -> Any:
 
 
 def decode_message(req: dict[str, Any]) -> Message:
-    """A request dict -> a typed message, or ProtocolError naming the bad field."""
+    """A request dict -> a typed message, or ProtocolError naming the bad field. Fields the
+    message does not have are ignored: `token`, `view_version`, and what older clients still
+    send (a failed report's `suspects`, from before the accusation rule was removed)."""
     kind = req.get("kind")
     cls = MESSAGE_KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
@@ -292,8 +292,6 @@ def decode_message(req: dict[str, Any]) -> Message:
             continue
         else:
             raise ProtocolError(f"{kind}: missing field {f.name!r}")
-    if "suspects" in args:
-        args["suspects"] = tuple(args["suspects"])
     if isinstance(args.get("throughput"), int):
         args["throughput"] = float(args["throughput"])
     return cls(**args)
@@ -326,8 +324,6 @@ def decode_done_batch(req: dict[str, Any]) -> ReportsDone:
 
 def encode_message(msg: Message) -> dict[str, Any]:
     d = asdict(msg)
-    if "suspects" in d:
-        d["suspects"] = list(d["suspects"])
     d["kind"] = _KIND_OF[type(msg)]
     return d
 

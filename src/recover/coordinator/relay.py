@@ -14,8 +14,6 @@ coordinator only what changes membership or the attempt, and fan its views out.
 - Views: the relay's `relay_beat` is held by the coordinator until the view changes, so the
   relay's copy follows each version within a round trip; `wait_view`, `wait_outcome` and held
   heartbeats are answered from that copy, encoded once per version (views.py).
-- Accusations: the coordinator lists accused replicas in its beat replies; the relay's next
-  beat carries those of its replicas it heard since (`seen`), which answers them.
 
 Invariants: the coordinator declares every replica of a relay dead when the relay's upstream
 connection ends or its beat lease runs out: a dead relay takes its replicas with it, and a hung
@@ -146,8 +144,6 @@ class RelayServer(LoopService):
         self._members: dict[int, _Member] = {}
         self._leases = LeaseQueue(1.0)
         self._heard: dict[int, float] = {}  # replica -> when its last heartbeat was read
-        self._accused: set[int] = set()
-        self._last_beat = 0.0
         self._n_live = 0  # our replicas in the current view's live set (a done batch's size)
         self._view: View | None = None  # the coordinator's view, without its plan
         self._views = ViewCache()
@@ -210,23 +206,13 @@ class RelayServer(LoopService):
         return req
 
     async def _beat(self, hold: bool) -> None:
-        now, since = time.monotonic(), self._last_beat
-        self._last_beat = now
-        seen = [  # accused replicas of ours heard since the last beat: proof of life
-            [r, self._members[r].incarnation, round(now - self._heard[r], 4)]
-            for r in sorted(self._accused)
-            if r in self._members
-            and self._members[r].state in ("pending", "live")
-            and self._heard.get(r, -1.0) > since
-        ]
-        req = {"kind": "relay_beat", "view_version": self._views.version, "seen": seen}
+        req = {"kind": "relay_beat", "view_version": self._views.version}
         if hold:
             req["hold_s"] = self._beat_s
         head, view = await self._beat_up.call(self._up(req), self._beat_s)
         if not head.get("ok"):
             raise ConnectionError(f"the coordinator refused this relay: {head.get('reason')}")
         self._leases.lease_s = float(head.get("lease_s", self._leases.lease_s))
-        self._accused = set(head.get("accused", ()))
         if view is not None:
             self._absorb(view)
 
@@ -423,7 +409,6 @@ class RelayServer(LoopService):
             and not isinstance(hold, bool)
             and hold > 0
             and known == self._views.version
-            and r not in self._accused
         ):
             await self._held.park(min(float(hold), _MAX_HOLD_S), conn.gone)
             if self._refusal(r, inc) is None:  # its lease runs from the reply

@@ -13,7 +13,7 @@ replica registered is its *session*: EOF on it without a prior `leave` is report
 as `ProcessExit`, which makes a SIGKILLed replica visible within milliseconds.
 
 Work per message does not grow with R (docs/coordinator.md has the measurements):
-- a heartbeat of a current, unaccused member is answered at once and queued with the time it was
+- a heartbeat of a current member is answered at once and queued with the time it was
   read; the queue reaches `decide` as one `Heartbeats` batch per tick. A lease is judged only
   after the loop has drained the sockets that were readable (a few zero sleeps) and the batch
   applied, so a burst of work that delays reading never turns into false deaths. A gap of more
@@ -209,7 +209,7 @@ class CoordinatorServer(LoopService):
         self._delivered: dict[int, int] = {}
         self._views = ViewCache()
         # Relays: their replicas, their leases (one per relay, kept by its held relay_beat) and
-        # their held beats (woken at every view change and every new accusation).
+        # their held beats (woken at every view change).
         self._relays: dict[str, _Relay] = {}
         self._relay_leases = LeaseQueue(options.lease_s)
         self._relay_held = Waiters()
@@ -355,7 +355,7 @@ class CoordinatorServer(LoopService):
                 now = time.monotonic()
                 due = self._leases.due(now)
                 st = self._state
-                if due or st.accusations or st.status == "forming":
+                if due or st.status == "forming":
                     self._apply(Tick(due=tuple(due)), now)
                     self._requeue(due)
                 for relay in self._relay_leases.due(now):
@@ -393,8 +393,6 @@ class CoordinatorServer(LoopService):
                 self._relay_held.wake()
         if self._durable and new.revision != old.revision:
             self._dirty.set()  # saved at once (a reply waits for it), batched while it saves
-        if new.accusations is not old.accusations and len(new.accusations) > len(old.accusations):
-            self._relay_held.wake()  # a relay proves its accused replicas alive (relay_beat)
         return decisions, reason
 
     @staticmethod
@@ -659,8 +657,8 @@ class CoordinatorServer(LoopService):
         r, inc = msg.replica_id, msg.incarnation
         self._check_authority()
         st, now = self._state, time.monotonic()
-        if check_member(st, r, inc)[0] or r in st.accusations:
-            reply = self._handle_message(req, conn, msg)  # a refusal, or it answers an accusation
+        if check_member(st, r, inc)[0]:
+            reply = self._handle_message(req, conn, msg)  # a refusal
         else:  # the common case: O(1) now, applied with the tick's batch
             self._beats.append((r, inc, now))
             self._leases.touch(r, now)
@@ -713,7 +711,6 @@ class CoordinatorServer(LoopService):
             reply["store"] = list(self._store_address) if self._store_address else None
             # The replica's fence window (client.writes_allowed): how long it may go unconfirmed.
             reply["lease_s"] = self._options.lease_s
-            reply["suspect_grace_s"] = self._options.suspect_grace_s
         elif relay is not None and isinstance(msg, Leave | ProcessExit | LeaseExpired):
             relay.sessions.discard((msg.replica_id, msg.incarnation))
         if isinstance(msg, Leave) and relay is None:
@@ -757,23 +754,13 @@ class CoordinatorServer(LoopService):
 
     async def _handle_relay_beat(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         """A relay's heartbeat, held like a replica's but woken by any view change (a relay
-        answers its replicas' long-polls from its copy of the view) and by new accusations.
-        `seen`: [replica_id, incarnation, seconds since the relay heard it] for accused replicas
-        (only those: the relay holds the leases), which answers an accusation as a heartbeat."""
+        answers its replicas' long-polls from its copy of the view). The relay holds its
+        replicas' leases: none of their heartbeats comes here (an older relay's `seen`, which
+        answered accusations, is ignored)."""
         relay_id = conn.relay
         if relay_id not in self._relays:
             return {"ok": False, "code": "unknown", "reason": f"relay {relay_id} was declared lost"}
-        now = time.monotonic()
-        self._relay_leases.touch(relay_id, now)
-        seen = req.get("seen", [])
-        if not isinstance(seen, list):
-            raise ProtocolError("field 'seen' must be a list")
-        for item in seen:
-            if not (isinstance(item, list) and len(item) == 3):
-                raise ProtocolError("field 'seen' must hold [replica_id, incarnation, age_s]")
-            r, inc = check_field("replica_id", item[0]), check_field("incarnation", item[1])
-            age = _number({"age": item[2]}, "age")
-            self._beats.append((r, inc, now - age))
+        self._relay_leases.touch(relay_id, time.monotonic())
         known = req.get("view_version")
         hold = req.get("hold_s")
         if (
@@ -781,16 +768,11 @@ class CoordinatorServer(LoopService):
             and not isinstance(hold, bool)
             and hold > 0
             and known == self._state.view_version
-            and not seen
         ):
             await self._relay_held.park(min(float(hold), _MAX_HOLD_S), conn.gone)
             if relay_id in self._relays:  # its lease runs from the reply
                 self._relay_leases.touch(relay_id, time.monotonic())
-        reply: dict[str, Any] = {
-            "ok": True,
-            "lease_s": self._options.lease_s,
-            "accused": sorted(self._state.accusations),
-        }
+        reply: dict[str, Any] = {"ok": True, "lease_s": self._options.lease_s}
         if known != self._state.view_version:
             reply["view"] = _VIEW
         return reply

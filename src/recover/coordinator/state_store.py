@@ -7,9 +7,10 @@ an in-memory implementation. A later etcd-backed store implements the same two m
 Invariants:
 - `decide()` never mutates a state it is given. `clone()` is shallow (O(1)): `decide` copies a
   container the first time it changes it (copy on write), so a heartbeat does not copy the whole
-  state. Members and accusations are frozen records, replaced and never edited.
+  state. Members are frozen records, replaced and never edited.
 - `state_from_json(state_to_json(s)) == s` for every reachable state (tested), so a store that
-  keeps JSON loses nothing.
+  keeps JSON loses nothing; a state saved by an older version still loads (fields it had that
+  are gone now, such as the accusations of the removed accusation rule, are dropped).
 - `revision` grows whenever something durable changes (membership, the plan, reports, commits;
   not lease bookkeeping); the server saves the newest revision in the background, batched.
   `view_version` grows whenever the published view does.
@@ -31,7 +32,6 @@ from typing import Any, Protocol
 from recover.coordinator.protocol import View
 
 __all__ = [
-    "Accusation",
     "CoordinatorOptions",
     "CoordinatorState",
     "InMemoryStateStore",
@@ -72,7 +72,6 @@ class CoordinatorOptions:
     microbatches: int
     min_replicas: int = 1  # fewer live replicas than this -> quorum_lost (resume from checkpoint)
     lease_s: float = 1.0  # no heartbeat for this long -> dead (how="lease")
-    suspect_grace_s: float = 0.3  # an accused replica must heartbeat within this or it is dead
     start_deadline_s: float = 300.0  # forming gives up (or starts with >= min_replicas) after this
     throughput_weights: bool = False  # weight shares by measured throughput instead of equally
     # Weight of the newest sample (one per step, itself a mean over the step's microbatches) in
@@ -98,7 +97,7 @@ class CoordinatorOptions:
                 f"min_replicas ({self.min_replicas}) must be <= expected_replicas "
                 f"({self.expected_replicas})"
             )
-        for name in ("lease_s", "suspect_grace_s", "start_deadline_s"):
+        for name in ("lease_s", "start_deadline_s"):
             _positive(name, getattr(self, name))
         if not isinstance(self.throughput_weights, bool):
             raise ValueError(f"throughput_weights must be a bool, got {self.throughput_weights!r}")
@@ -126,17 +125,8 @@ class Member:
     fingerprint: dict[str, Any]  # the replica's config fingerprint
     next_step: int  # from its checkpoint, at registration
     throughput: float | None = None  # moving average of microbatches/s from done reports
-    how: str | None = None  # how it stopped: exit | lease | report | leave
+    how: str | None = None  # how it stopped: exit | lease | suspect | leave (older: report)
     leaving: bool = False  # asked to leave at the next commit (a planned leave)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Accusation:
-    suspect: int
-    accuser: int
-    at: float  # coordinator clock of the accusation
-    step: int  # the attempt (step, epoch) whose collective failed
-    epoch: int
 
 
 @dataclass(kw_only=True)
@@ -164,7 +154,6 @@ class CoordinatorState:
     param_hashes: dict[int, str] = field(default_factory=dict)
     members: dict[int, Member] = field(default_factory=dict)  # latest incarnation per id
     fenced: dict[str, str] = field(default_factory=dict)  # incarnation -> evicted | left
-    accusations: dict[int, Accusation] = field(default_factory=dict)  # by suspect
     fingerprint: dict[str, Any] | None = None  # the run's fingerprint, pinned when it forms
     start_deadline: float = 0.0  # coordinator clock by which the run must have formed
     leaving: bool = False  # a member left cleanly: the run is winding down
@@ -193,9 +182,12 @@ class CoordinatorState:
         return getattr(self, name)
 
 
-_INT_KEYED = ("plan", "weights", "reports", "param_hashes", "members", "accusations")
+_INT_KEYED = ("plan", "weights", "reports", "param_hashes", "members")
 _MEMBER_FIELDS = tuple(f.name for f in fields(Member))
-_ACCUSATION_FIELDS = tuple(f.name for f in fields(Accusation))
+# What a state saved by an older version may hold that this one has no use for: the accusation
+# rule's open accusations and its grace (removed: no replica ever named a suspect).
+_DROPPED_FIELDS = ("accusations",)
+_DROPPED_OPTIONS = ("suspect_grace_s",)
 
 
 def _record(obj: Any, names: tuple[str, ...]) -> dict[str, Any]:
@@ -211,8 +203,6 @@ def state_to_json(state: CoordinatorState) -> str:
             v = asdict(v)
         elif f.name == "members":
             v = {str(k): _record(m, _MEMBER_FIELDS) for k, m in v.items()}
-        elif f.name == "accusations":
-            v = {str(k): _record(a, _ACCUSATION_FIELDS) for k, a in v.items()}
         elif f.name in _INT_KEYED:
             v = {str(k): (list(x) if isinstance(x, tuple) else x) for k, x in v.items()}
         elif isinstance(v, tuple):
@@ -223,9 +213,11 @@ def state_to_json(state: CoordinatorState) -> str:
 
 def state_from_json(text: str) -> CoordinatorState:
     d = json.loads(text)
-    d["options"] = CoordinatorOptions(**d["options"])
+    for name in _DROPPED_FIELDS:
+        d.pop(name, None)
+    options = {k: v for k, v in d["options"].items() if k not in _DROPPED_OPTIONS}
+    d["options"] = CoordinatorOptions(**options)
     d["members"] = {int(k): Member(**m) for k, m in d["members"].items()}
-    d["accusations"] = {int(k): Accusation(**a) for k, a in d["accusations"].items()}
     # "holdings": the plan's key in a state saved before it was named `plan`; still read, so a
     # state kept in etcd outlives the upgrade.
     plan = d.pop("plan") if "plan" in d else d.pop("holdings")
@@ -305,10 +297,9 @@ def initial_state(options: CoordinatorOptions, now: float) -> CoordinatorState:
 
 
 def resume_state(state: CoordinatorState, now: float) -> CoordinatorState:
-    """A loaded state on a new clock: leases, accusations and the start deadline restart now."""
+    """A loaded state on a new clock: leases and the start deadline restart now."""
     s = state.clone()
     s.members = {r: replace(m, last_seen=now) for r, m in s.members.items()}
-    s.accusations = {q: replace(a, at=now) for q, a in s.accusations.items()}
     if s.status == FORMING:
         s.start_deadline = now + s.options.start_deadline_s
     return s

@@ -260,7 +260,7 @@ class SoloLink:
                 leaving=leaving, finite=finite,
             )  # fmt: skip
         else:
-            self.client.report_failed(step=step, epoch=epoch, suspects=[], reason=failure)
+            self.client.report_failed(step=step, epoch=epoch, reason=failure)
         return failure is None
 
     def wait_outcome(self, *, step: int, epoch: int, deadline_s: float):
@@ -379,7 +379,7 @@ class ReplicaLink:
                     )
                 else:
                     reason = "; ".join(failures)[:200]
-                    self.client.report_failed(step=step, epoch=epoch, suspects=[], reason=reason)
+                    self.client.report_failed(step=step, epoch=epoch, reason=reason)
             except BaseException as e:
                 self._pending = e
         return not failures
