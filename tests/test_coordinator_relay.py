@@ -140,20 +140,32 @@ def _register_all(clients: list[CoordinatorClient]) -> None:
         t.join(25)
 
 
-def _step(clients: list[CoordinatorClient]) -> list:
-    """Every client reports done for its view's attempt and waits for the outcome."""
+def _step(clients: list[CoordinatorClient], failing: int | None = None) -> list:
+    """Every client reports its view's attempt (done, or failed for client `failing`) in the one
+    round trip that returns the outcome; each done report's `on_taken` runs exactly once."""
     outcomes: list = [None] * len(clients)
+    taken = [0] * len(clients)
 
     def one(i: int, c: CoordinatorClient) -> None:
         v = c.view
-        c.report_done(step=v.step, epoch=v.attempt_epoch)
-        outcomes[i] = c.wait_outcome(step=v.step, epoch=v.attempt_epoch, deadline_s=15)
+        if i == failing:
+            outcomes[i] = c.report_failed(
+                step=v.step, epoch=v.attempt_epoch, reason="injected", deadline_s=15
+            )
+            return
+        outcomes[i] = c.report_done(
+            step=v.step,
+            epoch=v.attempt_epoch,
+            deadline_s=15,
+            on_taken=lambda: taken.__setitem__(i, taken[i] + 1),
+        )
 
     threads = [threading.Thread(target=one, args=(i, c)) for i, c in enumerate(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(20)
+    assert taken == [int(i != failing) for i in range(len(clients))]
     return outcomes
 
 
@@ -186,6 +198,13 @@ def test_replicas_behind_relays_commit_and_their_deaths_reach_the_coordinator():
             for _ in range(3):  # bursts of done reports, batched per relay
                 assert [type(o).__name__ for o in _step(clients)] == ["StepCommitted"] * 6
             a = clients[0]
+            # A failed report (forwarded up without its wait): every replica is told to redo,
+            # the one that failed too, each from its relay's copy of the view.
+            step = a.view.step
+            redo = _step(clients, failing=4)
+            assert [type(o).__name__ for o in redo] == ["StepRedo"] * 6
+            assert {(o.step, o.view.attempt_epoch) for o in redo} == {(step, a.view.epoch)}
+            assert [type(o).__name__ for o in _step(clients)] == ["StepCommitted"] * 6
 
             clients[5].close()  # replica 5 (behind rack1) exits: its session EOF at the relay
             _wait(lambda: 5 not in a.view.live)

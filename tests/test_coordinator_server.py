@@ -253,16 +253,85 @@ def test_client_reports_commit_and_redo_through_the_server():
             v = a.register(fingerprint={}, next_step=0, deadline_s=10)
             tb.join(10)
             assert v.live == (0, 1) and v.plan == {0: (0, 1), 1: (2, 3)}
-            a.report_done(step=0, epoch=1)
-            b.report_failed(step=0, epoch=1, reason="injected")
-            out = a.wait_outcome(step=0, epoch=1, deadline_s=5)
-            assert type(out).__name__ == "StepRedo" and out.view.attempt_epoch == 2
-            for c in (a, b):
-                c.report_done(step=0, epoch=2)
-            assert b.wait_outcome(step=0, epoch=2, deadline_s=5).step == 0
+            taken = []  # each done report's "commit" point: once, before its outcome is used
+
+            def done(c, epoch):
+                mark = lambda: taken.append(c.replica_id)  # noqa: E731
+                return c.report_done(step=0, epoch=epoch, deadline_s=5, on_taken=mark)
+
+            def failed(c, epoch):
+                return c.report_failed(step=0, epoch=epoch, reason="injected", deadline_s=5)
+
+            outs = _concurrently(lambda: done(a, 1), lambda: failed(b, 1))
+            assert [type(o).__name__ for o in outs] == ["StepRedo", "StepRedo"]
+            assert outs[0].view.attempt_epoch == outs[1].view.attempt_epoch == 2
+            assert taken == [0]  # not on a failed report
+            outs = _concurrently(lambda: done(a, 2), lambda: done(b, 2))
+            assert [type(o).__name__ for o in outs] == ["StepCommitted", "StepCommitted"]
+            assert outs[0].step == outs[1].step == 0 and sorted(taken) == [0, 0, 1]
             b.leave(step=1)
             a.leave(step=1)
             assert server.state().status == "finished"
+        finally:
+            a.close()
+            b.close()
+
+
+def _concurrently(*calls):
+    """Each call on a thread of its own; their results, in order (a call's error re-raised)."""
+    results: list = [None] * len(calls)
+
+    def run(i, call):
+        try:
+            results[i] = call()
+        except BaseException as e:  # re-raised below, in the test's thread
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+@pytest.mark.timeout(60)
+def test_a_report_is_answered_with_its_outcome_and_an_old_style_report_at_once():
+    """One round trip a step: a done report with `deadline_s` gets `{"taken": true}` when the
+    attempt is undecided, then the outcome once the last report decides it; a done report
+    without `deadline_s` (an older client) is answered at once, without an outcome, and
+    `wait_outcome` still gives it."""
+    opts = CoordinatorOptions(expected_replicas=2, microbatches=4, lease_s=1.0)
+    with CoordinatorServer(opts, store_port=None) as server:
+        a = CoordinatorClient(*server.address, replica_id=0)
+        b = CoordinatorClient(*server.address, replica_id=1)
+        try:
+            _concurrently(
+                *(
+                    lambda c=c: c.register(fingerprint={}, next_step=0, deadline_s=10)
+                    for c in (a, b)
+                )
+            )
+            with socket.create_connection(server.address, timeout=5) as raw:
+                head = {"replica_id": 0, "incarnation": a.incarnation, "step": 0, "epoch": 1}
+                send_frame(raw, {"kind": "done", **head, "deadline_s": 5})
+                assert recv_frame(raw) == {"ok": True, "taken": True}
+                old = {"kind": "done", "replica_id": 1, "incarnation": b.incarnation}
+                reply = request_once(*server.address, {**old, "step": 0, "epoch": 1})
+                assert reply["ok"] and "outcome" not in reply  # answered at once, as before
+                reply = recv_frame(raw)
+                assert (reply["ok"], reply["outcome"]) == (True, "committed")
+                assert reply["view"]["committed_step"] == 0
+                # The old way's second trip still answers; the last report of a step gets its
+                # outcome at once (no "taken" frame: it decided it).
+                assert b.wait_outcome(step=0, epoch=1, deadline_s=5).step == 0
+                send_frame(raw, {"kind": "done", **head, "step": 1, "deadline_s": 5})
+                assert recv_frame(raw) == {"ok": True, "taken": True}
+                assert b.report_done(step=1, epoch=1, deadline_s=5).step == 1
+                assert recv_frame(raw)["outcome"] == "committed"
         finally:
             a.close()
             b.close()

@@ -2,7 +2,9 @@
 
 Job: the message types that `decide()` consumes, the published `View`, their JSON codec with
 strict validation, and the frame format: a 4-byte big-endian length, then that many bytes of a
-UTF-8 JSON object. One request frame gets one reply frame, in order, on one TCP connection.
+UTF-8 JSON object. One request frame gets one reply frame, in order, on one TCP connection;
+the one exception is a report that waits for its outcome (a done or failed report with
+`deadline_s`): a `{"ok": true, "taken": true}` frame may come before its reply.
 
 Invariants:
 - A frame longer than MAX_FRAME (1 MiB) is never read into memory: `FrameTooLarge`.

@@ -10,10 +10,11 @@ coordinator only what changes membership or the attempt, and fan its views out.
   relay reported, or `batch_s` after the first report, whichever comes first. The coordinator
   judges every report as if it came alone: a batch never changes what a commit means.
 - Registrations, failed reports, leave and status go up as they are, and their replies come back
-  as they are.
+  as they are; a report that waits for its outcome (`deadline_s`) goes up without the wait.
 - Views: the relay's `relay_beat` is held by the coordinator until the view changes, so the
-  relay's copy follows each version within a round trip; `wait_view`, `wait_outcome` and held
-  heartbeats are answered from that copy, encoded once per version (views.py).
+  relay's copy follows each version within a round trip; `wait_view`, `wait_outcome`, held
+  heartbeats and the outcome a waiting report asks for are answered from that copy, encoded
+  once per version (views.py).
 
 Invariants: the coordinator declares every replica of a relay dead when the relay's upstream
 connection ends or its beat lease runs out: a dead relay takes its replicas with it, and a hung
@@ -33,6 +34,7 @@ import logging
 import struct
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +66,7 @@ _BATCHED_FIELDS = {
     "view_version", "token",
 }  # fmt: skip
 _HEARTBEAT_OK = frame({"ok": True, "reason": "heartbeat"})  # the common reply, encoded once
+_TAKEN = frame({"ok": True, "taken": True})  # a waiting report is on record (client.py)
 
 
 @dataclass
@@ -78,6 +81,7 @@ class _Conn:
     gone: asyncio.Future | None
     session: tuple[int, str] | None = None
     left: bool = False
+    writer: asyncio.StreamWriter | None = None
 
 
 class _Upstream:
@@ -302,7 +306,7 @@ class RelayServer(LoopService):
     # ------------------------------------------------------------ downstream
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = _Conn(gone=getattr(writer.transport.get_protocol(), "gone", None))
+        conn = _Conn(gone=getattr(writer.transport.get_protocol(), "gone", None), writer=writer)
         self._writers.add(writer)
         self._tasks.add(asyncio.current_task())
         try:
@@ -353,6 +357,8 @@ class RelayServer(LoopService):
     async def _dispatch(self, req: dict[str, Any], conn: _Conn) -> bytes:
         kind = req.get("kind")
         known = req.get("view_version", -1)
+        if kind in ("done", "failed") and "deadline_s" in req:
+            return await self._report_and_wait(req, conn)
         if kind in _FORWARDED:
             return await self._forward(req, conn)
         if kind == "heartbeat":
@@ -373,6 +379,9 @@ class RelayServer(LoopService):
         raise ProtocolError(f"unknown request kind {kind!r}"[:200])
 
     async def _forward(self, req: dict[str, Any], conn: _Conn) -> bytes:
+        return frame(*await self._forward_call(req, conn))
+
+    async def _forward_call(self, req: dict[str, Any], conn: _Conn) -> tuple[dict, bytes | None]:
         head, view = await self._rpc_up.call(self._up(req))
         kind = req.get("kind")
         r, inc = req.get("replica_id"), req.get("incarnation")
@@ -390,7 +399,7 @@ class RelayServer(LoopService):
             conn.left = True
             self._members[r].state, self._members[r].why = "left", "it left cleanly"
             self._leases.settle([r], {r: None})
-        return frame(head, view)
+        return head, view
 
     async def _heartbeat(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any] | None:
         """None: the common reply (alive, and it holds the current view)."""
@@ -419,18 +428,46 @@ class RelayServer(LoopService):
             return None
         return {"ok": True, "reason": "heartbeat"}
 
+    async def _report_and_wait(self, req: dict[str, Any], conn: _Conn) -> bytes:
+        """A report that waits for its outcome (client.py): it goes up without the wait (a
+        done in a batch, a failed report forwarded: the upstream connection is shared, in
+        order), and the outcome comes from our copy of the view, as for wait_outcome, with
+        `{"taken": true}` first unless it is decided at once."""
+        deadline_s = self._deadline(req)
+        known = req.get("view_version", -1)
+        report = {k: v for k, v in req.items() if k != "deadline_s"}
+        if req.get("kind") == "done":
+            head, view = await self._done_call(report)
+        else:
+            head, view = await self._forward_call(report, conn)
+        if not head.get("ok"):
+            return frame(head, view) if view is not None else self._reply(head, known)
+        step, epoch = report["step"], report["epoch"]  # (checked upstream)
+        ready = self._outcome_ready((report["replica_id"], report["incarnation"]), step, epoch)
+        result = ready()
+        if result is None:
+            conn.writer.write(_TAKEN)
+            result = await self._wait_for(ready, deadline_s)
+        result = result or {"ok": True, "outcome": "timeout", "reason": "deadline passed"}
+        return self._reply(result, known)
+
     async def _done(self, req: dict[str, Any]) -> bytes:
+        head, view = await self._done_call(req)
+        return frame(head, view) if view is not None else self._reply(head, req.get("view_version"))
+
+    async def _done_call(self, req: dict[str, Any]) -> tuple[dict, bytes | None]:
+        """A done report, batched up (or alone): (its reply, the view bytes to send with it:
+        None for ours, relative to the version the replica holds)."""
         r = check_field("replica_id", req.get("replica_id"))
         inc = check_field("incarnation", req.get("incarnation"))
         step, epoch = check_field("step", req.get("step")), check_field("epoch", req.get("epoch"))
         h = check_field("param_hash", req.get("param_hash"))
         tp = check_field("throughput", req.get("throughput"))
-        known = req.get("view_version", -1)
         refusal = self._refusal(r, inc)
         if refusal is not None:
-            return self._reply(refusal, known)
+            return refusal, None
         if set(req) - _BATCHED_FIELDS:  # a field a batch row does not carry: send it alone
-            return await self._forward(req, _Conn(gone=None))
+            return await self._forward_call(req, _Conn(gone=None))
         fut = asyncio.get_running_loop().create_future()
         batch = self._batches.setdefault((step, epoch), [])
         batch.append(([r, inc, h, tp], fut))
@@ -441,8 +478,8 @@ class RelayServer(LoopService):
         head = await fut
         refused = head.get("refused", {}).get(str(r))
         if refused is not None:
-            return self._reply({"ok": False, "code": refused[0], "reason": refused[1]}, known)
-        return self._reply({"ok": True, "reason": head.get("reason", "")}, known)
+            return {"ok": False, "code": refused[0], "reason": refused[1]}, None
+        return {"ok": True, "reason": head.get("reason", "")}, None
 
     def _flush(self, attempt: tuple[int, int]) -> None:
         batch = self._batches.pop(attempt, None)
@@ -496,6 +533,11 @@ class RelayServer(LoopService):
         )
         step = check_field("step", req.get("step"))
         epoch = check_field("epoch", req.get("epoch"))
+        result = await self._wait_for(self._outcome_ready(who, step, epoch), self._deadline(req))
+        return result or {"ok": True, "outcome": "timeout", "reason": "deadline passed"}
+
+    def _outcome_ready(self, who: tuple[int, str], step: int, epoch: int) -> Callable:
+        """The predicate of a wait for attempt (step, epoch)'s outcome, on our copy of the view."""
 
         def ready() -> dict[str, Any] | None:
             if refusal := self._refusal(*who):
@@ -507,5 +549,4 @@ class RelayServer(LoopService):
                 return {"ok": False, "code": "stale", "reason": out[1]}
             return {"ok": True, "outcome": out[0], "reason": out[1]}
 
-        result = await self._wait_for(ready, self._deadline(req))
-        return result or {"ok": True, "outcome": "timeout", "reason": "deadline passed"}
+        return ready

@@ -1,7 +1,8 @@
 """The coordinator server: the transport around `decide()`, plus the torch TCPStore host.
 
 Job: accept length-prefixed JSON requests on TCP, run every message through `decide()`, tick
-every ~20 ms for leases, answer long-polls (new view, outcome of an attempt), log decisions
+every ~20 ms for leases, answer long-polls (new view, outcome of an attempt; a done or failed
+report with `deadline_s` is one: client.py), log decisions
 (last ~200 in memory; every one as a JSON line in `events_path`), save the state through a
 `StateStore` (in a background thread, batched), and host the `TCPStore` that per-epoch process
 groups are built on.
@@ -112,6 +113,7 @@ log = logging.getLogger("recover.coordinator")
 _VIEW = object()
 _MAX_HOLD_S = 1.0  # the longest a heartbeat reply may be held (a lease is >= this in practice)
 _DRAIN_ROUNDS = 4  # zero sleeps before a tick: readable sockets are read and their frames handled
+_TAKEN = frame({"ok": True, "taken": True})  # a waiting report is on record (client.py)
 
 
 @dataclass
@@ -398,8 +400,8 @@ class CoordinatorServer(LoopService):
     @staticmethod
     def _key(s: CoordinatorState) -> tuple:
         """What long-polls wait for: a new epoch, attempt, step or status. Held heartbeats wait
-        for the first two fields only: commits and redos reach a replica through wait_outcome
-        (a redo moves the epoch too), so a commit does not send every replica its view twice."""
+        for the first two fields only: commits and redos reach a replica as the answer to its
+        report (a redo moves the epoch too), so a commit does not send every replica its view twice."""
         return (s.epoch, s.status, s.attempt_epoch, s.step, s.committed_step)
 
     # ------------------------------------------------------------ leases and saving
@@ -640,6 +642,8 @@ class CoordinatorServer(LoopService):
             return self._handle_done_batch(req)
         if kind == "heartbeat":
             return await self._handle_heartbeat(req, conn)
+        if kind in ("done", "failed") and "deadline_s" in req:
+            return await self._handle_report_and_wait(req, conn)
         if kind in MESSAGE_KINDS:
             return self._handle_message(req, conn)
         if kind == "wait_view":
@@ -806,6 +810,30 @@ class CoordinatorServer(LoopService):
         step = check_field("step", req.get("step"))
         epoch = check_field("epoch", req.get("epoch"))
         deadline_s = _number(req, "deadline_s")
+        return await self._outcome(who, step, epoch, deadline_s)
+
+    async def _handle_report_and_wait(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
+        """A done or failed report that carries `deadline_s`: taken as any report, then answered
+        with the attempt's outcome as wait_outcome answers it (one round trip a step). When the
+        outcome is not decided at once, `{"taken": true}` goes first: the report is on record."""
+        deadline_s = _number(req, "deadline_s")
+        reply = self._handle_message(req, conn)
+        if not reply.get("ok"):
+            return reply  # refused (stale: the client asks wait_outcome)
+        msg_step, msg_epoch = req["step"], req["epoch"]  # (checked by the decoder)
+        who = (req["replica_id"], req["incarnation"])
+        return await self._outcome(who, msg_step, msg_epoch, deadline_s, conn.writer)
+
+    async def _outcome(
+        self,
+        who: tuple[int, str],
+        step: int,
+        epoch: int,
+        deadline_s: float,
+        taken: asyncio.StreamWriter | None = None,
+    ) -> dict[str, Any]:
+        """The reply to a wait for attempt (step, epoch)'s outcome; with `taken`, a writer that
+        gets `{"taken": true}` first unless the outcome is decided at once."""
 
         def ready() -> dict[str, Any] | None:
             refusal = self._refusal(*who)
@@ -820,7 +848,11 @@ class CoordinatorServer(LoopService):
                 return {"ok": False, "code": "stale", "reason": out[1], "view": _VIEW}
             return {"ok": True, "outcome": out[0], "reason": out[1], "view": _VIEW}
 
-        result = await self._wait_for(ready, deadline_s)
+        result = ready()
+        if result is None:
+            if taken is not None:
+                taken.write(_TAKEN)  # shows nothing of the state: no save to wait for
+            result = await self._wait_for(ready, deadline_s)
         if result is None:
             result = {"ok": True, "outcome": "timeout", "reason": "deadline passed", "view": _VIEW}
         return self._with_store(result)

@@ -51,6 +51,7 @@ from recover.coordinator.client import (
     CoordinatorClient,
     CoordinatorUnreachable,
     Evicted,
+    Outcome,
     QuorumLost,
     RequestRefused,
     StepCommitted,
@@ -252,19 +253,17 @@ class SoloLink:
 
     def report(
         self, *, step: int, epoch: int, failure: str | None, param_hash, throughput,
-        leaving: bool = False, finite: bool = True,
-    ) -> bool:  # fmt: skip
+        leaving: bool = False, finite: bool = True, deadline_s: float,
+        on_taken: Callable[[], None] = lambda: None,
+    ) -> tuple[bool, Outcome]:  # fmt: skip
         if failure is None:
-            self.client.report_done(
+            return True, self.client.report_done(
                 step=step, epoch=epoch, param_hash=param_hash, throughput=throughput,
-                leaving=leaving, finite=finite,
+                leaving=leaving, finite=finite, deadline_s=deadline_s, on_taken=on_taken,
             )  # fmt: skip
-        else:
-            self.client.report_failed(step=step, epoch=epoch, reason=failure)
-        return failure is None
-
-    def wait_outcome(self, *, step: int, epoch: int, deadline_s: float):
-        return self.client.wait_outcome(step=step, epoch=epoch, deadline_s=deadline_s)
+        return False, self.client.report_failed(
+            step=step, epoch=epoch, reason=failure, deadline_s=deadline_s
+        )
 
     def agree(self, ok: bool) -> bool:
         return ok
@@ -313,7 +312,6 @@ class ReplicaLink:
         self.intra = intra
         self.client = client if intra.leader else None
         self._view: View | None = None
-        self._pending: BaseException | None = None
         self._store_address: tuple[str, int] | None = None
         self._watcher = None if intra.leader else _ViewWatcher(host, port, token, standbys)
 
@@ -357,41 +355,37 @@ class ReplicaLink:
 
     def report(
         self, *, step: int, epoch: int, failure: str | None, param_hash, throughput,
-        leaving: bool = False, finite: bool = True,
-    ) -> bool:  # fmt: skip
-        """Agree inside the replica, then (leader) report for all of it; True if every rank's
-        part succeeded. An error of the leader's report reaches the others at wait_outcome.
-        `leaving` is the same on every rank (agreed at the last step boundary); the replica's
-        part is finite when every rank's is."""
+        leaving: bool = False, finite: bool = True, deadline_s: float,
+        on_taken: Callable[[], None] = lambda: None,
+    ) -> tuple[bool, Outcome]:  # fmt: skip
+        """Agree inside the replica, then (leader) report for all of it and wait for the
+        outcome, which every rank gets: (True if every rank's part succeeded, the outcome).
+        `on_taken` runs when the replica's done report is on record: on the leader when the
+        coordinator took it, on the others once they agreed. `leaving` is the same on every
+        rank (agreed at the last step boundary); the replica's part is finite when every
+        rank's is."""
         rows = self.intra.gather((failure, param_hash, finite))
         failures = [f"rank {k}: {f}" for k, (f, _, _) in enumerate(rows) if f is not None]
+        msg = None
         if self.client is not None:
             try:
                 if not failures:
                     hashes = [h for _, h, _ in rows]
-                    self.client.report_done(
+                    out = self.client.report_done(
                         step=step,
                         epoch=epoch,
                         param_hash=None if None in hashes else replica_hash(hashes),
                         throughput=throughput,
                         leaving=leaving,
                         finite=all(ok for _, _, ok in rows),
+                        deadline_s=deadline_s,
+                        on_taken=on_taken,
                     )
                 else:
                     reason = "; ".join(failures)[:200]
-                    self.client.report_failed(step=step, epoch=epoch, reason=reason)
-            except BaseException as e:
-                self._pending = e
-        return not failures
-
-    def wait_outcome(self, *, step: int, epoch: int, deadline_s: float):
-        msg = None
-        if self.client is not None:
-            try:
-                if self._pending is not None:
-                    pending, self._pending = self._pending, None
-                    raise pending
-                out = self.client.wait_outcome(step=step, epoch=epoch, deadline_s=deadline_s)
+                    out = self.client.report_failed(
+                        step=step, epoch=epoch, reason=reason, deadline_s=deadline_s
+                    )
             except BaseException as e:
                 self.intra.relay(("raise", *_describe_error(e)))
                 raise
@@ -404,14 +398,16 @@ class ReplicaLink:
                 msg = ("redo", out.step, out.view.to_dict(), store)
             else:
                 msg = ("stopped", out.status, out.reason, self.client.view.to_dict(), store)
+        elif not failures:
+            on_taken()
         msg = self.intra.relay(msg)
         self._absorb(msg, store=True)
         kind = msg[0]
         if kind == "committed":
-            return StepCommitted(msg[1])
+            return not failures, StepCommitted(msg[1])
         if kind == "redo":
-            return StepRedo(msg[1], self._view)
-        return Stopped(msg[1], msg[2])
+            return not failures, StepRedo(msg[1], self._view)
+        return not failures, Stopped(msg[1], msg[2])
 
     def agree(self, ok: bool) -> bool:
         """True when `ok` holds on every rank of the replica."""

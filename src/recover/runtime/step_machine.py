@@ -89,9 +89,8 @@ class Link(Protocol):
     def live_view(self) -> View: ...
     def report(
         self, *, step: int, epoch: int, failure, param_hash, throughput, leaving: bool = False,
-        finite: bool = True,
-    ) -> bool: ...  # fmt: skip
-    def wait_outcome(self, *, step: int, epoch: int, deadline_s: float): ...
+        finite: bool = True, deadline_s: float, on_taken: Callable[[], None] = ...,
+    ) -> tuple[bool, Any]: ...  # fmt: skip
     def agree(self, ok: bool) -> bool: ...
     def gather(self, obj: Any) -> list[Any]: ...
     def leave(self, *, step: int) -> None: ...
@@ -303,16 +302,16 @@ class StepMachine:
             if failure is None:
                 part_finite = self._part_finite(step, reduced, attempt)
                 hooks.before_done()
-            if not self.link.report(
+            # One round trip: the report, answered with the attempt's outcome. The "commit"
+            # point is between the two: this replica's done report is on record.
+            agreed, outcome = self.link.report(
                 step=step, epoch=epoch, failure=failure, param_hash=phash,
                 throughput=attempt.throughput(), leaving=hooks.leaving(), finite=part_finite,
-            ):  # fmt: skip
+                deadline_s=self.options.outcome_timeout_s,
+                on_taken=lambda: hooks.phase("commit", step, None),
+            )  # fmt: skip
+            if not agreed:
                 reduced = None  # some rank of this replica failed: nobody's result counts
-            if reduced is not None:
-                hooks.phase("commit", step, None)
-            outcome = self.link.wait_outcome(
-                step=step, epoch=epoch, deadline_s=self.options.outcome_timeout_s
-            )
             if isinstance(outcome, StepCommitted):
                 if reduced is None:
                     raise RuntimeError(
