@@ -118,16 +118,42 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory, tiny_corpus: Path) ->
     return prepare_dataset(out, source=tiny_corpus, val_fraction=0.2, show_progress=False)
 
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.fixture(scope="session")
+def custom_token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A token file for examples/train_custom.py (made by its --make-data)."""
+    path = tmp_path_factory.mktemp("custom-data") / "custom.bin"
+    made = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_custom.py"), "--make-data", str(path)],
+        capture_output=True, text=True, timeout=60, env=child_env(),
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    return path
+
+
+RECOVER_CLI = (sys.executable, "-m", "recover.cli")
+
+
 def run_cli(args: list[str], *, timeout: float = 60, cwd: Path | None = None):
     """Run `python -m recover.cli ARGS` to completion (killed on timeout); return the result."""
     return subprocess.run(
-        [sys.executable, "-m", "recover.cli", *args],
+        [*RECOVER_CLI, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         env=child_env(),
         cwd=cwd,
     )
+
+
+def start_cli(args: list[str], **popen) -> subprocess.Popen:
+    """Start `python -m recover.cli ARGS` with stdout piped and stderr merged into it, as `finish`
+    reads them (`popen` overrides, e.g. stdout=subprocess.DEVNULL). Reap it with `finish` (or a
+    kill) in a `finally`, so that a failing test leaves no process behind."""
+    options = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    return subprocess.Popen([*RECOVER_CLI, *args], **{**options, "env": child_env(), **popen})
 
 
 def finish(proc: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:

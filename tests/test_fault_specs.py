@@ -4,6 +4,10 @@ launcher's exit status says whether every step committed, whatever died on the w
 Real processes for the exit status: a replica SIGKILLed from outside (no --fault), and a fault
 that fires in a respawned incarnation; both runs commit every step and exit 0 with a line that
 lists the deaths. A run record with a missing step fails the verdict with a line naming the step.
+
+A fault fires once per run: the launcher learns that it fired from its own control file
+(RUN/faults.fired), never from the run's record; a `recover run` script that writes its events
+elsewhere still has each fault fire once, its second respawn given neither again.
 """
 
 from __future__ import annotations
@@ -18,11 +22,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_env, events, finish, leftover_processes
-from recover.launch import LaunchConfig, LocalLauncher
+from conftest import EXAMPLES, child_env, events, finish, leftover_processes, start_cli
+from recover.launch import FIRED_FILE, LaunchConfig, LocalLauncher
 from recover.logs import setup_logging
-from recover.record import MetricsWriter, committed_steps
-from recover.runtime.faults import check_faults_fit, parse_fault
+from recover.record import MetricsWriter, committed_steps, read_metrics
+from recover.runtime.faults import (
+    FaultInjector,
+    check_faults_fit,
+    fault_flag,
+    parse_fault,
+    read_fired,
+)
 from recover.training.config import TrainConfig
 
 M = 6
@@ -191,3 +201,83 @@ def test_a_run_record_missing_a_step_fails_the_verdict_with_a_line(tmp_path, cap
     finally:
         log.handlers[:], log.level, log.propagate = saved
         launcher.writer.close()
+
+
+def test_the_launcher_gives_a_new_process_only_the_faults_not_recorded_as_fired(tmp_path):
+    nan, transfer, slow = (
+        parse_fault(s)
+        for s in (
+            "nan:replica=1,step=1,phase=backward,microbatch=0",
+            "kill:replica=1,step=1,phase=transfer",
+            "slow:replica=1,step=0,factor=2",
+        )
+    )
+    cfg = TrainConfig(preset="tiny", steps=4, microbatches=M)
+    launcher = LocalLauncher(
+        cfg, LaunchConfig(replicas=2, faults=(nan, transfer, slow)), data=tmp_path, out=tmp_path,
+        resume=False, data_info={}, console=None,
+    )  # fmt: skip
+    # The run's record is not what the launcher goes by: an event there fires nothing.
+    writer = MetricsWriter(launcher.paths.metrics)
+    writer.event("failure_injected", fault="kill", replica=1, rank=0, step=1, phase="transfer")
+    writer.close()
+    assert launcher._pending_faults(1) == [nan, transfer, slow]
+    # A replica process records its fault in the launcher's file before the fault acts.
+    acted = []
+    injector = FaultInjector(
+        [parse_fault(fault_flag(f)) for f in (nan, transfer)],  # (as RECOVER_FAULTS gives them)
+        corrupt=lambda: acted.append(read_fired(launcher.fired_file)),
+        fired=launcher.fired_file,
+    )
+    injector("backward", 1, 0)
+    assert acted == [{fault_flag(nan)}]
+    assert launcher._pending_faults(1) == [transfer, slow]
+    injector("backward", 1, 0)  # (once per process, too)
+    assert len(acted) == 1
+    # A line still being written is not a fired fault yet.
+    with open(launcher.fired_file, "a") as f:
+        f.write(fault_flag(transfer)[:-3])
+    assert launcher._pending_faults(1) == [transfer, slow]
+    assert launcher._pending_faults(0) == []
+
+
+@pytest.mark.timeout(240)
+def test_a_fault_fires_once_per_run_wherever_the_script_writes_its_events(
+    custom_token_file, tmp_path
+):
+    """`recover run` of examples/train_custom.py, whose processes write their events to a file of
+    their own (RECOVER_EVENTS is the script's to honour), not the run's metrics.jsonl. Replica 1
+    is SIGKILLed at step 1, its respawn while receiving the state; the second respawn, given
+    neither fault again, joins and trains to the end: each fault fired once."""
+    out = tmp_path / "run"
+    elsewhere = tmp_path / "script-events.jsonl"
+    script = tmp_path / "custom_elsewhere.py"
+    script.write_text(
+        "import os, runpy, sys\n"
+        f"os.environ['RECOVER_EVENTS'] = {str(elsewhere)!r}\n"
+        f"sys.argv[0] = {str(EXAMPLES / 'train_custom.py')!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    r = finish(
+        start_cli([
+            "run", "--out", str(out / "job"), "--replicas", "2", "--respawn", "0",
+            "--fault", "kill:replica=1,step=1,phase=backward",
+            "--fault", "kill:replica=1,step=1,phase=transfer",
+            "--", sys.executable, str(script), "--out", str(out / "result"),
+            "--data", str(custom_token_file),
+            "--steps", "300", "--microbatches", "4",
+        ]),
+        200,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert not events(out / "job", "failure_injected"), "the script's events went to the record"
+    injected = [e for e in read_metrics(elsewhere) if e.get("name") == "failure_injected"]
+    assert sorted(e["phase"] for e in injected) == ["backward", "transfer"], injected
+    fired = (out / "job" / FIRED_FILE).read_text().splitlines()
+    assert sorted(fired) == ["kill:replica=1,step=1,phase=backward,microbatch=0",
+                             "kill:replica=1,step=1,phase=transfer"]  # fmt: skip
+    joined = [e for e in read_metrics(elsewhere) if e.get("name") == "state_transfer"]
+    assert {e["replica"] for e in joined} == {1}, "the second respawn never joined"
+    assert "replica 1 (restart 1) killed by SIGKILL" in r.stdout, r.stdout[-3000:]
+    assert "(restart 2) killed" not in r.stdout, r.stdout[-3000:]
+    assert leftover_processes(str(out)) == []

@@ -13,6 +13,9 @@ Supervision rules:
   microbatches; a replica that died on the way (injected fault or not) is listed, not a failure;
 - a replica whose fault is `hang` is left stopped unless `wake_after=S`: the launcher sends
   SIGCONT S seconds after it sees the process stopped (the process is then fenced and exits);
+- a scheduled fault fires once per run: a new process of a replica (a respawn, a promoted standby,
+  a restarted job, a resumed run) gets only its faults that are not in RUN/faults.fired, where
+  each process records its fault before the fault acts (recover.runtime.faults);
 - the coordinator's death ends the run, without stopping anyone: the replicas wait for it for
   their grace (--coordinator-grace), then the lowest saves the last committed step and each
   exits (status 11); the launcher lets them, then names the command that resumes the run.
@@ -55,7 +58,7 @@ from recover.runtime.env import (
     TOKEN_ENV,
     ReplicaEnv,
 )
-from recover.runtime.faults import FaultSpec, fault_flag, faults_for
+from recover.runtime.faults import FaultSpec, fault_flag, faults_for, read_fired
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.spec import ReplicaSpec
 from recover.training.config import TRAIN_CONFIG_ENV, RunPaths, TrainConfig
@@ -71,6 +74,9 @@ COORDINATOR_FILE = "coordinator.json"
 TOKEN_FILE = "coordinator.token"
 RESTART = -1000  # _supervise's answer in checkpoint-restart mode: restart the whole job
 JOB_FILE = "job.json"  # `recover run`'s resolved job (`recover run --config RUN/job.json` reads it)
+# The faults that fired, one --fault text a line: the launcher's control state (kept for --resume;
+# a new job starts it empty), appended to by the replica processes (recover.runtime.faults).
+FIRED_FILE = "faults.fired"
 
 log = logging.getLogger(__name__)
 
@@ -513,7 +519,7 @@ class LocalLauncher:
         replica spec and its faults not fired yet (ReplicaEnv), and the run's TrainConfig."""
         env = ReplicaEnv(
             coordinator=(host, port), replica_id=r, faults=tuple(self._pending_faults(r)),
-            spec=self.lcfg.replica, standbys=self.standby_coordinators,
+            fired=self.fired_file, spec=self.lcfg.replica, standbys=self.standby_coordinators,
         ).to_environ()  # fmt: skip
         return {**env, TRAIN_CONFIG_ENV: self.cfg.to_json()}
 
@@ -646,19 +652,19 @@ class LocalLauncher:
             return True
         return False
 
+    @property
+    def fired_file(self) -> Path:
+        """RUN/faults.fired: where every replica process records its fault before it acts."""
+        return self.paths.out / FIRED_FILE
+
     def _pending_faults(self, r: int) -> list[FaultSpec]:
-        """Faults of replica r that have not fired yet (per the run's failure_injected events)."""
-        fired = set()
-        if self.paths.metrics.exists():
-            for rec in read_metrics(self.paths.metrics):
-                if rec.get("name") == "failure_injected":
-                    fired.add(
-                        (rec.get("fault"), rec.get("replica"), rec.get("step"), rec.get("phase"))
-                    )
+        """Faults of replica r that have not fired yet: those not in `fired_file`. A `slow` one
+        never fires once: every incarnation from its step on is slow."""
+        fired = read_fired(self.fired_file)
         return [
             f
             for f in faults_for(list(self.lcfg.faults), r)
-            if f.kind == "slow" or (f.kind, f.replica, f.step, f.phase) not in fired
+            if f.kind == "slow" or fault_flag(f) not in fired
         ]
 
     def _open_run_folder(self) -> None:
@@ -676,6 +682,8 @@ class LocalLauncher:
     def run(self) -> int:
         lc = self.lcfg
         self._open_run_folder()
+        if not self.resume:  # a new job: none of its faults has fired (the file comes with one)
+            self.fired_file.unlink(missing_ok=True)
         self._write_token()
         self.writer = MetricsWriter(self.paths.metrics)
         self.writer.event("launcher.started", mode=lc.mode, replicas=lc.replicas)
@@ -1049,6 +1057,7 @@ class ScriptLauncher(LocalLauncher):
             standbys=self.standby_coordinators,
             replica_id=r,
             faults=tuple(self._pending_faults(r)),
+            fired=self.fired_file,
             events=self.paths.metrics,
             spec=self.lcfg.replica,
         )

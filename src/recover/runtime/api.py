@@ -223,6 +223,7 @@ class Replica:
         self._faults = FaultInjector(
             [f for f in self.env.faults if f.replica == self.replica_id and f.rank == self.rank],
             emit=self.event,
+            fired=self.env.fired,
         )
         self._guard = StallGuard(
             self.env.spec.stall_s, replica=self.replica_id, rank=self.rank, emit=self.event

@@ -11,6 +11,7 @@ multi-node job, `torchrun` plus these variables do the same. Nothing below the e
 | RECOVER_REPLICA_ID | this process's replica id, an int >= 0 (required) |
 | RECOVER_TOKEN | the job's shared secret (optional; the coordinator refuses a wrong one) |
 | RECOVER_FAULTS | `--fault` specs separated by ';' (fault injection for tests and demos) |
+| RECOVER_FAULTS_FIRED | the local launcher's control file: a fault appends its `--fault` text there before it acts, so that the launcher gives it to no later process (recover.runtime.faults) |
 | RECOVER_EVENTS | a metrics.jsonl path for the library's events (failures, recoveries) |
 | RECOVER_REPLICA_SPEC | the replica spec as JSON (recover.runtime.spec.ReplicaSpec); a partial object keeps the other fields' defaults, e.g. `{"stall_s": 600, "watchdog_s": 10}` |
 | RECOVER_DEVICE_INDEX | the GPU of this process (the local launcher numbers them), else LOCAL_RANK |
@@ -30,6 +31,7 @@ from recover.runtime.spec import ReplicaSpec
 
 REPLICA_ENV = "RECOVER_REPLICA_ID"
 FAULTS_ENV = "RECOVER_FAULTS"
+FIRED_ENV = "RECOVER_FAULTS_FIRED"
 EVENTS_ENV = "RECOVER_EVENTS"
 SPEC_ENV = "RECOVER_REPLICA_SPEC"
 DEVICE_INDEX_ENV = "RECOVER_DEVICE_INDEX"
@@ -91,6 +93,7 @@ class ReplicaEnv:
     standbys: tuple[tuple[str, int], ...] = ()  # the other coordinators' addresses (HA)
     token: str | None = None
     faults: tuple[FaultSpec, ...] = ()
+    fired: Path | None = None  # where a fault is recorded before it acts (the launcher reads it)
     events: Path | None = None
     spec: ReplicaSpec = field(default_factory=ReplicaSpec)
     ranks: RankEnv | None = None  # None: a replica of one rank
@@ -118,6 +121,7 @@ class ReplicaEnv:
             replica_id=int(rid),
             token=environ.get(TOKEN_ENV) or None,
             faults=tuple(parse_fault(s.strip()) for s in specs),
+            fired=Path(environ[FIRED_ENV]) if environ.get(FIRED_ENV) else None,
             events=Path(environ[EVENTS_ENV]) if environ.get(EVENTS_ENV) else None,
             spec=spec_from_environ(environ),
             ranks=RankEnv.from_environ(environ),
@@ -134,6 +138,8 @@ class ReplicaEnv:
         }
         if self.token:
             env[TOKEN_ENV] = self.token
+        if self.fired is not None:
+            env[FIRED_ENV] = str(self.fired)
         if self.events is not None:
             env[EVENTS_ENV] = str(self.events)
         return env

@@ -25,6 +25,15 @@ since a joiner cannot know in advance at which step it will be admitted).
 Each fault fires at most once per process, and it is written as a `failure_injected` event before
 it happens. The parsing is pure; the injector only acts on its own process.
 
+Under a local launcher a fault also fires at most once per run: before it acts, the process
+appends its `--fault` text to the launcher's control file (`record_fired`, RUN/faults.fired, named
+by RECOVER_FAULTS_FIRED), and the launcher hands a respawn, a promoted standby or a restarted job
+only the faults not there (`read_fired`). One `write` with O_APPEND, done before the SIGKILL or
+the stop, so a process killed by its own fault has told; the reader ignores a last line without
+its newline. The file is control state, not the run's record (metrics.jsonl): it is written
+whatever the process's fence says, since the fault acts all the same, and it does not depend on
+where, or whether, the process writes its events.
+
 A fault that could never fire, or never end, is refused at start-up with a ValueError naming the
 field: `wake_after` and `factor` must be finite and not negative (`factor` > 1 for `slow`); and,
 where the run's M and steps are known (`check_faults_fit`, called by the CLI), `microbatch` must
@@ -42,6 +51,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from recover import exits
 
@@ -171,9 +181,12 @@ class FaultInjector:
         *,
         emit: Emit | None = None,
         corrupt: Callable[[], None] | None = None,
+        fired: Path | None = None,
     ) -> None:
-        """`corrupt()` does a `nan` fault to the replica's local gradient sum."""
+        """`corrupt()` does a `nan` fault to the replica's local gradient sum; `fired`: the
+        launcher's control file, where each fault is recorded before it acts (None: nowhere)."""
         self.specs = list(specs)
+        self.fired = fired
         if corrupt is None and any(s.kind == "nan" for s in self.specs):
             raise ValueError("a nan fault needs the replica's gradients: not supported here")
         self.corrupt = corrupt
@@ -205,6 +218,8 @@ class FaultInjector:
             time.sleep(spent * (max(factors) - 1.0))
 
     def _fire(self, spec: FaultSpec) -> None:
+        if self.fired is not None:
+            record_fired(self.fired, spec)
         self.emit(
             "failure_injected",
             fault=spec.kind,
@@ -228,6 +243,25 @@ class FaultInjector:
             threading.Event().wait()  # never set: this thread is stuck, the others run on
         elif spec.kind == "nan":
             self.corrupt()
+
+
+def record_fired(path: Path, spec: FaultSpec) -> None:
+    """Append `spec`'s --fault text to the control file `path` as one line, in one write."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (fault_flag(spec) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_fired(path: Path) -> set[str]:
+    """The --fault texts (`fault_flag`) of the faults recorded in `path` as fired; a last line
+    still without its newline (being written) is not one yet."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return set()
+    return set(text.split("\n")[:-1]) - {""}
 
 
 def poison_gradient(params) -> None:

@@ -181,6 +181,7 @@ def run_worker(
         [f for f in wcfg.env.faults if f.rank == rank],
         emit=writer.event,
         corrupt=lambda: poison_gradient(trainer.model.parameters()),
+        fired=wcfg.env.fired,
     )
     guard = StallGuard(spec.stall_s, replica=me, rank=rank, emit=writer.event)
     stop = threading.Event()  # set by SIGTERM or SIGINT once training runs (see below)
