@@ -46,7 +46,6 @@ from recover.coordinator.protocol import (
     View,
     check_field,
     merge_view,
-    read_frame_async,
 )
 from recover.coordinator.service import LoopService
 from recover.coordinator.views import ViewCache, frame, split_plan
@@ -137,13 +136,12 @@ class RelayServer(LoopService):
         for name, v in (("beat_s", beat_s), ("batch_s", batch_s), ("tick_s", tick_s)):
             if not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
-        super().__init__(token=token, max_wait_s=max_wait_s)
+        super().__init__(token=token, max_wait_s=max_wait_s, body_timeout_s=body_timeout_s)
         self._upstream_addr = upstream
         self._host, self._port = host, port
         self._up_token = token
         self.relay_id = relay_id or uuid.uuid4().hex[:12]
         self._beat_s, self._batch_s, self._tick_s = beat_s, batch_s, tick_s
-        self._body_timeout_s = body_timeout_s
         self._up_timeout_s = upstream_timeout_s
         self._members: dict[int, _Member] = {}
         self._leases = LeaseQueue(1.0)
@@ -309,29 +307,9 @@ class RelayServer(LoopService):
         conn = _Conn(gone=getattr(writer.transport.get_protocol(), "gone", None), writer=writer)
         self._writers.add(writer)
         self._tasks.add(asyncio.current_task())
+        peer = str(writer.get_extra_info("peername"))
         try:
-            while not self._stopping:
-                try:
-                    req = await read_frame_async(reader, self._body_timeout_s)
-                    if req is None:
-                        break
-                    if not self._token_ok(req):
-                        writer.write(
-                            frame(
-                                {
-                                    "ok": False,
-                                    "code": "unauthorized",
-                                    "reason": "wrong or missing token",
-                                }
-                            )
-                        )
-                        break
-                    data = await self._dispatch(req, conn)
-                except ProtocolError as e:
-                    writer.write(frame({"ok": False, "code": "bad_request", "reason": str(e)}))
-                    break
-                writer.write(data)
-                await writer.drain()
+            await self._serve_requests(reader, writer, lambda req: self._dispatch(req, conn), peer)
         except (ConnectionError, OSError, TimeoutError, asyncio.IncompleteReadError):
             pass
         finally:

@@ -90,9 +90,8 @@ from recover.coordinator.protocol import (
     check_field,
     decode_done_batch,
     decode_message,
-    read_frame_async,
 )
-from recover.coordinator.service import LoopService
+from recover.coordinator.service import LoopService, reply_and_close
 from recover.coordinator.state_store import (
     LIVE,
     PENDING,
@@ -182,12 +181,12 @@ class CoordinatorServer(LoopService):
         ):
             if not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
-        super().__init__(token=token, max_wait_s=max_wait_s)
+        super().__init__(token=token, max_wait_s=max_wait_s, body_timeout_s=body_timeout_s)
         self._options = options
         self._host, self._port, self._store_port = host, port, store_port
         self._events_path = events_path
         self._state_store = state_store if state_store is not None else InMemoryStateStore()
-        self._tick_s, self._body_timeout_s = tick_s, body_timeout_s
+        self._tick_s = tick_s
         self._log: deque[dict[str, Any]] = deque(maxlen=log_size)
         self._log_lock = threading.Lock()
         self._state: CoordinatorState | None = None
@@ -572,36 +571,14 @@ class CoordinatorServer(LoopService):
         self._writers.add(writer)
         self._tasks.add(asyncio.current_task())
         try:
-            while not self._stopping:
-                try:
-                    req = await read_frame_async(reader, self._body_timeout_s)
-                    if req is None:
-                        break
-                    if not self._token_ok(req):
-                        log.warning("refused a request from %s: wrong or missing token", peer)
-                        await self._reply_and_close(
-                            writer, "unauthorized", "wrong or missing token"
-                        )
-                        break
-                    reply = await self._dispatch(req, conn)
-                except ProtocolError as e:
-                    log.warning("closing connection from %s: %s", peer, e)
-                    await self._reply_and_close(writer, "bad_request", str(e))
-                    break
-                if reply.get("view") is _VIEW and isinstance(req.get("replica_id"), int):
-                    self._delivered[req["replica_id"]] = self._state.view_version
-                shows = self._durable and ("view" in reply or "outcome" in reply)
-                revision = self._view_revision
-                data = self._frame(reply, req.get("view_version"))
-                if shows and not await self._saved(revision):
-                    break  # deposed or stopping: what it shows may never be durable
-                writer.write(data)
-                await writer.drain()
+            await self._serve_requests(
+                reader, writer, lambda req: self._answer(req, conn), str(peer)
+            )
         except (ConnectionError, OSError, _Deposed):
             pass  # the peer went away (a session's loss is handled below), or we stood down
         except Exception:
             log.exception("internal error serving %s; closing that connection", peer)
-            await self._reply_and_close(writer, "internal", "internal coordinator error")
+            await reply_and_close(writer, "internal", "internal coordinator error")
         finally:
             self._writers.discard(writer)
             self._tasks.discard(asyncio.current_task())
@@ -612,12 +589,18 @@ class CoordinatorServer(LoopService):
                     self._relay_lost(conn.relay, "exit")
             writer.close()
 
-    async def _reply_and_close(self, writer: asyncio.StreamWriter, code: str, why: str) -> None:
-        try:
-            writer.write(self._frame({"ok": False, "code": code, "reason": why[:500]}))
-            await asyncio.wait_for(writer.drain(), 1.0)
-        except (ConnectionError, OSError, TimeoutError):
-            pass
+    async def _answer(self, req: dict[str, Any], conn: _Conn) -> bytes | None:
+        """The reply to one request, as bytes; None when it may never be sent (deposed or
+        stopping before what it shows is durable)."""
+        reply = await self._dispatch(req, conn)
+        if reply.get("view") is _VIEW and isinstance(req.get("replica_id"), int):
+            self._delivered[req["replica_id"]] = self._state.view_version
+        shows = self._durable and ("view" in reply or "outcome" in reply)
+        revision = self._view_revision
+        data = self._frame(reply, req.get("view_version"))
+        if shows and not await self._saved(revision):
+            return None
+        return data
 
     def _session_lost(self, conn: _Conn) -> None:
         r, inc = conn.session

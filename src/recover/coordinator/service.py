@@ -2,12 +2,14 @@
 
 Job: `LoopService` runs a subclass's `_main()` on its own thread with its own event loop;
 `start()` returns once `_main` says it listens (`_ready`) and raises what stopped it otherwise;
-`stop()` asks the loop to end (`_stop_event`) and joins it. It also checks a request's token and
-parks a long-poll until a predicate holds (`_wait_for`), the two request-side helpers both
-servers use. Nothing here decides anything or touches the state.
+`stop()` asks the loop to end (`_stop_event`) and joins it. It also holds what both servers do
+with a request: the read loop of a connection (`_serve_requests`: frame, token, answer, in
+order), the token check, and the park of a long-poll until a predicate holds (`_wait_for`).
+Nothing here decides anything or touches the state.
 
-Invariants: every wait has a deadline (`start`'s, `stop`'s, and a long-poll's, capped at
-`_max_wait_s`); a subclass's `_main` sets `_address` before `_ready`.
+Invariants: every wait has a deadline (`start`'s, `stop`'s, a frame body's `body_timeout_s`, and
+a long-poll's, capped at `_max_wait_s`); a bad frame or a wrong token gets an error reply where
+possible and ends that connection only; a subclass's `_main` sets `_address` before `_ready`.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from recover.coordinator.pacing import Waiters
+from recover.coordinator.protocol import ProtocolError, read_frame_async
+from recover.coordinator.views import frame
 
 __all__ = ["LoopService"]
 
@@ -32,9 +36,10 @@ class LoopService:
 
     _what = "service"  # the name in errors and the thread's name
 
-    def __init__(self, *, token: str | None, max_wait_s: float) -> None:
+    def __init__(self, *, token: str | None, max_wait_s: float, body_timeout_s: float) -> None:
         self._token = token.encode() if token else None
         self._max_wait_s = max_wait_s
+        self._body_timeout_s = body_timeout_s
         self._address: tuple[str, int] | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -102,6 +107,36 @@ class LoopService:
         got = req.get("token")
         return isinstance(got, str) and hmac.compare_digest(got.encode(), self._token)
 
+    async def _serve_requests(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        answer: Callable[[dict[str, Any]], Awaitable[bytes | None]],
+        peer: str,
+    ) -> None:
+        """Read one connection's requests until its EOF, our stop, a bad frame or a wrong token,
+        and write each one's answer (`answer(req)`: the reply's bytes; None ends the
+        connection), in order. Connection errors are the caller's, who also closes it."""
+        while not self._stopping:
+            try:
+                req = await read_frame_async(reader, self._body_timeout_s)
+                if req is None:
+                    return
+                if not self._token_ok(req):
+                    log.warning("%s: refused a request from %s: wrong or missing token",
+                                self._what, peer)  # fmt: skip
+                    await reply_and_close(writer, "unauthorized", "wrong or missing token")
+                    return
+                data = await answer(req)
+            except ProtocolError as e:
+                log.warning("%s: closing connection from %s: %s", self._what, peer, e)
+                await reply_and_close(writer, "bad_request", str(e))
+                return
+            if data is None:
+                return
+            writer.write(data)
+            await writer.drain()
+
     async def _wait_for(self, pred: Callable[[], Any], deadline_s: float) -> Any:
         """Poll `pred` at every wake of the long-polls until it returns non-None or the
         deadline (capped at max_wait_s) passes; None then."""
@@ -114,3 +149,12 @@ class LoopService:
             if remaining <= 0 or self._stopping:
                 return None
             await self._waiters.park(remaining)
+
+
+async def reply_and_close(writer: asyncio.StreamWriter, code: str, why: str) -> None:
+    """An error reply, sent if the peer still reads (the caller then closes the connection)."""
+    try:
+        writer.write(frame({"ok": False, "code": code, "reason": why[:500]}))
+        await asyncio.wait_for(writer.drain(), 1.0)
+    except (ConnectionError, OSError, TimeoutError):
+        pass
