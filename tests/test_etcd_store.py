@@ -118,6 +118,9 @@ def test_one_leader_per_term_and_takeover_after_lease(etcd):
     assert took < first.granted_ttl_s + 1.0, f"takeover took {took:.2f} s"
     assert not first.holds(), "the old leader still believes it leads"
     assert second.leader()["identity"] == "b"
+    # Publishing is a write fenced by the term: the old leader's is refused and writes nothing.
+    assert not first.publish({"port": 1}) and "port" not in second.leader()
+    assert second.publish({"port": 2}) and second.leader()["port"] == 2
     second.resign()
     assert second.leader() is None
 

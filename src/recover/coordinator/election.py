@@ -38,7 +38,6 @@ from recover.coordinator.etcd import (
     absent,
     modified_at,
     put_op,
-    value_is,
 )
 
 __all__ = ["Election"]
@@ -146,10 +145,8 @@ class Election:
     def publish(self, info: dict[str, Any]) -> bool:
         """Put `info` (addresses) under the leader key, if this term still holds it."""
         value = json.dumps({"identity": self.identity, "term": self.term, **info})
-        return self.client.txn(
-            [value_is(self.term_key, str(self.term))],
-            [put_op(self.leader_key, value, self._lease)],
-        )
+        key, term = self.leader_key, self.term
+        return self.client.put_under_term(self.term_key, term, key, value, lease=self._lease)[0]
 
     def resign(self) -> None:
         """Stop the keep-alive and revoke the lease (the leader key goes with it)."""

@@ -181,6 +181,13 @@ class EtcdClient:
         out = self.call("/v3/kv/txn", body)
         return bool(out.get("succeeded")), int(out.get("header", {}).get("revision", 0))
 
+    def put_under_term(
+        self, term_key: str, term: int, key: str, value: bytes | str, *, lease: int = 0
+    ) -> tuple[bool, int]:
+        """A leader's fenced write: put `key` only while `term_key` holds `term`, in one
+        transaction. (written, the store's revision after it)."""
+        return self.txn_at([value_is(term_key, str(term))], [put_op(key, value, lease)])
+
     def compact(self, revision: int) -> None:
         """Drop the history older than `revision` (etcd keeps every version until compacted)."""
         self.call("/v3/kv/compaction", {"revision": str(revision)})
@@ -265,9 +272,7 @@ class EtcdStateStore:
         if self.term is None:
             raise Fenced("this coordinator holds no term: it was never elected")
         blob = zlib.compress(state_to_json(state).encode(), 1)
-        ok, revision = self.client.txn_at(
-            [value_is(self.term_key, str(self.term))], [put_op(self.state_key, blob)]
-        )
+        ok, revision = self.client.put_under_term(self.term_key, self.term, self.state_key, blob)
         if not ok:
             now = self.client.get(self.term_key)
             raise Fenced(
