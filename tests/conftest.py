@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
 import torch
 
+from recover import exits
 from recover.record import committed_steps, read_metrics
 from recover.tooling.compare import compare_runs
 
@@ -156,6 +160,53 @@ def start_cli(args: list[str], **popen) -> subprocess.Popen:
     return subprocess.Popen([*RECOVER_CLI, *args], **{**options, "env": child_env(), **popen})
 
 
+def start_train(data: Path, out: Path, *args: str, **popen) -> subprocess.Popen:
+    """`recover train ARGS --data DATA --out OUT`, started by `start_cli`."""
+    return start_cli(["train", *args, "--data", str(data), "--out", str(out)], **popen)
+
+
+def wait_until(
+    condition: Callable[[], object],
+    what: str,
+    *,
+    alive: Iterable[subprocess.Popen] = (),
+    timeout: float = 90,
+) -> None:
+    """Poll `condition()` every 20 ms until it holds; AssertionError naming `what` when one of the
+    `alive` processes ends first, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        ended = [p.returncode for p in alive if p.poll() is not None]
+        assert not ended, f"ended (exit {ended[0]}) while waiting for {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.02)
+
+
+def last_recorded_step(out: Path) -> int:
+    """The highest step with a step record in OUT/metrics.jsonl; -1 before the first."""
+    path = out / "metrics.jsonl"
+    return max(committed_steps(path), default=-1) if path.exists() else -1
+
+
+def wait_for_step(out: Path, step: int, **how) -> None:
+    """`wait_until` OUT/metrics.jsonl holds the record of step `step` (`how`: alive, timeout)."""
+    wait_until(lambda: last_recorded_step(out) >= step, f"step {step} recorded", **how)
+
+
+def coordinator_pid(out: Path) -> int:
+    """The (leading) coordinator's process, as the run folder's coordinator.json names it."""
+    return int(json.loads((out / "coordinator.json").read_text())["pid"])
+
+
+def replica_pid(out: Path, replica: int) -> int | None:
+    """The pid of replica `replica`'s rank 0 (its latest incarnation), from its `rank_started`
+    event; None before it."""
+    if not (out / "metrics.jsonl").exists():
+        return None
+    started = [e for e in events(out, "rank_started") if e["replica"] == replica and e["rank"] == 0]
+    return int(started[-1]["pid"]) if started else None
+
+
 def finish(proc: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
     """Wait at most `timeout` s for `proc` (stdout piped, stderr merged into it); kill it if it is
     still running then (a launcher's own finally reaps its children); return what it printed."""
@@ -221,3 +272,20 @@ def assert_invariants(
     assert hashes, "no replica finished"
     assert len(set(hashes.values())) == 1, f"survivors diverged: {hashes}"
     assert leftover_processes(str(out)) == [], "processes of the run were left behind"
+
+
+def coordinator_lost_lines(r: subprocess.CompletedProcess) -> list[str]:
+    """The lines `the coordinator is lost` of a launcher or worker `r` that ended as a lost
+    coordinator must end it: status 11, no traceback."""
+    assert r.returncode == exits.COORDINATOR_LOST, r.stdout[-3000:]
+    assert "Traceback" not in r.stdout, r.stdout[-3000:]
+    return [line for line in r.stdout.splitlines() if "the coordinator is lost" in line]
+
+
+def assert_last_commit_saved_once(out: Path) -> None:
+    """After a lost coordinator: the lowest replica checkpointed the last committed step (announced
+    once durable), and every committed step has exactly one record."""
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if r.get("kind") == "step"]
+    saved = [(e["step"], e["replica"]) for e in events(out, "checkpoint_saved")]
+    assert sorted(steps) == list(range(len(steps))), "a committed step without its one record"
+    assert saved == [(len(steps), 0)], saved

@@ -21,8 +21,20 @@ from pathlib import Path
 import pytest
 from test_coordinator_decide import Sim
 
-from conftest import child_env, events, finish, leftover_processes
-from recover import exits
+from conftest import (
+    EXAMPLES,
+    assert_last_commit_saved_once,
+    coordinator_lost_lines,
+    coordinator_pid,
+    events,
+    finish,
+    last_recorded_step,
+    leftover_processes,
+    start_cli,
+    start_train,
+    wait_for_step,
+    wait_until,
+)
 from recover.coordinator.protocol import Resumed
 from recover.record import committed_steps, read_metrics
 
@@ -34,46 +46,26 @@ FLAGS = [
     "--replicas", "2",
 ]  # fmt: skip
 PAUSE_S = 6.0  # the SIGSTOP: > the lease (1 s) and > a replica's rpc timeout (5 s)
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def start_train(data: Path, out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "recover.cli", "train", *FLAGS, "--data", str(data),
-         "--out", str(out), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
-    )  # fmt: skip
 
 
 def step_records(out: Path) -> list[int]:
     return [int(r["step"]) for r in read_metrics(out / "metrics.jsonl") if r.get("kind") == "step"]
 
 
-def coordinator_pid_after(out: Path, proc: subprocess.Popen, steps: int) -> int:
-    """The coordinator's pid, once `steps` steps have committed (bounded wait)."""
-    end = time.monotonic() + 120
-    while time.monotonic() < end and proc.poll() is None:
-        if (out / "metrics.jsonl").exists() and len(set(step_records(out))) >= steps:
-            return int(json.loads((out / "coordinator.json").read_text())["pid"])
-        time.sleep(0.02)
-    raise AssertionError(f"the run did not commit {steps} steps in time (exit {proc.poll()})")
-
-
 def test_coordinator_paused_past_its_lease_declares_nobody_dead(tiny_dataset, tmp_path):
     out = tmp_path / "paused"
-    proc = start_train(tiny_dataset, out, "--coordinator-grace", "30")  # the pause is shorter
+    # (--coordinator-grace 30: longer than the pause)
+    proc = start_train(tiny_dataset, out, *FLAGS, "--coordinator-grace", "30")
     try:
-        pid = coordinator_pid_after(out, proc, 3)
+        wait_for_step(out, 2, alive=[proc], timeout=120)
+        pid = coordinator_pid(out)
         os.kill(pid, signal.SIGSTOP)
         try:
             time.sleep(PAUSE_S)  # the fault itself: the coordinator stays frozen this long
         finally:
             os.kill(pid, signal.SIGCONT)
-        r = finish(proc, timeout=180)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        r = finish(proc, timeout=180)
     assert r.returncode == 0, r.stdout[-3000:]
     assert "Traceback" not in r.stdout, r.stdout[-3000:]
     assert not events(out, "coordinator.member_dead"), "declared dead for the coordinator's pause"
@@ -92,41 +84,28 @@ def test_coordinator_paused_past_its_lease_declares_nobody_dead(tiny_dataset, tm
     assert leftover_processes(str(out)) == []
 
 
-def test_a_script_that_does_not_catch_coordinator_lost_ends_with_one_line(tmp_path):
+def test_a_script_that_does_not_catch_coordinator_lost_ends_with_one_line(
+    custom_token_file, tmp_path
+):
     """`recover run` of examples/train_custom.py (which does not catch CoordinatorLost): the
     coordinator SIGKILLed mid-run, each replica ends with its one line and status 11 after the
     grace, no traceback, and the launcher exits 11 too."""
-    data = tmp_path / "custom.bin"
-    made = subprocess.run(
-        [sys.executable, str(EXAMPLES / "train_custom.py"), "--make-data", str(data)],
-        capture_output=True, text=True, timeout=60, env=child_env(),
-    )  # fmt: skip
-    assert made.returncode == 0, made.stderr
     out = tmp_path / "run"
     losses = out / "result" / "losses.jsonl"
-    cmd = [sys.executable, "-m", "recover.cli", "run", "--out", str(out / "job"), "--replicas",
-           "2", "--coordinator-grace", "1", "--", sys.executable, str(EXAMPLES / "train_custom.py"),
-           "--out", str(out / "result"), "--data", str(data), "--steps", "300", "--microbatches",
-           "4"]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
-    )
+    proc = start_cli([
+        "run", "--out", str(out / "job"), "--replicas", "2", "--coordinator-grace", "1", "--",
+        sys.executable, str(EXAMPLES / "train_custom.py"), "--out", str(out / "result"),
+        "--data", str(custom_token_file), "--steps", "300", "--microbatches", "4",
+    ])  # fmt: skip
     try:
-        end = time.monotonic() + 120
-        while proc.poll() is None and time.monotonic() < end:
-            if losses.exists() and len(losses.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.02)
-        pid = int(json.loads((out / "job" / "coordinator.json").read_text())["pid"])
-        os.kill(pid, signal.SIGKILL)
-        r = finish(proc, timeout=120)
+        wait_until(
+            lambda: losses.exists() and len(losses.read_text().splitlines()) >= 3,
+            "3 steps committed", alive=[proc], timeout=120,
+        )  # fmt: skip
+        os.kill(coordinator_pid(out / "job"), signal.SIGKILL)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert r.returncode == exits.COORDINATOR_LOST, r.stdout[-3000:]
-    assert "Traceback" not in r.stdout, r.stdout[-3000:]
-    lost = [line for line in r.stdout.splitlines() if "the coordinator is lost" in line]
+        r = finish(proc, timeout=120)
+    lost = coordinator_lost_lines(r)
     assert sorted(line.split("]")[0] for line in lost) == ["[replica 0", "[replica 1"], lost
     (said,) = [line for line in r.stdout.splitlines() if "stopped, the coordinator lost" in line]
     assert said.startswith("[launcher]") and "raised recover.CoordinatorLost" in said, said
@@ -140,33 +119,24 @@ def test_hand_started_workers_end_with_one_line_naming_their_resume_command(tiny
     coordinator SIGKILLed mid-run: each worker ends after the grace with status 11 and one line
     that names its own command with --resume; the lowest checkpointed the last committed step."""
     addr, run = tmp_path / "addr.json", tmp_path / "run"
-    serve = [sys.executable, "-m", "recover.cli", "coordinator", "serve", "--replicas", "2",
-             "--port", "0", "--lease", "1", "--address-file", str(addr)]  # fmt: skip
-    coordinator = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    coordinator = start_cli(
+        ["coordinator", "serve", "--replicas", "2", "--port", "0", "--lease", "1",
+         "--address-file", str(addr)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     workers: list[subprocess.Popen] = []
     try:
-        end = time.monotonic() + 60
-        while not addr.exists() and time.monotonic() < end and coordinator.poll() is None:
-            time.sleep(0.05)
+        wait_until(addr.exists, "the coordinator's address", alive=[coordinator], timeout=60)
         info = json.loads(addr.read_text())
         for r in (0, 1):
-            cmd = [sys.executable, "-m", "recover.cli", "worker", *FLAGS[:-2], "--coordinator",
-                   f"{info['host']}:{info['port']}", "--replica-id", str(r), "--data",
-                   str(tiny_dataset), "--out", str(run), "--coordinator-grace", "1"]  # fmt: skip
-            workers.append(
-                subprocess.Popen(
-                    cmd,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    env=child_env(),
-                )  # fmt: skip
-            )
-        end = time.monotonic() + 120
-        while time.monotonic() < end and all(w.poll() is None for w in workers):
-            if (run / "metrics.jsonl").exists() and len(set(step_records(run))) >= 3:
-                break
-            time.sleep(0.02)
+            workers.append(start_cli([
+                "worker", *FLAGS[:-2], "--coordinator", f"{info['host']}:{info['port']}",
+                "--replica-id", str(r), "--data", str(tiny_dataset), "--out", str(run),
+                "--coordinator-grace", "1",
+            ]))  # fmt: skip
+        wait_until(
+            lambda: last_recorded_step(run) >= 2, "3 steps committed", alive=workers, timeout=120
+        )
         coordinator.kill()
         coordinator.wait()
         results = [finish(w, timeout=60) for w in workers]
@@ -176,16 +146,11 @@ def test_hand_started_workers_end_with_one_line_naming_their_resume_command(tiny
                 p.kill()
                 p.wait()
     for r, res in enumerate(results):
-        assert res.returncode == exits.COORDINATOR_LOST, res.stdout[-3000:]
-        assert "Traceback" not in res.stdout, res.stdout[-3000:]
-        (line,) = [x for x in res.stdout.splitlines() if "the coordinator is lost" in x]
+        (line,) = coordinator_lost_lines(res)
         command = shlex.split(line.split("to continue: ")[1])
         assert command[:2] == ["recover", "worker"] and command[-1] == "--resume", line
         assert command[command.index("--replica-id") + 1] == str(r), line
-    steps = step_records(run)
-    assert sorted(steps) == list(range(len(steps))), "a committed step without its one record"
-    saved = [(e["step"], e["replica"]) for e in events(run, "checkpoint_saved")]
-    assert saved == [(len(steps), 0)], saved
+    assert_last_commit_saved_once(run)
 
 
 @pytest.mark.unit

@@ -22,13 +22,19 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_invariants, child_env, events
+from conftest import (
+    assert_invariants,
+    coordinator_pid,
+    events,
+    finish,
+    start_train,
+    wait_until,
+)
 from recover.coordinator.etcd_local import find_etcd, start_local_etcd
 from recover.record import committed_steps
 
@@ -47,38 +53,20 @@ FLAGS = [
 ]  # fmt: skip
 
 
-def start_train(data: Path, out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "recover.cli", "train", *FLAGS, "--data", str(data),
-         "--out", str(out), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
-    )  # fmt: skip
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()  # the launcher's own finally reaps its children and its etcd
-            proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
+def start(data: Path, out: Path, *extra: str) -> subprocess.Popen:
+    return start_train(data, out, *FLAGS, *extra)
 
 
 def committed(out: Path) -> list[dict]:
     return events(out, "coordinator.committed") if (out / "metrics.jsonl").exists() else []
 
 
-def wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float = 90) -> None:
-    end = time.monotonic() + timeout
-    while not any(e["step"] >= step for e in committed(out)):
-        assert proc.poll() is None, "the run ended before the fault"
-        assert time.monotonic() < end, f"step {step} not committed within {timeout} s"
-        time.sleep(0.02)
-
-
-def leader_pid(out: Path) -> int:
-    return json.loads((out / "coordinator.json").read_text())["pid"]
+def wait_for_step(out: Path, proc: subprocess.Popen, step: int) -> None:
+    """Until the coordinator committed step `step` (its event); the run must still be going."""
+    wait_until(
+        lambda: any(e["step"] >= step for e in committed(out)), f"step {step} committed",
+        alive=[proc],
+    )  # fmt: skip
 
 
 def takeovers(out: Path) -> list[dict]:
@@ -88,7 +76,7 @@ def takeovers(out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(tiny_dataset, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "one"
-    r = finish(start_train(tiny_dataset, out, "--replicas", "1"), 120)
+    r = finish(start(tiny_dataset, out, "--replicas", "1"), 120)
     assert r.returncode == 0, r.stdout[-3000:]
     return out
 
@@ -109,7 +97,7 @@ def check(
 
 def test_leader_killed_mid_step_standby_takes_over(reference, tiny_dataset, tmp_path):
     out = tmp_path / "kill"
-    proc = start_train(tiny_dataset, out, "--replicas", "2", "--coordinators", "2")
+    proc = start(tiny_dataset, out, "--replicas", "2", "--coordinators", "2")
     kills = []
     try:
         for step, term in ((4, 1), (9, 2)):  # the launcher restarts the dead one as a standby
@@ -132,10 +120,10 @@ def test_leader_killed_mid_step_standby_takes_over(reference, tiny_dataset, tmp_
 
 def test_leader_stopped_past_its_lease_stays_fenced(reference, tiny_dataset, tmp_path):
     out = tmp_path / "stop"
-    proc = start_train(tiny_dataset, out, "--replicas", "2", "--coordinators", "2")
+    proc = start(tiny_dataset, out, "--replicas", "2", "--coordinators", "2")
     try:
         wait_for_step(out, proc, 4)
-        pid = leader_pid(out)
+        pid = coordinator_pid(out)
         os.kill(pid, signal.SIGSTOP)
         try:
             end = time.monotonic() + 30
@@ -159,7 +147,7 @@ def test_etcd_restart_pauses_then_continues(reference, tiny_dataset, tmp_path):
     etcd = start_local_etcd(tmp_path / "etcd")
     out = tmp_path / "etcd-restart"
     try:
-        proc = start_train(
+        proc = start(
             tiny_dataset, out, "--replicas", "2", "--coordinators", "2", "--state", etcd.url
         )
         try:

@@ -17,12 +17,20 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, child_env, events, finish, leftover_processes, start_cli
+from conftest import (
+    EXAMPLES,
+    events,
+    finish,
+    leftover_processes,
+    replica_pid,
+    start_cli,
+    start_train,
+    wait_for_step,
+)
 from recover.launch import FIRED_FILE, LaunchConfig, LocalLauncher
 from recover.logs import setup_logging
 from recover.record import MetricsWriter, committed_steps, read_metrics
@@ -106,18 +114,7 @@ def test_recover_train_refuses_them_before_anything_starts(
 
 
 def start(data: Path, out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "recover.cli", "train", *FLAGS, "--data", str(data),
-         "--out", str(out), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
-    )  # fmt: skip
-
-
-def replica_pid(out: Path, replica: int) -> int | None:
-    """The pid of replica `replica`'s rank 0, from its own `rank_started` event."""
-    metrics = out / "metrics.jsonl"
-    started = [e for e in events(out, "rank_started") if e["replica"] == replica and e["rank"] == 0]
-    return started[-1]["pid"] if metrics.exists() and started else None
+    return start_train(data, out, *FLAGS, *extra)
 
 
 def assert_every_step_recorded(out: Path, steps: int) -> None:
@@ -135,12 +132,7 @@ def test_an_external_sigkill_of_a_replica_still_exits_0_when_every_step_committe
     out, steps = tmp_path / "run", 150
     proc = start(tiny_dataset, out, "--replicas", "2", "--steps", str(steps))
     try:
-        deadline = time.monotonic() + 60
-        metrics = out / "metrics.jsonl"
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.exists() and 3 in committed_steps(metrics):
-                break
-            time.sleep(0.02)
+        wait_for_step(out, 3, alive=[proc], timeout=60)
         pid = replica_pid(out, 1)
         assert proc.poll() is None and pid is not None, "the run ended before the kill"
         os.kill(pid, signal.SIGKILL)  # not a --fault: the launcher did not inject it

@@ -12,19 +12,28 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_invariants, child_env, events, finish, leftover_processes
-from recover import exits
+from conftest import (
+    assert_invariants,
+    assert_last_commit_saved_once,
+    coordinator_lost_lines,
+    coordinator_pid,
+    events,
+    finish,
+    leftover_processes,
+    replica_pid,
+    run_cli,
+    start_cli,
+    start_train,
+    wait_for_step,
+)
 from recover.record import committed_steps, read_metrics
 
 M = 4
@@ -37,32 +46,7 @@ FLAGS = [
 
 
 def start(data: Path, out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "recover.cli", "train", *FLAGS, "--data", str(data),
-         "--out", str(out), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
-    )  # fmt: skip
-
-
-def wait_for_step(out: Path, step: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        path = out / "metrics.jsonl"
-        if path.exists() and max(committed_steps(path), default=-1) >= step:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} never committed")
-
-
-def coordinator_pid(out: Path) -> int:
-    """The coordinator's process, as its address file (run folder/coordinator.json) names it."""
-    return int(json.loads((out / "coordinator.json").read_text())["pid"])
-
-
-def replica_pid(out: Path, replica: int) -> int:
-    """The process of replica `replica` (rank 0), as its rank_started event names it."""
-    (started,) = [e for e in events(out, "rank_started") if e["replica"] == replica]
-    return int(started["pid"])
+    return start_train(data, out, *FLAGS, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +63,11 @@ def test_sigterm_to_the_launcher_saves_the_committed_state_and_resume_continues(
 ):
     out = tmp_path / "run"
     proc = start(tiny_dataset, out, "--replicas", "2")
-    wait_for_step(out, 5)
-    proc.terminate()  # the launcher alone, as a scheduler stops a job
-    r = finish(proc)
+    try:
+        wait_for_step(out, 5, alive=[proc], timeout=60)
+        proc.terminate()  # the launcher alone, as a scheduler stops a job
+    finally:
+        r = finish(proc)
     assert r.returncode == 130, r.stdout[-3000:]
     saved = [e["step"] for e in events(out, "checkpoint_saved")]
     recorded = committed_steps(out / "metrics.jsonl")
@@ -99,9 +85,11 @@ def test_sigterm_to_the_launcher_saves_the_committed_state_and_resume_continues(
 def test_sigterm_to_one_replica_is_a_planned_leave(reference, tiny_dataset, tmp_path):
     out = tmp_path / "run"
     proc = start(tiny_dataset, out, "--replicas", "3")
-    wait_for_step(out, 5)
-    os.kill(replica_pid(out, 1), signal.SIGTERM)
-    r = finish(proc)
+    try:
+        wait_for_step(out, 5, alive=[proc], timeout=60)
+        os.kill(replica_pid(out, 1), signal.SIGTERM)
+    finally:
+        r = finish(proc)
     assert "replica 1 left at a step boundary when asked to stop (status 10)" in r.stdout
     assert_invariants(reference, out, r, steps=STEPS, microbatches=M)
     assert [e["replica"] for e in events(out, "replica_stopped")] == [1]
@@ -120,27 +108,21 @@ def test_a_lost_coordinator_costs_nothing_that_committed(reference, tiny_dataset
     out = tmp_path / "run"
     # No standby: the replicas wait --coordinator-grace for a coordinator (short here), then stop.
     proc = start(tiny_dataset, out, "--replicas", "2", "--coordinator-grace", "1")
-    wait_for_step(out, 5)
-    os.kill(coordinator_pid(out), signal.SIGKILL)
-    r = finish(proc)
-    assert r.returncode == exits.COORDINATOR_LOST, r.stdout[-3000:]
-    assert "Traceback" not in r.stdout, r.stdout[-3000:]
-    lost = [line for line in r.stdout.splitlines() if "the coordinator is lost" in line]
+    try:
+        wait_for_step(out, 5, alive=[proc], timeout=60)
+        os.kill(coordinator_pid(out), signal.SIGKILL)
+    finally:
+        r = finish(proc)
+    lost = coordinator_lost_lines(r)
     assert sorted(line.split("]")[0] for line in lost) == ["[replica 0", "[replica 1"], lost
-    # The lowest replica checkpointed the last committed step (announced once durable), and
-    # every committed step has exactly one record.
-    saved = [(e["step"], e["replica"]) for e in events(out, "checkpoint_saved")]
-    steps = [s["step"] for s in read_metrics(out / "metrics.jsonl") if s.get("kind") == "step"]
-    assert saved == [(len(steps), 0)] and sorted(steps) == list(range(len(steps))), saved
+    assert_last_commit_saved_once(out)
     assert leftover_processes(str(out)) == []
 
     # The exact command the launcher names resumes the run onto the failure-free trajectory.
     (line,) = [x for x in r.stdout.splitlines() if "continue with: recover train" in x]
     command = shlex.split(line.split("continue with: ")[1])
     assert command[-1] == "--resume"
-    resume = [sys.executable, "-m", "recover.cli", *command[1:]]
-    out_pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    r = finish(subprocess.Popen(resume, env=child_env(), **out_pipe))
+    r = finish(start_cli(command[1:]))
     assert_invariants(reference, out, r, steps=STEPS, microbatches=M)
     steps = [s["step"] for s in read_metrics(out / "metrics.jsonl") if s.get("kind") == "step"]
     assert sorted(steps) == list(range(STEPS)), "a committed step lost or recorded twice"
@@ -157,11 +139,10 @@ def test_a_worker_that_never_joined_saves_nothing(tiny_dataset, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again at once: nothing listens there
     out = tmp_path / "run"
-    r = subprocess.run(
-        [sys.executable, "-m", "recover.cli", "worker", *FLAGS, "--coordinator",
-         f"127.0.0.1:{port}", "--replica-id", "0", "--data", str(tiny_dataset), "--out", str(out),
-         "--register-timeout", "2"],
-        capture_output=True, text=True, timeout=50, env=child_env(),
+    r = run_cli(
+        ["worker", *FLAGS, "--coordinator", f"127.0.0.1:{port}", "--replica-id", "0",
+         "--data", str(tiny_dataset), "--out", str(out), "--register-timeout", "2"],
+        timeout=50,
     )  # fmt: skip
     assert r.returncode == 11, r.stdout + r.stderr
     assert "the coordinator cannot be reached" in r.stderr and "Traceback" not in r.stderr

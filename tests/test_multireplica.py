@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import assert_invariants as check_invariants
-from conftest import child_env, events, leftover_processes
+from conftest import (
+    events,
+    finish,
+    leftover_processes,
+    start_train,
+    wait_for_step,
+)
 from recover.record import committed_steps, read_metrics
 
 M = 6
@@ -29,18 +34,7 @@ FLAGS = [
 
 
 def train(data: Path, out: Path, *extra: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "recover.cli", "train", *FLAGS, "--data", str(data),
-         "--out", str(out), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()  # the launcher's own finally reaps its children
-            proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
+    return finish(start_train(data, out, *FLAGS, *extra), timeout)
 
 
 def assert_invariants(reference: Path, out: Path, r: subprocess.CompletedProcess) -> None:
@@ -262,19 +256,13 @@ def test_interrupting_the_launcher_leaves_no_process_behind(how, tiny_dataset, t
     import time
 
     out = tmp_path / how
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "recover.cli", "train", *FLAGS, "--steps", "100000",
-         "--data", str(tiny_dataset), "--out", str(out), "--replicas", "2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(),
+    proc = start_train(
+        tiny_dataset, out, *FLAGS, "--steps", "100000", "--replicas", "2",
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,  # its own process group, as a shell gives a foreground job
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # wait until training is under way
-            if (out / "metrics.jsonl").exists() and committed_steps(out / "metrics.jsonl"):
-                break
-            time.sleep(0.05)
-        assert committed_steps(out / "metrics.jsonl"), "training never started"
+        wait_for_step(out, 0, alive=[proc], timeout=60)  # training is under way
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
         elif how == "sigterm":
