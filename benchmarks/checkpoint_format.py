@@ -8,13 +8,17 @@ after one optimizer step) is saved and loaded three ways, in one run:
 - sync DCP: the same save, waited for (a synchronous full save of the same format);
 - one file (the format before DCP): a CPU copy of the full state on the training thread, then
   torch.save + SHA-256 + write + fsync on a thread (as `recover train` did), read back whole.
+The DCP checkpoint is resumed two ways: with `load_dcp_state`'s reader, which reads each tensor
+straight into its place (what `recover train` does), and with DCP's own reader (`in_place=False`),
+which loads each tensor into a temporary and copies it.
 
 Figures: the stall (seconds the calling thread is blocked, median of `--repeats` saves after one
 warm-up save), the total save time, the resume time (a fresh process: build the model and
-optimizer, verify and load the newest checkpoint), and the resume's peak host memory: the rise of
-the process's RSS high-water mark (VmHWM, reset after imports) from its RSS after imports, over
-the state's bytes. Ratios printed: async stall / sync save (target <= 0.10), async stall / one-file
-stall, peak resume memory / state (target <= 1.2).
+optimizer, verify and load the newest checkpoint; median of `--repeats` resumes of each kind,
+taken in turn), and the resume's peak host memory: the rise of the process's RSS high-water mark
+(VmHWM, reset after imports) from its RSS after imports, over the state's bytes. Ratios printed:
+async stall / sync save (target <= 0.10), async stall / one-file stall, peak resume memory / state
+(target <= 1.2), for each reader.
 
     python benchmarks/checkpoint_format.py [--preset gpt2-124m] [--repeats 3] [--dir DIR]
 """
@@ -155,9 +159,10 @@ def resume_child(kind: str, directory: str, preset: str) -> None:
         reset = False
     t0 = time.perf_counter()
     model, optimizer = build(preset)
-    if kind == "dcp":
+    if kind in ("dcp", "dcp-reader"):
         point = find_resume_point(Path(directory))
-        load_dcp_state(point.path, model, optimizer, aliases=CHECKPOINT_ALIASES)
+        load_dcp_state(point.path, model, optimizer, aliases=CHECKPOINT_ALIASES,
+                       in_place=kind == "dcp")  # fmt: skip
     else:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
@@ -226,11 +231,14 @@ def main() -> None:
         }
         for name, rows in runs.items()
     }
-    loads = {"dcp": [], "file": []}
+    loads: dict[str, list[dict]] = {"dcp": [], "dcp-reader": [], "file": []}
     for _ in range(args.repeats):
-        loads["dcp"].append(resume("dcp", dcp_dir, args.preset))
-        loads["file"].append(resume("file", file_dir, args.preset))
-    for kind, name in (("dcp", "async DCP"), ("file", "one file")):
+        for kind in loads:
+            loads[kind].append(resume(kind, file_dir if kind == "file" else dcp_dir, args.preset))
+            print(f"  resume {kind:10s} {loads[kind][-1]['seconds']:.3f} s, peak "
+                  f"{loads[kind][-1]['rise_bytes'] / size:.3f}x the state", flush=True)  # fmt: skip
+    med["DCP's reader"] = {}  # the same checkpoint as async DCP's, resumed through DCP's reader
+    for kind, name in (("dcp", "async DCP"), ("dcp-reader", "DCP's reader"), ("file", "one file")):
         med[name]["resume_s"] = statistics.median(x["seconds"] for x in loads[kind])
         med[name]["resume_peak_over_state"] = statistics.median(
             x["rise_bytes"] / size for x in loads[kind]
@@ -239,15 +247,20 @@ def main() -> None:
         "async stall / sync DCP save": med["async DCP"]["stall_s"] / med["sync DCP"]["save_s"],
         "async stall / one-file stall": med["async DCP"]["stall_s"] / med["one file"]["stall_s"],
         "DCP resume / one-file resume": med["async DCP"]["resume_s"] / med["one file"]["resume_s"],
+        "DCP resume / DCP's reader resume": (
+            med["async DCP"]["resume_s"] / med["DCP's reader"]["resume_s"]
+        ),
         "DCP resume peak / state": med["async DCP"]["resume_peak_over_state"],
+        "DCP's reader resume peak / state": med["DCP's reader"]["resume_peak_over_state"],
         "one-file resume peak / state": med["one file"]["resume_peak_over_state"],
     }
     print(f"\nmedians of {args.repeats} (after a warm-up round), seconds:")
     print(f"{'':12s} {'stall':>8s} {'save':>8s} {'resume':>8s} {'resume peak/state':>18s}")
     for name, m in med.items():
+        stall = f"{m['stall_s']:8.3f} {m['save_s']:8.3f}" if "stall_s" in m else f"{'':17s}"
         resume_s = f"{m['resume_s']:8.3f}" if "resume_s" in m else f"{'':8s}"
-        peak = f"{m['resume_peak_over_state']:18.2f}" if "resume_s" in m else ""
-        print(f"{name:12s} {m['stall_s']:8.3f} {m['save_s']:8.3f} {resume_s} {peak}")
+        peak = f"{m['resume_peak_over_state']:18.3f}" if "resume_s" in m else ""
+        print(f"{name:12s} {stall} {resume_s} {peak}")
     print()
     for name, value in ratios.items():
         print(f"{name:32s} {value:.3f}")
@@ -266,7 +279,8 @@ def main() -> None:
         "medians": med,
         "ratios": ratios,
         "method": __doc__.split("\n\n")[1:3],
-        "hwm_reset": all(x["hwm_reset"] for x in loads["dcp"] + loads["file"]),
+        "hwm_reset": all(x["hwm_reset"] for rows in loads.values() for x in rows),
+        "resumes": loads,
     }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

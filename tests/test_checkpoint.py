@@ -10,6 +10,7 @@ shape and a fenced writer each end as docs/checkpoints.md says.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -151,3 +152,203 @@ def test_the_marker_lists_every_file_with_its_size(tmp_path):
     on_disk = {f.name: f.stat().st_size for f in path.iterdir() if f.name != MARKER}
     assert {n: f["bytes"] for n, f in marker["files"].items()} == on_disk
     assert ".metadata" in on_disk and any(n.endswith(".distcp") for n in on_disk)
+
+
+# ---- the in-place reader against DCP's own ----------------------------------------------------
+class Chunks(torch.Tensor):
+    """A tensor that DCP saves and loads as the chunks `bounds` cut along `dim`, as the ranks of a
+    sharded layout would: a save in one layout and a load in another, in one process."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, dim: int, bounds: tuple[int, ...]):
+        t = torch.Tensor._make_subclass(cls, data)
+        t.cut, t.bounds = dim, bounds
+        return t
+
+    def _part(self, start: int) -> torch.Tensor:
+        end = self.bounds[self.bounds.index(start) + 1]
+        return self.as_subclass(torch.Tensor).narrow(self.cut, start, end - start)
+
+    def _chunks(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        for start in self.bounds[:-1]:
+            part = self._part(start)
+            offsets = [0] * self.dim()
+            offsets[self.cut] = start
+            yield part, ChunkStorageMetadata(torch.Size(offsets), part.shape)
+
+    def __create_write_items__(self, fqn, obj):
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=chunk,
+                    properties=TensorProperties.create_from_tensor(part),
+                    size=self.shape,
+                ),
+            )  # fmt: skip
+            for part, chunk in self._chunks()
+        ]
+
+    def __create_chunk_list__(self):
+        return [chunk for _, chunk in self._chunks()]
+
+    def __get_tensor_shard__(self, index):
+        return self._part(index.offset[self.cut])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.as_subclass(torch.Tensor).reshape(-1).contiguous().view(torch.uint8)
+
+
+def test_the_in_place_reader_leaves_the_state_dcp_reader_leaves(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from recover.training.dcp_reader import InPlaceReader
+
+    g = torch.Generator().manual_seed(0)
+    saved = {
+        "f32": torch.randn(5, 7, generator=g),
+        "bf16": torch.randn(6, 3, generator=g).to(torch.bfloat16),
+        "i64": torch.randint(-9, 9, (11,), generator=g),
+        "flag": torch.tensor([True, False, True]),
+        "step": torch.tensor(7.0),  # 0-dim, like AdamW's step
+        "saved_t": torch.randn(4, 6, generator=g).t(),  # saved with transposed strides
+        "dest_t": torch.randn(3, 5, generator=g),  # loaded into a transposed destination
+        "groups": {"lr": 0.1, "betas": (0.9, 0.95)},  # objects
+        "rows": Chunks(torch.randn(10, 4, generator=g), 0, (0, 3, 10)),  # 2 saved chunks
+        "cols": Chunks(torch.randn(4, 10, generator=g), 1, (0, 6, 10)),
+    }
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+
+    def fresh(layout: str) -> dict:  # every byte a sentinel: a byte not read shows
+        rows, cols = torch.full((10, 4), -1.0), torch.full((4, 10), -1.0)
+        return {
+            "f32": torch.full((5, 7), -1.0),
+            "bf16": torch.full((6, 3), -1.0, dtype=torch.bfloat16),
+            "i64": torch.full((11,), -1),
+            "flag": torch.zeros(3, dtype=torch.bool),
+            "step": torch.tensor(-1.0),
+            "saved_t": torch.full((6, 4), -1.0),
+            "dest_t": torch.full((5, 3), -1.0).t(),
+            "groups": {"lr": None, "betas": None},
+            # "whole": one rank holds each tensor; "resharded": chunks cut elsewhere than saved
+            "rows": rows if layout == "whole" else Chunks(rows, 0, (0, 5, 10)),
+            "cols": cols if layout == "whole" else Chunks(cols, 1, (0, 2, 10)),
+        }
+
+    expected_in_place = {
+        # f32, bf16, i64, flag, step, and both saved chunks of rows, each whole in a row range
+        "whole": 7,
+        # rows' first saved chunk [0, 3) lies whole in the new chunk [0, 5); [3, 10) is cut
+        "resharded": 6,
+    }
+    for layout, count in expected_in_place.items():
+        by_dcp, in_place = fresh(layout), fresh(layout)
+        dcp.load(by_dcp, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
+        reader = InPlaceReader(tmp_path)
+        dcp.load(in_place, storage_reader=reader, no_dist=True)
+        assert reader.in_place == count, layout
+        assert reader.by_dcp > 0  # the rest went through DCP's path, compared below too
+        assert in_place["groups"] == by_dcp["groups"] == saved["groups"]
+        for key, value in saved.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(_bits(by_dcp[key]), _bits(value)), (layout, key)
+                assert torch.equal(_bits(in_place[key]), _bits(value)), (layout, key)
+
+
+def test_a_resume_read_in_place_equals_one_read_by_dcp(tmp_path):
+    from recover.training.checkpoint import load_dcp_state
+
+    model, optimizer, scheduler = build()
+    train_step(model, optimizer, scheduler, 0)
+    path = ckpt.save(tmp_path, 1, model, optimizer)
+    states = []
+    for in_place in (True, False):
+        fresh, fresh_opt, _ = build(seed=1)
+        load_dcp_state(path, fresh, fresh_opt, in_place=in_place)
+        states.append((fresh.state_dict(), fresh_opt.state_dict()))
+    (m1, o1), (m2, o2) = states
+    assert all(torch.equal(_bits(m1[k]), _bits(m2[k])) for k in model.state_dict())
+    assert all(torch.equal(_bits(m1[k]), _bits(v)) for k, v in model.state_dict().items())
+    assert o1["param_groups"] == o2["param_groups"] == optimizer.state_dict()["param_groups"]
+    for i, moments in optimizer.state_dict()["state"].items():
+        for name, value in moments.items():
+            assert torch.equal(_bits(o1["state"][i][name]), _bits(value)), (i, name)
+            assert torch.equal(_bits(o2["state"][i][name]), _bits(value)), (i, name)
+
+
+def test_a_truncated_or_altered_file_is_named_when_read_unverified(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from recover.training.checkpoint import load_dcp_state
+
+    model, optimizer, scheduler = build()
+    train_step(model, optimizer, scheduler, 0)
+    path = ckpt.save(tmp_path, 1, model, optimizer)
+    (shard,) = path.glob("*.distcp")
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-100])  # load_dcp_state trusts its caller to have verified: read on
+    fresh, fresh_opt, _ = build(seed=1)
+    with pytest.raises(
+        CheckpointError, match=rf"{re.escape(str(path))} is corrupt: {shard.name} has"
+    ):
+        load_dcp_state(path, fresh, fresh_opt)
+
+    storage = FileSystemReader(path).read_metadata().storage_data
+    record = next(v for k, v in storage.items() if k.fqn == "model.0.weight")
+    altered = bytearray(data)
+    altered[record.offset : record.offset + 4] = b"\0\0\0\0"  # the record's zip header
+    shard.write_bytes(bytes(altered))
+    with pytest.raises(
+        CheckpointError, match=rf"corrupt: {shard.name}: the record of model\.0\.weight"
+    ):
+        load_dcp_state(path, fresh, fresh_opt)
+
+
+def test_hyperparameters_are_saved_once_and_checkpoints_of_the_older_form_still_load(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from recover.training.checkpoint import _FLAT, CheckpointWriter, dcp_state
+
+    def two_groups(seed: int, lrs: tuple[float, float]):
+        model, _, _ = build(seed)
+        groups = [
+            {"params": model[0].parameters()},
+            {"params": model[2].parameters(), "lr": lrs[1]},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=lrs[0], foreach=False)
+        return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)
+
+    model, optimizer, scheduler = two_groups(0, (1e-2, 0.5))
+    train_step(model, optimizer, scheduler, 0)
+    new = ckpt.save(tmp_path / "new", 1, model, optimizer)
+    keys = FileSystemReader(new).read_metadata().state_dict_metadata
+    (groups,) = [k for k in keys if "param_groups" in k]  # one object for all parameters
+    assert groups.startswith("optimizer.param_groups@")
+    # The older form: every setting of every parameter an object of its own.
+    older = dcp_state(model, optimizer)
+    older["optimizer"] = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+    writer = CheckpointWriter(tmp_path / "old", keep=1)
+    old = writer.save(1, older, {}, block=True)
+    writer.close()
+    keys = FileSystemReader(old).read_metadata().state_dict_metadata
+    assert sum(k.startswith("optimizer.param_groups.") for k in keys) >= 4 * 11
+
+    want = optimizer.state_dict()
+    for path in (new, old):
+        fresh, fresh_opt, _ = two_groups(1, (0.3, 0.7))
+        assert ckpt.Checkpointer(path.parent).restore(fresh, fresh_opt) == 1
+        got = fresh_opt.state_dict()
+        assert got["param_groups"] == want["param_groups"], path.parent.name
+        assert all(
+            torch.equal(got["state"][i]["exp_avg"], s["exp_avg"]) for i, s in want["state"].items()
+        )
+        groups = ckpt.load(path)["optimizer"]["param_groups"]
+        assert groups["0.weight"]["lr"] == 1e-2 and groups["2.bias"]["lr"] == 0.5
