@@ -28,10 +28,10 @@ command and environment only): start, supervision, respawns, stops and the verdi
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
-import glob
 import secrets
 import shlex
 import shutil
@@ -178,12 +178,6 @@ class LaunchConfig:
         return self.layout.ranks
 
 
-def check_gpu_placement(lc: LaunchConfig, gpus: int | None = None) -> None:
-    """ValueError when the local processes cannot get the GPUs NCCL needs. This launcher numbers
-    the GPUs process by process, replica after replica, modulo `gpus` (how many are visible; None
-    asks torch); NCCL refuses two ranks of one communicator on one GPU. So a replica of several
-    ranks on GPUs needs that many GPUs (its own group is NCCL's), and --cross-reduce nccl one GPU
-    per process. Replicas of one rank may share GPUs under the default gloo cross-reduce."""
 def _visible_gpus() -> int:
     """How many GPUs torch sees; 0 without importing torch (2.5 s of CPU in the launcher) when
     the machine has no GPU device node at all (NVIDIA's /dev/nvidia*, ROCm's /dev/kfd)."""
@@ -194,6 +188,12 @@ def _visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def check_gpu_placement(lc: LaunchConfig, gpus: int | None = None) -> None:
+    """ValueError when the local processes cannot get the GPUs NCCL needs. This launcher numbers
+    the GPUs process by process, replica after replica, modulo `gpus` (how many are visible; None
+    asks torch); NCCL refuses two ranks of one communicator on one GPU. So a replica of several
+    ranks on GPUs needs that many GPUs (its own group is NCCL's), and --cross-reduce nccl one GPU
+    per process. Replicas of one rank may share GPUs under the default gloo cross-reduce."""
     if lc.replica.cross_reduce == "gloo" and (lc.replica.device == "cpu" or lc.ranks == 1):
         return  # nothing to place (and no torch import in the launcher for it)
     if gpus is None:
@@ -325,6 +325,12 @@ class LocalLauncher:
         self._coordinator_restarts: dict[str, int] = {}
 
     # What a warm start pre-imports: everything a replica process of `recover train` loads.
+    # torch._dynamo: torch's optimizers import it lazily when constructed (1.6 s of CPU here), so
+    # without it every replica process paid it again after its fork. recover.training.parallel:
+    # the layouts of multi-rank replicas (FSDP2, tensor and pipeline parallel; cheap once
+    # torch._dynamo is in). recover.cli:build_parser: the subcommands' parsers, which the CLI
+    # imports only when it builds them (every replica's `recover worker` does); recover.launch:
+    # a worker that stops early names the launcher's resume command.
     WARM_MODULES = (
         "torch",
         "torch.distributed",
@@ -332,19 +338,13 @@ class LocalLauncher:
         "recover.cli:build_parser",
         "recover.launch",
         "recover.training.worker",
+        "recover.training.parallel",
         "recover.coordinator.cli",
-    # torch._dynamo: torch's optimizers import it lazily when constructed (1.6 s of CPU here), so
-    # without it every replica process paid it again after its fork. recover.training.parallel:
-    # the layouts of multi-rank replicas (FSDP2, tensor and pipeline parallel; cheap once
-    # torch._dynamo is in). recover.cli:build_parser: the subcommands' parsers, which the CLI
-    # imports only when it builds them (every replica's `recover worker` does); recover.launch:
-    # a worker that stops early names the launcher's resume command.
         "recover.coordinator.server",
     )
 
     def _start_zygote(self) -> None:
         """Start the zygote (recover.zygote) now, so that its import overlaps the coordinator's
-        "recover.training.parallel",
         start; the first replica waits for it. It runs with the run folder on its command line,
         as its children do (they share its command line), so every process of the run names it."""
         if not self.lcfg.warm_start or not self.WARM_MODULES:
