@@ -69,6 +69,9 @@ class LinearWork:
     def parameter_hash(self) -> str:
         return self.grads.parameter_hash()
 
+    def nonfinite_ids(self) -> list[int]:
+        return []  # every loss here is finite
+
     def transfer_state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
@@ -86,7 +89,9 @@ def reference_parameters() -> torch.Tensor:
     return work.grads.flat_parameters()
 
 
-def run_replica(r: int, server, results: dict, leave_at: tuple[int, str] | None, gate=None) -> None:
+def run_replica(
+    r: int, server, results: dict, leave_at: tuple[int, str] | None, gate=None, det=False
+) -> None:
     """Replica r's thread: register, run STEPS steps through the machine, record each commit.
     `gate` (step, event): the others wait for the leaver at that step's compute until it has
     left, so its collective is still in flight when it goes."""
@@ -117,7 +122,9 @@ def run_replica(r: int, server, results: dict, leave_at: tuple[int, str] | None,
             work=work,
             link=link,
             groups=GroupCache(store, config=CollectiveConfig(), device="cpu"),
-            options=StepOptions(replica_id=r, check_every=2, outcome_timeout_s=20),
+            options=StepOptions(
+                replica_id=r, check_every=2, outcome_timeout_s=20, deterministic=det
+            ),
             hooks=StepHooks(phase=phase),
         )
         for step in range(view.step, STEPS):
@@ -134,13 +141,17 @@ def run_replica(r: int, server, results: dict, leave_at: tuple[int, str] | None,
         link.close()
 
 
-def run_job(replicas: int, leave_at: dict[int, tuple[int, str]], *, gate_step=None) -> dict:
+def run_job(
+    replicas: int, leave_at: dict[int, tuple[int, str]], *, gate_step=None, det=False
+) -> dict:
     opts = CoordinatorOptions(expected_replicas=replicas, microbatches=0, lease_s=2.0)
     results: dict = {}
     gate = None if gate_step is None else (gate_step, threading.Event())
     with CoordinatorServer(opts, store_port=0) as server:
         threads = [
-            threading.Thread(target=run_replica, args=(r, server, results, leave_at.get(r), gate))
+            threading.Thread(
+                target=run_replica, args=(r, server, results, leave_at.get(r), gate, det)
+            )
             for r in range(replicas)
         ]
         for t in threads:
@@ -201,3 +212,22 @@ def test_a_replica_leaving_mid_reduce_never_breaks_the_step():
     ref = reference_parameters()
     for r in (1, 2):
         assert torch.allclose(results[r]["params"], ref, rtol=1e-5, atol=1e-7), r
+
+
+@pytest.mark.timeout(90)
+def test_a_deterministic_replica_whose_share_is_empty_commits_every_step():
+    """Seven replicas for M = 6 ids: the plan gives one replica no id at every step (a straggler's
+    share can be empty too). In the deterministic mode its attempt still yields one (empty) Todo
+    and takes part in the ordered reduce; with no yield at all, its step loop crashed."""
+    was = torch.are_deterministic_algorithms_enabled()  # the mode sets it process-wide
+    try:
+        results = run_job(7, {}, det=True)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert all(isinstance(results.get(r), dict) for r in range(7)), results
+    check_commits(results, list(range(7)))
+    empty = [r for r in range(7) if all(c.shares.get(r, 0) == 0 for c in results[r]["commits"])]
+    assert len(empty) == 1, [c.shares for c in results[0]["commits"]]
+    params = [results[r]["params"] for r in range(7)]
+    assert all(torch.equal(p, params[0]) for p in params)  # the same bits on every replica
+    assert torch.allclose(params[0], reference_parameters(), rtol=1e-5, atol=1e-7)

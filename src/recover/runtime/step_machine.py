@@ -259,9 +259,10 @@ class StepMachine:
                 return done.value
 
     def run_step(self, step: int) -> Generator[Todo, None, CommittedStep]:
-        """Run step `step` until it commits: yields one `Todo` per attempt (possibly with no ids)
-        and resumes when the caller has added their gradients to the local sum; returns the
-        commit. The recovery loop lives here."""
+        """Run step `step` until it commits: yields one `Todo` per attempt (possibly with no ids;
+        in the deterministic mode one per id, or one without ids) and resumes when the caller has
+        added their gradients to the local sum; returns the commit. The recovery loop lives
+        here."""
         attempt = StepAttempt(step=step)
         view = self.link.step_view()
         hooks = self.hooks
@@ -278,7 +279,10 @@ class StepMachine:
                 todo = [j for j in view.plan.get(self.me, ()) if j not in attempt.computed]
                 t0 = time.perf_counter()
                 with hooks.guard.busy("computing microbatches"):
-                    if self.options.deterministic:  # one leaf per id: a Todo per id
+                    # Deterministic: one leaf per id, so a Todo per id. An empty share still
+                    # yields its one empty Todo (every attempt yields at least once: a plan may
+                    # give a straggler no id, and the caller's loop starts with next()).
+                    if self.options.deterministic and todo:
                         for i, j in enumerate(sorted(todo), start=len(attempt.computed)):
                             yield Todo(step=step, ids=(j,), first_index=i)
                             self._add_leaf(attempt, view, j)
