@@ -106,6 +106,7 @@ def test_a_killed_replica_is_respawned_and_four_replicas_train_again(
     )
     assert "respawning replica 2" in r.stdout
     assert [t["replica"] for t in transfers] == [2] and transfers[0]["bytes"] > 0
+    assert sorted(transfers[0]["sources"]) == [0, 1, 3]  # a share from each survivor
     joined_at = transfers[0]["step"]
     steps = committed_steps(out / "metrics.jsonl")
     assert all(steps[s]["replicas"] == 3 for s in range(4, joined_at))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -179,3 +180,39 @@ def test_the_join_fingerprint_covers_every_setting_of_the_update(tiny_dataset):
         record_only = f.name in ("eval_every", "eval_batches", "ckpt_every", "keep_ckpts")
         assert (other == ref) == record_only, f.name
     assert fingerprint(base, data, mode="shrink") != ref
+
+
+def test_a_joiner_trainer_adopts_the_transferred_state_without_copying_it(tiny_dataset):
+    """The built-in trainer's transfer: a fresh trainer (a joiner's) loads a trained one's
+    transfer_state_dict() through the transfer's own byte form; its optimizer then holds the
+    received buffers themselves (no copy, no state created by a zero step first), and one more
+    step of both gives the same bits."""
+    from recover.data.addressing import TokenDataset
+    from recover.runtime.transfer import _unflatten, describe_state
+    from recover.training.config import TrainConfig
+    from recover.training.trainer import ReplicaTrainer
+
+    cfg = TrainConfig(preset="tiny", seq_len=32, microbatch_size=2, microbatches=2, steps=4)
+    data = TokenDataset.open(tiny_dataset)
+    live, joiner = ReplicaTrainer(cfg, data), ReplicaTrainer(cfg, data)
+
+    def step(trainer, k):
+        trainer.grads.clear()
+        trainer.compute_microbatches(k, [0, 1])
+        trainer.apply_commit(k, trainer.snapshot())
+
+    step(live, 0)
+    header, parts = describe_state(live, torch.device("cpu"))
+    received = [p.clone() for p in parts]  # the joiner's fresh receive buffers
+    meta = json.loads(header)
+    steps = []  # optimizer steps taken by the load (torch's state-dict helper takes a zero step)
+    hook = joiner.optimizer.register_step_pre_hook(lambda *args: steps.append(1))
+    joiner.load_transfer_state(_unflatten(meta["structure"], received))
+    hook.remove()
+    assert steps == []
+    pointers = {b.data_ptr() for b in received}
+    held = [t for s in joiner.optimizer.state.values() for t in s.values() if t.dim() > 0]
+    assert held and all(t.data_ptr() in pointers for t in held)
+    step(live, 1)
+    step(joiner, 1)
+    assert all(torch.equal(a, b) for a, b in zip(live.params, joiner.params, strict=True))

@@ -306,6 +306,64 @@ def _construct(
     return box["pg"]
 
 
+class _PeerWaits:
+    """The send and receive ops of one ``send_recv`` call, as one in-flight op for the polling.
+
+    gloo reports a send's or a receive's completion only from its ``wait()`` (``is_completed()``
+    stays False until then), and a ``wait`` whose timeout expires fails every pair of the group's
+    context, so it cannot be used to poll. So a daemon thread per peer waits for that peer's ops
+    in order (``wait`` releases the GIL), and this object reads their outcome: complete when
+    every thread finished or one failed (a dead peer is then seen at once, not after the live
+    peers' ops). A thread whose op never completes ends by gloo's own timeout (pg_timeout_s)
+    or when the peer's connection closes; it holds its ops (and so their buffers) until then.
+    """
+
+    def __init__(self) -> None:
+        self._works: dict[int, list[Any]] = {}
+        self._left = 0
+        self._error_text: str | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+
+    def add(self, peer: int, work: Any) -> None:
+        self._works.setdefault(peer, []).append(work)
+
+    def start(self) -> None:
+        """Start a thread per peer; the ops are theirs from now on."""
+        works, self._works = self._works, {}
+        self._left = len(works)
+        if not works:
+            self._done.set()
+        for peer, ops in works.items():
+            threading.Thread(
+                target=self._wait_all, args=(ops,), name=f"recover-p2p-peer{peer}", daemon=True
+            ).start()
+
+    def _wait_all(self, ops: list[Any]) -> None:
+        try:
+            while ops:
+                ops[0].wait()  # blocks until this op completes or fails (GIL released)
+                ops.pop(0)
+        except RuntimeError as exc:
+            with self._lock:
+                if self._error_text is None:
+                    self._error_text = str(exc)
+            self._done.set()
+            return
+        with self._lock:
+            self._left -= 1
+            if self._left == 0:
+                self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        """Returns when every op succeeded; raises the first failure's text (call once completed)."""
+        if self._error_text is not None:
+            raise RuntimeError(self._error_text)
+
+
 class EpochGroup:
     """The cross-replica process group of one epoch. Build with ``EpochGroup.build``."""
 
@@ -500,6 +558,47 @@ class EpochGroup:
             self._in_flight.append(self._pg._allgather_base(out, inp, opts))
 
         self._run_issued([out, inp], issue, should_abort)
+
+    def send_recv(
+        self,
+        sends: list[tuple[torch.Tensor, int]],
+        recvs: list[tuple[torch.Tensor, int]],
+        *,
+        should_abort: ShouldAbort,
+    ) -> None:
+        """Point to point: send every ``(tensor, dst)`` and receive every ``(tensor, src)`` into
+        its tensor in place, all in flight together and waited for as one op (same abort rules;
+        the receive buffers are the ones a failure leaves unusable). The k-th send from one rank
+        to another matches the k-th receive of the other from the first, so both sides list
+        the ops between them in the same order, with the same sizes. Ranks with no op here
+        need not call it. gloo groups only (an NCCL group would build a communicator per pair
+        on first use, outside the build's deadline)."""
+        if self.device.type != "cpu":
+            raise ValueError(f"send_recv needs a gloo group (host buffers), not {self.device}")
+        for name, ops in (("sends", sends), ("recvs", recvs)):
+            for tensor, peer in ops:
+                self._check_buffer(tensor, name=name, one_dim=False)
+                if isinstance(peer, bool) or not isinstance(peer, int) or peer == self.rank:
+                    raise ValueError(f"{name}: a peer must be another rank's int, got {peer!r}")
+                if not 0 <= peer < self.world_size:
+                    raise ValueError(f"{name}: peer {peer} is not in [0, {self.world_size})")
+
+        def issue() -> None:
+            waits = _PeerWaits()
+            self._in_flight.append(waits)  # before any op: a refused issue leaves it the ops
+            tags: dict[tuple[str, int], int] = {}
+            try:
+                for kind, ops in (("send", sends), ("recv", recvs)):
+                    for tensor, peer in ops:
+                        tag = tags[kind, peer] = tags.get((kind, peer), -1) + 1
+                        if kind == "send":
+                            waits.add(peer, self._pg.send([tensor.view(-1)], peer, tag))
+                        else:
+                            waits.add(peer, self._pg.recv([tensor.view(-1)], peer, tag))
+            finally:
+                waits.start()  # the issued ops are waited for (and kept) even after a refusal
+
+        self._run_issued([t for t, _ in (*recvs, *sends)], issue, should_abort)
 
     def abandon(self) -> threading.Thread | None:
         """Poison the group and tear it down on a daemon thread; never blocks. Idempotent.

@@ -507,8 +507,9 @@ class StepMachine:
         if self.me in joined:
             self.hooks.event(
                 "state_transfer", replica=self.me, rank=self.link.rank, step=step, epoch=epoch,
-                source=stats.source,
+                source=stats.source, sources=list(stats.sources),
                 bytes=stats.bytes, seconds=round(stats.seconds, 4),
+                load_s=round(stats.load_s, 4),
             )  # fmt: skip
         return True
 

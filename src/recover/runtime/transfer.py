@@ -1,27 +1,55 @@
 """Live state transfer to joining replicas, over the new epoch's group (no disk round trip).
 
 Job: when the coordinator admits joiners at a step boundary, every member of the new epoch calls
-`transfer_state` before the step: the source (the lowest member that is not a joiner) packs the
-committed model and optimizer state, and one bucketed broadcast through the fault-tolerant
-collective copies it to everyone; the joiners load it. The step counter and the learning-rate
-schedule need no transfer: the step comes with the view and lr(step) is a pure function.
+`transfer_state` before the step. The members that hold the committed state (the sources: the
+members that are not joiners) each send a share of it straight to every joiner, point to point,
+in parallel; the joiners load it. The step counter and the learning-rate schedule need no
+transfer: the step comes with the view and lr(step) is a pure function.
 
-Invariants: a joiner computes nothing before it has loaded the committed state; the payload is the
-source's `transfer_state_dict()` (the step machine's `Work`), bit for bit (in a replica of several ranks: the part this rank
-holds, sent over the group of its position to the joiner's rank at the same position). A failure
-during the transfer is a collective failure like any other (the caller reports it and the step is
-redone in the next epoch, where the transfer is repeated).
+How (gloo): (1) every member's digest of its state's header (structure, sizes and every value
+that is not a tensor) goes to every member in one small all-gather, and the sources whose digest
+equals the lowest source's (the lead's) serve; (2) the lead broadcasts its header; (3) the state,
+taken as its tensors' bytes one after the other, is cut into one contiguous byte range per
+server (`compute_shares`), and each server sends its range, tensor by tensor, from where it lies
+to each joiner, which receives it straight into fresh buffers that become the tensors it loads.
+On an NCCL group (not yet run on GPUs) the lead broadcasts the state instead (`broadcast_state`):
+NCCL builds a communicator per pair on a first send, outside the group build's deadline.
 
-Cost: one broadcast of the state (parameters plus two AdamW moments: about 12 bytes per
-parameter), every tensor sent from where it lies and received straight into a fresh buffer that
-becomes the joiner's tensor (no packing into one buffer, no unpacking copy: before, those two
-copies took most of the time), all in flight together and bucketed by the collective; members
-that already hold the state receive it too (a broadcast reaches every rank of the group), which
-costs them the same time as the joiners.
+Invariants: a joiner computes nothing before it has loaded the committed state, and loads only
+once every byte arrived; the payload is bit for bit the servers' `transfer_state_dict()` (the step
+machine's `Work`), and the servers hold the same committed state (docs/design.md invariant 4,
+agreement, checked by the parameter hash; a source whose header differs from the lead's does not
+serve); in a replica of several ranks each rank transfers the part it holds, over the group of
+its position, to the joiner's rank at the same position. The joiner receives into fresh buffers,
+never into the tensors it holds (its model's; in one run of the benchmark that took 0.49 s
+against 0.63 s into fresh buffers, and this choice stands anyway): a failed
+op's buffers are unusable (docs/design.md: the collective keeps them until its group is torn down,
+and a receive still posted may write into them until then), and a late write into a model
+tensor would land after the next transfer's load. A failure during the transfer is a
+collective failure like any other: every op goes through `EpochGroup`, so an error, a deadline
+or a newer epoch aborts it and a dead or hung source holds nobody past `op_deadline_s`; the caller
+reports it and the step is redone in the next epoch, where the transfer is repeated. A server
+whose sends all completed may see no failure (it sends only to the joiners): it learns of it
+from its reduce in the same epoch, which the next epoch aborts.
+
+Cost: the state once per joiner (parameters plus two AdamW moments: about 12 bytes per
+parameter; a tensor the state dict holds twice, such as tied embeddings, is sent once), each
+server sending 1/S of it, and a handful of bytes to the members that hold it already (before,
+a broadcast sent the whole state to them too). Measured (`benchmarks/transfer_speed.py`,
+gpt2-124m, 1,423 MiB of distinct state, 3 processes on 2 cores over loopback, median of 3, side by
+side): 0.47 s from two sources, 0.49 s from one, 1.56 s by the earlier broadcast, 11.9 s packed.
+On loopback the copy through the kernel is the bound, not the number of streams, so a second
+source helps little here; across nodes each source's link adds its bandwidth. Sending tensor by
+tensor matters: the same bytes as one message into one fresh buffer took 4.8 s from one source
+and 0.91 s from two. In the running system (`recover bench rejoin`, gpt2-124m, 975 MiB, three
+live replicas serving on 2 cores) a joiner's transfer took 0.87-1.09 s, its load included
+(`TransferStats.load_s`, 0.07-0.11 s: the built-in trainer's optimizer adopts the received
+buffers; through torch's state-dict helper the load alone had taken 2.0 s).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -30,23 +58,43 @@ import torch
 
 from recover.runtime.collective import EpochGroup, ShouldAbort
 
+_DIGEST_WORDS = 5  # the header's length, then its sha256 as four int64
+
 
 @dataclass(frozen=True)
 class TransferStats:
-    bytes: int
+    bytes: int  # the state's bytes (header and tensors, each shared tensor once)
     seconds: float
-    source: int  # replica id of the sender
+    source: int  # replica id of the lead source (whose header the joiners load)
+    sources: tuple[int, ...] = ()  # replica ids of the sources that sent a share
+    sent: int = 0  # bytes this member sent
+    load_s: float = 0.0  # of `seconds`, the joiner's load of what it received into its state
 
 
-def _flatten(obj, tensors: list[torch.Tensor]):
-    """The structure of a state dict with each tensor replaced by its index in `tensors`."""
+def _flatten(obj, tensors: list[torch.Tensor], seen: dict | None = None):
+    """The structure of a state dict with each tensor replaced by its index in `tensors`; a
+    tensor that is the very same view as an earlier one (tied weights) gets the earlier index."""
     if isinstance(obj, torch.Tensor):
+        key = None
+        if seen is not None and obj.numel() > 0:
+            key = (obj.data_ptr(), obj.device, obj.dtype, tuple(obj.shape), tuple(obj.stride()))
+            if key in seen:
+                return {"__tensor__": seen[key], "shape": list(obj.shape), "dtype": str(obj.dtype)}
         tensors.append(obj)
+        if key is not None:
+            seen[key] = len(tensors) - 1
         return {"__tensor__": len(tensors) - 1, "shape": list(obj.shape), "dtype": str(obj.dtype)}
     if isinstance(obj, dict):
-        return {"__dict__": [[_flatten(k, tensors), _flatten(v, tensors)] for k, v in obj.items()]}
+        return {
+            "__dict__": [
+                [_flatten(k, tensors, seen), _flatten(v, tensors, seen)] for k, v in obj.items()
+            ]
+        }
     if isinstance(obj, list | tuple):
-        return {"__list__": [_flatten(v, tensors) for v in obj], "tuple": isinstance(obj, tuple)}
+        return {
+            "__list__": [_flatten(v, tensors, seen) for v in obj],
+            "tuple": isinstance(obj, tuple),
+        }
     return obj
 
 
@@ -74,12 +122,40 @@ def _bytes_of(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def describe_state(work, device: torch.device) -> tuple[bytes, list[torch.Tensor]]:
     """The committed state of `work` (its `transfer_state_dict()`) as (header, parts): a JSON
-    header that describes the state dict, and each tensor's bytes (views where possible)."""
+    header that describes the state dict, and each distinct tensor's bytes (views where
+    possible)."""
     tensors: list[torch.Tensor] = []
-    structure = _flatten(work.transfer_state_dict(), tensors)
+    structure = _flatten(work.transfer_state_dict(), tensors, {})
     parts = [_bytes_of(t, device) for t in tensors]
     header = json.dumps({"structure": structure, "sizes": [p.numel() for p in parts]})
     return header.encode(), parts
+
+
+def compute_shares(sizes: list[int], servers: int) -> list[list[tuple[int, int, int]]]:
+    """Pure: what each of `servers` sources sends, as `(part, start, stop)` byte ranges of the
+    parts of `sizes` bytes. The parts, one after the other, are cut into `servers` contiguous
+    ranges that differ in size by at most one byte (so a part may be split between two)."""
+    if servers < 1 or any(n < 0 for n in sizes):
+        raise ValueError(f"bad share request: {servers=}, sizes with a negative: {sizes}")
+    total = sum(sizes)
+    bounds = [total * k // servers for k in range(servers + 1)]
+    shares: list[list[tuple[int, int, int]]] = [[] for _ in range(servers)]
+    offset, k = 0, 0
+    for part, n in enumerate(sizes):
+        start = 0
+        while start < n:
+            while offset + start >= bounds[k + 1]:
+                k += 1
+            stop = min(n, bounds[k + 1] - offset)
+            shares[k].append((part, start, stop))
+            start = stop
+        offset += n
+    return shares
+
+
+def _digest(header: bytes) -> torch.Tensor:
+    words = torch.frombuffer(bytearray(hashlib.sha256(header).digest()), dtype=torch.int64)
+    return torch.cat([torch.tensor([len(header)], dtype=torch.int64), words])
 
 
 def transfer_state(
@@ -91,14 +167,73 @@ def transfer_state(
     me: int,
     should_abort: ShouldAbort,
 ) -> TransferStats:
-    """Broadcast the committed state from the lowest non-joining member to the whole group.
+    """Send the committed state from the sources (the members not in `joined`) to the joiners,
+    a share from each source (gloo), and load it on the joiners.
 
     Raises CollectiveAborted (from the group) on a fault; the caller treats it as a failed attempt.
     """
     sources = [r for r in members if r not in joined]
     if not sources:
         raise RuntimeError(f"no member of {members} holds the committed state (joined: {joined})")
-    source = sources[0]
+    if group.device.type != "cpu":
+        return broadcast_state(
+            group, work, members=members, joined=joined, me=me, should_abort=should_abort
+        )
+    t0 = time.perf_counter()
+    header, parts = describe_state(work, group.device) if me in sources else (b"", [])
+    mine = _digest(header) if me in sources else torch.zeros(_DIGEST_WORDS, dtype=torch.int64)
+    table = torch.empty(_DIGEST_WORDS * len(members), dtype=torch.int64)
+    group.allgather(table, mine, should_abort=should_abort)
+    table = table.view(len(members), _DIGEST_WORDS)
+    lead = sources[0]
+    agreed = table[members.index(lead)]
+    servers = [s for s in sources if torch.equal(table[members.index(s)], agreed)]
+    raw = torch.empty(int(agreed[0]), dtype=torch.uint8)
+    if me == lead:
+        raw.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    group.broadcast(raw, src=members.index(lead), should_abort=should_abort)
+    meta = json.loads(bytes(raw.numpy()).decode())
+    shares = compute_shares(meta["sizes"], len(servers))
+    sends: list[tuple[torch.Tensor, int]] = []
+    recvs: list[tuple[torch.Tensor, int]] = []
+    if me in servers:
+        mine_share = shares[servers.index(me)]
+        for joiner in joined:
+            to = members.index(joiner)
+            sends += [(parts[p][a:b], to) for p, a, b in mine_share]
+    if me in joined:  # received straight into fresh buffers (see Invariants), no packing
+        parts = [torch.empty(n, dtype=torch.uint8) for n in meta["sizes"]]
+        for server, share in zip(servers, shares, strict=True):
+            recvs += [(parts[p][a:b], members.index(server)) for p, a, b in share]
+    if sends or recvs:
+        group.send_recv(sends, recvs, should_abort=should_abort)
+    t_load = time.perf_counter()
+    if me in joined:
+        work.load_transfer_state(_unflatten(meta["structure"], parts))
+    t1 = time.perf_counter()
+    return TransferStats(
+        bytes=raw.numel() + sum(meta["sizes"]),
+        seconds=t1 - t0,
+        source=lead,
+        sources=tuple(servers),
+        sent=sum(t.numel() for t, _ in sends),
+        load_s=t1 - t_load,
+    )
+
+
+def broadcast_state(
+    group: EpochGroup,
+    work,
+    *,
+    members: list[int],
+    joined: list[int],
+    me: int,
+    should_abort: ShouldAbort,
+) -> TransferStats:
+    """The lead source broadcasts the whole state to the group (every member receives it, the
+    ones that hold it too), bucketed by the collective; the joiners load it. The path of NCCL
+    groups."""
+    source = next(r for r in members if r not in joined)
     src_rank = members.index(source)
     t0 = time.perf_counter()
     device = group.device  # host memory for gloo, this rank's GPU for NCCL
@@ -110,10 +245,16 @@ def transfer_state(
         raw.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
     group.broadcast(raw, src=src_rank, should_abort=should_abort)
     meta = json.loads(bytes(raw.cpu().numpy()).decode())
-    if me != source:  # received straight into their final buffers: no packing, no unpacking
+    if me != source:
         parts = [torch.empty(n, dtype=torch.uint8, device=device) for n in meta["sizes"]]
     group.broadcast_many(parts, src=src_rank, should_abort=should_abort)
+    t_load = time.perf_counter()
     if me in joined:
         work.load_transfer_state(_unflatten(meta["structure"], parts))
+    t1 = time.perf_counter()
     nbytes = raw.numel() + sum(p.numel() for p in parts)
-    return TransferStats(bytes=nbytes, seconds=time.perf_counter() - t0, source=source)
+    sent = nbytes * (len(members) - 1) if me == source else 0
+    return TransferStats(
+        bytes=nbytes, seconds=t1 - t0, source=source, sources=(source,), sent=sent,
+        load_s=t1 - t_load,
+    )  # fmt: skip

@@ -54,7 +54,8 @@ from 286 DCP items to 78 (0.30 s vs 0.42 s, load 3-6).
 
 Size: one format, written and read (the save with its publish and fence, verification, the
 resume point, the reader of plain state dicts, the older form's reader), so that what a writer
-promises and what a reader checks stay side by side.
+promises and what a reader checks stay side by side; the reader that puts saved bytes straight
+into their tensors is training/dcp_reader.py (a DCP storage reader: its own concept).
 """
 
 from __future__ import annotations

@@ -332,11 +332,20 @@ class ReplicaTrainer:
         )  # fmt: skip
 
     def transfer_state_dict(self) -> dict:
-        """What the live state transfer sends to a joiner: this rank's committed state."""
-        return self.state_dict()
+        """What the live state transfer sends to a joiner: this rank's committed state, the
+        optimizer's in torch's own form (by position). The joiner is the same model built by the
+        same code (its fingerprint was checked at registration), so positions agree; the
+        layout-free form by name is for checkpoints, which other layouts load."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_transfer_state(self, state: dict) -> None:
-        self.load_state_dict(state)
+        """Load a live replica's `transfer_state_dict()`. The received tensors are this process's
+        own fresh buffers: the optimizer adopts them as its state (same dtype and device, so
+        torch's load makes no copy). The checkpoint path's helper would first create the state
+        by a zero step over every parameter and copy into it: on gpt2-124m, 3.0-6.0 s against
+        0.05 s, and 2.0 s of a 3.1 s transfer in `recover bench rejoin`."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
 
     def flat_parameters(self) -> torch.Tensor:
         """This rank's parameter values, flat (the local shards in a sharded replica)."""

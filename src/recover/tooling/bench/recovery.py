@@ -135,6 +135,8 @@ def rejoin_figures(out: Path) -> dict:
     figures = {
         "transfer_bytes": transfer["bytes"],
         "transfer_s": transfer["seconds"],
+        "transfer_load_s": transfer.get("load_s"),  # of transfer_s: the joiner's load
+        "transfer_mb_s": transfer["bytes"] / transfer["seconds"] / 1e6,
         "start_to_first_commit_s": first_commit - respawned["t_wall"],
         "admission_to_first_commit_s": first_commit - admitted["t_wall"],
     }
@@ -181,10 +183,14 @@ def bench_rejoin(args: argparse.Namespace) -> dict:
                     figures[start].append(rejoin_figures(out))
             row = {"preset": preset, "microbatches": M, "microbatch_size": B, "seq_len": T}
             for key in figures["warm"][0]:  # (unprefixed: the warm fork's, as before)
-                row[key] = statistics.median(f[key] for f in figures["warm"])
+                values = [f[key] for f in figures["warm"]]
+                row[key] = None if None in values else statistics.median(values)
             for start in ("standby", "cold"):
                 for key in figures[start][0]:
                     if key.startswith("transfer_bytes"):
+                        continue
+                    if any(f[key] is None for f in figures[start]):
+                        row[f"{start}_{key}"] = None
                         continue
                     name = key if key.startswith("standby_") else f"{start}_{key}"
                     row[name] = statistics.median(f[key] for f in figures[start])
@@ -195,12 +201,16 @@ def bench_rejoin(args: argparse.Namespace) -> dict:
                   f"{row['start_to_first_commit_s']:.2f} s warm, "
                   f"{row['cold_start_to_first_commit_s']:.2f} s cold; admission -> first commit "
                   f"{row['standby_admission_to_first_commit_s']:.2f} s standby (transfer "
-                  f"{row['standby_transfer_s']:.3f} s)", flush=True)  # fmt: skip
+                  f"{row['standby_transfer_s']:.3f} s, {row['standby_transfer_mb_s']:.0f} MB/s, "
+                  f"of which the load into the model and optimizer "
+                  f"{row['standby_transfer_load_s'] or 0:.3f} s)", flush=True)  # fmt: skip
     print(format_rejoin_table(rows))
     return {
         "benchmark": "rejoin",
         "method": f"{args.replicas} replicas; the last is SIGKILLed at step {REJOIN_KILL_STEP} and "
-        "replaced at once (--respawn 0); transfer = the joiner's state_transfer event; start -> "
+        "replaced at once (--respawn 0); transfer = the joiner's state_transfer event (its "
+        "seconds, and of them load_s, the load into the model and optimizer; MB/s = bytes / "
+        "seconds); start -> "
         "first commit = from the launcher's launcher.respawned event to the first commit after "
         "the transfer (includes, but with a standby, process start and the model build, and, "
         "cold, the torch import); admission -> first commit = from the coordinator's admission "
@@ -218,8 +228,9 @@ def bench_rejoin(args: argparse.Namespace) -> dict:
 def format_rejoin_table(rows: list[dict]) -> str:
     lines = [
         "| preset | state transferred | joiner start -> first commit: standby (s) | warm fork "
-        "(s) | cold (s) | admission -> first commit, standby (s) | of which transfer (s) |",
-        "|---|---|---|---|---|---|---|",
+        "(s) | cold (s) | admission -> first commit, standby (s) | of which transfer (s) "
+        "| transfer MB/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
 
     def cell(r: dict, key: str, digits: int = 2) -> str:
@@ -231,6 +242,6 @@ def format_rejoin_table(rows: list[dict]) -> str:
             f"| {cell(r, 'standby_start_to_first_commit_s')} "
             f"| {cell(r, 'start_to_first_commit_s')} | {cell(r, 'cold_start_to_first_commit_s')} "
             f"| {cell(r, 'standby_admission_to_first_commit_s')} "
-            f"| {cell(r, 'standby_transfer_s', 3)} |"
+            f"| {cell(r, 'standby_transfer_s', 3)} | {cell(r, 'standby_transfer_mb_s', 0)} |"
         )
     return "\n".join(lines)
