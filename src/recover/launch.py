@@ -795,8 +795,13 @@ class LocalLauncher:
                     alive[r].discard(k)
                     codes.append((r, incarnation[r], code))
                     # A finished replica, or a run stopped for good (quorum lost, divergence):
-                    # nobody is respawned any more.
-                    finishing = finishing or code == 0 or code in exits.RUN_FAILURES
+                    # nobody is respawned any more. But under checkpoint-restart every death ends
+                    # the job as quorum lost (min_replicas = R): that is the job to restart, seen
+                    # before the death itself when the survivors' exits are read first.
+                    job_lost = lc.mode == "checkpoint-restart" and code == exits.QUORUM_LOST
+                    finishing = (
+                        finishing or code == 0 or (code in exits.RUN_FAILURES and not job_lost)
+                    )
                     if code != 0:
                         self.say(f"{who} exited with status {code}", logging.WARNING)
                         if r in dead:
