@@ -253,8 +253,8 @@ def test_torchft_harness_config_and_absence():
 
     with pytest.raises(ValueError, match="min_replicas"):
         TorchftHarnessConfig(replicas=2, min_replicas=3)
-    with pytest.raises(ValueError, match="lease_s"):
-        TorchftHarnessConfig(lease_s=0.05, heartbeat_s=0.1)
+    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
+        TorchftHarnessConfig(heartbeat_timeout_s=0.05, heartbeat_s=0.1)
     with pytest.raises(ValueError, match="Grammar"):
         TorchftHarnessConfig(faults=("kill:replica=1",))
     try:

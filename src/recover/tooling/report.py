@@ -21,6 +21,8 @@ the same for readers of the report):
 - global batch after failures: `microbatches` of the last committed step, and the minimum over the
   committed steps at or after the step of the first failure.
 - loss deviation and final parameter distance: `recover.tooling.compare.compare_runs(reference, run)`.
+- settings: not computed here; the caller puts each run's settings in its row (`recover bench
+  compare`: a mode's own flags, the torchft runs' lighthouse and manager settings).
 
 Invariants: nothing here is a constant of a mode; every number comes from the run's own records.
 Pure apart from reading the run folders and writing the report files.
@@ -54,6 +56,7 @@ __all__ = [
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("name", "run", "{}"),
     ("mode", "mode", "{}"),
+    ("settings", "settings", "{}"),  # set by the caller (recover bench compare); "-" without
     ("tokens_per_s", "committed tok/s (effective)", "{:.1f}"),
     ("tokens_per_s_ratio", "vs failure-free", "{:.3f}x"),
     ("tokens_per_s_per_replica", "tok/s per live replica (paper's normalisation)", "{:.1f}"),

@@ -1,13 +1,20 @@
 """`recover bench compare`: every mode (recover, recover with respawn, checkpoint-restart, shrink,
-and torchft when installed) on the same model, data, seed, M and fault schedule."""
+and torchft twice when installed: its documented defaults and tuned) on the same model, data,
+seed, M and fault schedule. Every row carries its settings and the load average around its run."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from recover.tooling.bench.common import bench_setup, machine_info, run_recover
+
+# The delay before a dead replica is restarted: the recover+respawn row's `--respawn`, and the
+# scheduler's delay in both torchft rows (torchft expects its dead replicas to be restarted).
+RESPAWN_S = 0.0
 
 # ---- compare: every mode on the same work ---------------------------------------------------
 
@@ -43,7 +50,7 @@ def parse_schedule(text: str, *, replicas: int) -> list[str]:
 def bench_compare(args: argparse.Namespace) -> dict:
     from recover.tooling.report import build_table, format_markdown, write_report
 
-    _, cfg, flags = bench_setup(args)
+    data, cfg, flags = bench_setup(args)
     faults = parse_schedule(args.faults, replicas=args.replicas)
     last_fault = max(int(f.split("step=")[1].split(",")[0]) for f in faults)
     if last_fault >= cfg.steps:
@@ -54,28 +61,40 @@ def bench_compare(args: argparse.Namespace) -> dict:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     # recover runs twice: the survivors carrying on alone, and with the dead replaced at once
-    # (--respawn 0). Here a respawned process starts on the same 2 cores as the survivors and its
-    # start-up (torch import, model build) slows them; on a cluster it starts on another node.
+    # (--respawn RESPAWN_S, as in the torchft rows). Here a restarted process starts on the same
+    # 2 cores as the survivors and its start-up (torch import, model build) slows them; on a
+    # cluster it starts on another node.
+    # Each mode's own flags (its settings in the table); every mode but the first gets the faults.
     modes = {
         "failure-free": [],
-        "recover": list(fault_flags),
-        "recover+respawn": [*fault_flags, "--respawn", "0"],
-        "checkpoint-restart": [*fault_flags, "--mode", "checkpoint-restart",
+        "recover": [],
+        "recover+respawn": ["--respawn", f"{RESPAWN_S:g}"],
+        "checkpoint-restart": ["--mode", "checkpoint-restart",
                                "--ckpt-every", str(args.ckpt_every)],
-        "shrink": [*fault_flags, "--mode", "shrink"],
+        "shrink": ["--mode", "shrink"],
     }  # fmt: skip
     runs: dict[str, Path] = {}
-    for name, extra in modes.items():
+    settings: dict[str, str] = {}
+    loads: dict[str, tuple[float, float]] = {}  # 1-minute load average at a run's start and end
+    for name, own in modes.items():
         run = out_dir / "runs" / name
         if run.exists():
             raise ValueError(f"{run} exists: choose a new --out for a new comparison")
         print(f"  running {name} ...", flush=True)
-        t0 = time.perf_counter()
+        t0, load0 = time.perf_counter(), os.getloadavg()[0]
+        faulted = fault_flags if name != "failure-free" else []
         # (flags given twice, like --ckpt-every, take their last value)
-        runs[name] = run_recover([*flags, *extra], run, timeout_s=args.timeout)
+        runs[name] = run_recover([*flags, *faulted, *own], run, timeout_s=args.timeout)
+        loads[name] = (load0, os.getloadavg()[0])
+        settings[name] = " ".join(own) or ("no faults" if not faulted else "defaults")
         print(f"  {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-    torchft_note = _maybe_run_torchft(args, cfg, faults, out_dir, runs)
+    torchft_note, torchft_settings = _maybe_run_torchft(
+        cfg, args.replicas, faults, data, out_dir, runs, settings, loads
+    )
     rows = build_table(runs, reference="failure-free")
+    for row in rows:
+        row["settings"] = settings[row["name"]]
+        row["load_1m_start"], row["load_1m_end"] = loads[row["name"]]
     write_report(rows, out_dir, runs)
     print(format_markdown(rows))
     if torchft_note:
@@ -87,17 +106,24 @@ def bench_compare(args: argparse.Namespace) -> dict:
         "session on this machine; figures are computed from each run's metrics.jsonl",
         "faults": faults,
         "config": {**cfg.to_dict(), "replicas": args.replicas},
+        "respawn_s": RESPAWN_S,
+        "torchft_settings": torchft_settings,
         "machine": machine_info(),
         "rows": rows,
     }
 
 
-def _maybe_run_torchft(args, cfg, faults, out_dir: Path, runs: dict) -> str | None:
-    """Run the real torchft on the same work when it is installed (the `torchft` extra)."""
-    from recover.data.prepare import ensure_dataset
+def _maybe_run_torchft(
+    cfg, replicas: int, faults, data: Path, out_dir: Path, runs: dict, settings: dict, loads: dict
+) -> tuple[str | None, dict]:
+    """Run the real torchft on the same work when it is installed (the `torchft` extra): with its
+    documented defaults and tuned, each restarting a dead replica after RESPAWN_S. Returns a note
+    when it did not run, and each run's full settings."""
     from recover.tooling.torchft_harness import (
-        TorchftHarnessConfig,
+        DOCUMENTED,
+        TUNED,
         TorchftUnavailable,
+        describe_settings,
         require_torchft,
         run_torchft,
     )
@@ -105,14 +131,16 @@ def _maybe_run_torchft(args, cfg, faults, out_dir: Path, runs: dict) -> str | No
     try:
         require_torchft()
     except TorchftUnavailable as e:
-        return f"torchft skipped: {e}"
-    data = (
-        Path(args.data) if args.data else ensure_dataset(Path(args.data_root), show_progress=False)
-    )
-    run = out_dir / "runs" / "torchft"
-    print("  running torchft ...", flush=True)
-    hcfg = TorchftHarnessConfig(replicas=args.replicas, faults=tuple(faults))
-    if run_torchft(cfg, hcfg, data=data, out=run, log=lambda *a: None) != 0:
-        return "torchft run failed (see its run folder)"
-    runs["torchft"] = run
-    return None
+        return f"torchft skipped: {e}", {}
+    full: dict[str, dict] = {}
+    for name, base in (("torchft-defaults", DOCUMENTED), ("torchft-tuned", TUNED)):
+        hcfg = replace(base, replicas=replicas, faults=tuple(faults), respawn_s=RESPAWN_S)
+        run = out_dir / "runs" / name
+        print(f"  running {name} ...", flush=True)
+        t0, load0 = time.perf_counter(), os.getloadavg()[0]
+        if run_torchft(cfg, hcfg, data=data, out=run, log=lambda *a: None) != 0:
+            return f"{name} run failed (see its run folder {run})", full
+        loads[name] = (load0, os.getloadavg()[0])
+        runs[name], settings[name], full[name] = run, describe_settings(hcfg), asdict(hcfg)
+        print(f"  {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    return None, full
