@@ -193,9 +193,7 @@ def test_torchft_settings_rows_and_validation():
         describe_settings,
     )
 
-    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
-        TorchftHarnessConfig(heartbeat_timeout_s=0.05, heartbeat_s=0.1)
-    with pytest.raises(ValueError, match="respawn_s"):
+    with pytest.raises(ValueError, match="respawn_s"):  # (the other checks: test_report.py)
         TorchftHarnessConfig(respawn_s=-1.0)
     assert describe_settings(DOCUMENTED).startswith(
         "join timeout 10 s, heartbeat timeout 5 s, async quorum, quorum timeout 60 s"
