@@ -276,3 +276,37 @@ def test_two_sources_send_a_share_each_bit_for_bit_and_one_that_fails_mid_share_
     redo = _report(reports, JOINER, 4)
     assert redo["before"] != lead["before"] and redo["sources"] == [0]
     assert redo["after"] == lead["before"] and redo["loads"] == 3
+
+
+def test_a_scripts_joiner_adopts_the_optimizer_state_without_a_step():
+    """recover.Replica's Work (a script's own model and optimizer): a fresh joiner loads a live
+    replica's transfer through the transfer's byte form without any optimizer step (the DCP
+    helper took a zero step over every parameter first), and both then step to the same bits."""
+    from recover.runtime.script_work import ScriptWork
+
+    def replica_of(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
+        return model, optimizer, ScriptWork(model, optimizer, {}, None, None)
+
+    def step(model, optimizer):
+        model(torch.ones(3, 8)).pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    live_model, live_opt, live = replica_of(0)
+    step(live_model, live_opt)
+    model, opt, joiner = replica_of(1)  # different weights: all must come with the state
+    header, parts = describe_state(live, torch.device("cpu"))
+    steps = []
+    opt.register_step_pre_hook(lambda *args: steps.append(1))
+    joiner.load_transfer_state(
+        _unflatten(json.loads(header)["structure"], [p.clone() for p in parts])
+    )
+    assert steps == []
+    step(live_model, live_opt)
+    step(model, opt)
+    assert all(
+        torch.equal(a, b) for a, b in zip(live_model.parameters(), model.parameters(), strict=True)
+    )

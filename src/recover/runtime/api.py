@@ -193,7 +193,6 @@ class Replica:
         self._committed = -1
         self._pending: tuple | None = None  # (step, j, index, weight) awaiting backward()
         self._in_step = False
-        self._internal_step = False
         self._closed = False
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -231,8 +230,6 @@ class Replica:
         optimizer.register_step_pre_hook(self._before_optimizer_step)
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        if self._internal_step:  # the library's own (loading a joiner's optimizer state)
-            return
         if self._in_step:
             raise UsageError(
                 "optimizer.step() was called inside replica.microbatches(): step the optimizer "
