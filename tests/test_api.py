@@ -66,17 +66,6 @@ def assert_same_trajectory(reference: Path, out: Path, *, steps: int) -> None:
     assert num / den <= 1e-4, num / den
 
 
-@pytest.fixture(scope="module")
-def token_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "custom.bin"
-    r = subprocess.run(
-        [sys.executable, str(EXAMPLES / "train_custom.py"), "--make-data", str(path)],
-        capture_output=True, text=True, timeout=60, env=child_env(),
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    return path
-
-
 def custom_args(data: Path, steps: int = STEPS) -> list[str]:
     # Microbatches of 2 sequences of 32 tokens (the script's default is 4 of 64): the same code
     # paths at a quarter of the compute, which was most of this file's CPU time.
@@ -85,17 +74,19 @@ def custom_args(data: Path, steps: int = STEPS) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def custom_reference(token_file, tmp_path_factory) -> Path:
+def custom_reference(custom_token_file, tmp_path_factory) -> Path:
     """The failure-free run of the custom script: 3 replicas."""
     out = tmp_path_factory.mktemp("custom-ref")
-    r = recover_run(out, "train_custom.py", "--replicas", "3", script_args=custom_args(token_file))
+    r = recover_run(
+        out, "train_custom.py", "--replicas", "3", script_args=custom_args(custom_token_file)
+    )
     assert r.returncode == 0, r.stdout[-3000:]
     return out
 
 
 @pytest.mark.timeout(240)
 def test_a_script_of_its_own_survives_kills_and_its_respawns_get_its_state(
-    token_file, custom_reference, tmp_path
+    custom_token_file, custom_reference, tmp_path
 ):
     """Replica 0 (the writer) is SIGKILLed in a forward of step 2, replica 1 in the backward of
     step 3; each is respawned at once. The survivors recompute the lost ids in the step (the run
@@ -106,7 +97,7 @@ def test_a_script_of_its_own_survives_kills_and_its_respawns_get_its_state(
         tmp_path, "train_custom.py", "--replicas", "3", "--respawn", "0",
         "--fault", "kill:replica=0,step=2,phase=forward",
         "--fault", "kill:replica=1,step=3,phase=backward,microbatch=0",
-        script_args=custom_args(token_file),
+        script_args=custom_args(custom_token_file),
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:]
     assert_same_trajectory(custom_reference, tmp_path, steps=STEPS)
@@ -119,13 +110,20 @@ def test_a_script_of_its_own_survives_kills_and_its_respawns_get_its_state(
 
 
 @pytest.mark.timeout(120)
-def test_a_replica_with_other_settings_is_refused_with_the_field_named(token_file, tmp_path):
+def test_a_replica_with_other_settings_is_refused_with_the_field_named(custom_token_file, tmp_path):
     """The script's `config` is part of the fingerprint: a replica with another learning rate is
     refused at registration, naming the field, instead of silently diverging."""
     # Replica 1 runs with a 10x learning rate: the same script, one flag different.
     script = custom_with_replica_1(tmp_path / "lr_by_replica.py", "sys.argv += ['--lr', '0.5']")
     cmd = [sys.executable, "-m", "recover.cli", "run", "--out", str(tmp_path / "job")]
-    cmd += ["--replicas", "2", "--", sys.executable, str(script), *custom_args(token_file, 4)]
+    cmd += [
+        "--replicas",
+        "2",
+        "--",
+        sys.executable,
+        str(script),
+        *custom_args(custom_token_file, 4),
+    ]
     cmd += ["--out", str(tmp_path / "result")]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
@@ -151,14 +149,14 @@ def test_a_replica_with_other_settings_is_refused_with_the_field_named(token_fil
 
 
 @pytest.mark.timeout(240)
-def test_the_script_sharded_by_fsdp2_survives_a_rank_kill_and_rejoins(token_file, tmp_path):
+def test_the_script_sharded_by_fsdp2_survives_a_rank_kill_and_rejoins(custom_token_file, tmp_path):
     """examples/train_fsdp.py: the same model wrapped by the script with FSDP2 over the replica's
     mesh, 2 replicas of 2 ranks. Rank 0 of replica 1 is SIGKILLed in a forward: its mate stops on
     the lost peer (status 7, one line), replica 0 recomputes the lost ids; the replica is respawned
     and each of its ranks receives its position's shards of the model and of the SGD momentum
     (DTensors). The run equals the one-rank run of the unsharded script."""
     steps = 100
-    args = custom_args(token_file, steps)
+    args = custom_args(custom_token_file, steps)
     ref = tmp_path / "ref"
     assert recover_run(ref, "train_custom.py", "--replicas", "1", script_args=args).returncode == 0
     out = tmp_path / "fsdp"
@@ -176,14 +174,14 @@ def test_the_script_sharded_by_fsdp2_survives_a_rank_kill_and_rejoins(token_file
 
 @pytest.mark.timeout(240)
 def test_a_script_checkpoints_its_own_state_and_resumes_on_the_same_trajectory(
-    token_file, tmp_path
+    custom_token_file, tmp_path
 ):
     """examples/train_custom.py with --ckpt-every: the writer replica saves the script's own model,
     SGD momentum and LambdaLR state through recover.checkpoint (the code `recover train` uses).
     A run folder holding only the checkpoint after step 4 resumes (--resume, start_step from the
     checkpoint) and commits steps 4..7 on the uninterrupted run's trajectory."""
     steps = 8
-    args = [*custom_args(token_file, steps), "--ckpt-every", "4"]
+    args = [*custom_args(custom_token_file, steps), "--ckpt-every", "4"]
     full = tmp_path / "full"
     r = recover_run(full, "train_custom.py", "--replicas", "2", script_args=args)
     assert r.returncode == 0, r.stdout[-3000:]
@@ -206,7 +204,9 @@ def test_a_script_checkpoints_its_own_state_and_resumes_on_the_same_trajectory(
 
 
 @pytest.mark.timeout(120)
-def test_data_that_depends_on_the_replica_is_caught_by_the_opt_in_check(token_file, tmp_path):
+def test_data_that_depends_on_the_replica_is_caught_by_the_opt_in_check(
+    custom_token_file, tmp_path
+):
     """The contract broken on purpose: replica 1 reads other tokens for (step, j) than replica 0
     (as a data loader keyed by rank would). The example's check (check_data, every 5 steps)
     replays a microbatch on every replica; the run stops at step 0 saying the data differs."""
@@ -216,7 +216,14 @@ def test_data_that_depends_on_the_replica_is_caught_by_the_opt_in_check(token_fi
         "recover.TokenWindows.batch = lambda self, step, j: pure(self, step + 1, j)",
     )
     cmd = [sys.executable, "-m", "recover.cli", "run", "--out", str(tmp_path / "job")]
-    cmd += ["--replicas", "2", "--", sys.executable, str(script), *custom_args(token_file, 6)]
+    cmd += [
+        "--replicas",
+        "2",
+        "--",
+        sys.executable,
+        str(script),
+        *custom_args(custom_token_file, 6),
+    ]
     cmd += ["--out", str(tmp_path / "result")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=child_env())
     assert r.returncode != 0
