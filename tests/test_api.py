@@ -21,14 +21,19 @@ M = 6
 STEPS = 200  # long enough for a respawned process (a torch import) to join before the end
 
 
-def recover_run(out: Path, script: str, *flags: str, script_args=(), timeout: float = 150):
-    """`recover run FLAGS -- python examples/SCRIPT --out OUT/result ...`, reaped on timeout."""
+def start_run(out: Path, script: str | Path, *flags: str, script_args=()) -> subprocess.Popen:
+    """`recover run FLAGS -- python SCRIPT --out OUT/result ...` (SCRIPT: a name in examples/,
+    or a path; the job's folder is OUT/job), started with its output (stderr merged) piped."""
     cmd = [sys.executable, "-m", "recover.cli", "run", "--out", str(out / "job"), *flags, "--"]
     cmd += [sys.executable, str(EXAMPLES / script), "--out", str(out / "result"), *script_args]
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
     )
-    r = finish(proc, timeout)
+
+
+def recover_run(out: Path, script: str | Path, *flags: str, script_args=(), timeout: float = 150):
+    """`start_run` run to its end (reaped on timeout), no process of it left behind."""
+    r = finish(start_run(out, script, *flags, script_args=script_args), timeout)
     assert leftover_processes(str(out)) == [], "processes of the run were left behind"
     return r
 
@@ -115,18 +120,8 @@ def test_a_replica_with_other_settings_is_refused_with_the_field_named(custom_to
     refused at registration, naming the field, instead of silently diverging."""
     # Replica 1 runs with a 10x learning rate: the same script, one flag different.
     script = custom_with_replica_1(tmp_path / "lr_by_replica.py", "sys.argv += ['--lr', '0.5']")
-    cmd = [sys.executable, "-m", "recover.cli", "run", "--out", str(tmp_path / "job")]
-    cmd += [
-        "--replicas",
-        "2",
-        "--",
-        sys.executable,
-        str(script),
-        *custom_args(custom_token_file, 4),
-    ]
-    cmd += ["--out", str(tmp_path / "result")]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
+    proc = start_run(
+        tmp_path, script, "--replicas", "2", script_args=custom_args(custom_token_file, 4)
     )
     seen: list[str] = []
     try:
@@ -215,17 +210,10 @@ def test_data_that_depends_on_the_replica_is_caught_by_the_opt_in_check(
         "pure = recover.TokenWindows.batch; "
         "recover.TokenWindows.batch = lambda self, step, j: pure(self, step + 1, j)",
     )
-    cmd = [sys.executable, "-m", "recover.cli", "run", "--out", str(tmp_path / "job")]
-    cmd += [
-        "--replicas",
-        "2",
-        "--",
-        sys.executable,
-        str(script),
-        *custom_args(custom_token_file, 6),
-    ]
-    cmd += ["--out", str(tmp_path / "result")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=child_env())
+    r = recover_run(
+        tmp_path, script, "--replicas", "2", script_args=custom_args(custom_token_file, 6),
+        timeout=100,
+    )  # fmt: skip
     assert r.returncode != 0
     assert "PARAMETERS DIVERGED at step 0" in r.stdout, r.stdout[-3000:]
     assert "The data parts differ" in r.stdout, r.stdout[-3000:]
