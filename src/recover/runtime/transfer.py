@@ -153,6 +153,14 @@ def compute_shares(sizes: list[int], servers: int) -> list[list[tuple[int, int, 
     return shares
 
 
+def _load(work, meta: dict, parts: list[torch.Tensor]) -> float:
+    """A joiner's load of the received state (its header's structure over the received bytes)
+    into `work`; returns how long it took."""
+    t0 = time.perf_counter()
+    work.load_transfer_state(_unflatten(meta["structure"], parts))
+    return time.perf_counter() - t0
+
+
 def _digest(header: bytes) -> torch.Tensor:
     words = torch.frombuffer(bytearray(hashlib.sha256(header).digest()), dtype=torch.int64)
     return torch.cat([torch.tensor([len(header)], dtype=torch.int64), words])
@@ -207,17 +215,14 @@ def transfer_state(
             recvs += [(parts[p][a:b], members.index(server)) for p, a, b in share]
     if sends or recvs:
         group.send_recv(sends, recvs, should_abort=should_abort)
-    t_load = time.perf_counter()
-    if me in joined:
-        work.load_transfer_state(_unflatten(meta["structure"], parts))
-    t1 = time.perf_counter()
+    load_s = _load(work, meta, parts) if me in joined else 0.0
     return TransferStats(
         bytes=raw.numel() + sum(meta["sizes"]),
-        seconds=t1 - t0,
+        seconds=time.perf_counter() - t0,
         source=lead,
         sources=tuple(servers),
         sent=sum(t.numel() for t, _ in sends),
-        load_s=t1 - t_load,
+        load_s=load_s,
     )
 
 
@@ -248,13 +253,10 @@ def broadcast_state(
     if me != source:
         parts = [torch.empty(n, dtype=torch.uint8, device=device) for n in meta["sizes"]]
     group.broadcast_many(parts, src=src_rank, should_abort=should_abort)
-    t_load = time.perf_counter()
-    if me in joined:
-        work.load_transfer_state(_unflatten(meta["structure"], parts))
-    t1 = time.perf_counter()
+    load_s = _load(work, meta, parts) if me in joined else 0.0
     nbytes = raw.numel() + sum(p.numel() for p in parts)
     sent = nbytes * (len(members) - 1) if me == source else 0
     return TransferStats(
-        bytes=nbytes, seconds=t1 - t0, source=source, sources=(source,), sent=sent,
-        load_s=t1 - t_load,
+        bytes=nbytes, seconds=time.perf_counter() - t0, source=source, sources=(source,),
+        sent=sent, load_s=load_s,
     )  # fmt: skip
