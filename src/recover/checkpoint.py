@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from recover.checks import is_int
 from recover.training.checkpoint import (
     CheckpointError,
     CheckpointWriter,
@@ -117,7 +118,7 @@ class Checkpointer:
         group calls it. Blocks for the staging copy of this rank's part; the rest runs in the
         background (`block`: wait for it). `meta`: JSON values kept in the checkpoint. Returns the
         folder (durable once `wait()` returns), or None when the fence refused."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        if not is_int(step) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         state = dcp_state(model, optimizer, extra=extra)
         return self._writer.save(step, state, dict(meta or {}), block=block)

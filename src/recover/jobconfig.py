@@ -35,6 +35,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from recover.checks import is_number
+
 # argparse group title (its start) -> the job file's table
 SECTIONS = {
     "trajectory": "train",
@@ -177,7 +179,7 @@ def _value(action: argparse.Action, value: Any, where: str) -> Any:
     if value is None or isinstance(value, dict | list):
         raise ValueError(f"{where} must be a single value, got {value!r}")
     kind = action.type
-    if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, int | float)):
+    if kind in (int, float) and not is_number(value):
         raise ValueError(f"{where} must be a number, got {value!r}")
     if kind is int and not isinstance(value, int):
         raise ValueError(f"{where} must be an integer, got {value!r}")

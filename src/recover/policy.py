@@ -26,6 +26,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from recover.checks import is_int, is_number
+
 __all__ = ["WORKLOADS", "Workload", "assign", "compute_shares", "reassign"]
 
 
@@ -34,7 +36,7 @@ def _check_replicas(replicas: Sequence[int], name: str) -> list[int]:
     if not ids:
         raise ValueError(f"{name} must name at least one replica, got an empty sequence")
     for r in ids:
-        if isinstance(r, bool) or not isinstance(r, int):
+        if not is_int(r):
             raise ValueError(f"{name} must hold int replica ids, got {r!r}")
     if len(set(ids)) != len(ids):
         raise ValueError(f"{name} holds duplicate replica ids: {sorted(ids)}")
@@ -49,7 +51,7 @@ def _check_weights(ids: Sequence[int], weights: Mapping[int, float] | None) -> l
         if r not in weights:
             raise ValueError(f"weights has no entry for replica {r}")
         w = weights[r]
-        if isinstance(w, bool) or not isinstance(w, int | float):
+        if not is_number(w):
             raise ValueError(f"weights[{r}] must be a number, got {w!r}")
         if not math.isfinite(w) or w <= 0:
             raise ValueError(f"weights[{r}] must be positive and finite, got {w!r}")
@@ -61,7 +63,7 @@ def compute_shares(
     n: int, replicas: Sequence[int], weights: Mapping[int, float] | None = None
 ) -> dict[int, int]:
     """Number of ids each replica gets out of `n`, by largest remainder (ties: smaller id)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    if not is_int(n) or n < 0:
         raise ValueError(f"n must be an int >= 0, got {n!r}")
     ids = _check_replicas(replicas, "replicas")
     w = _check_weights(ids, weights)
@@ -95,7 +97,7 @@ def assign(
     `weights` (replica -> positive finite weight; default equal) sets each replica's share.
     Raises ValueError naming the bad argument (M < 1, empty or duplicate `live`, bad weights).
     """
-    if isinstance(M, bool) or not isinstance(M, int) or M < 1:
+    if not is_int(M) or M < 1:
         raise ValueError(f"M must be an int >= 1, got {M!r}")
     ids = _check_replicas(live, "live")
     return _cut(range(M), compute_shares(M, ids, weights))
@@ -111,7 +113,7 @@ def reassign(
     """
     items = sorted(lost)
     for j in items:
-        if isinstance(j, bool) or not isinstance(j, int) or j < 0:
+        if not is_int(j) or j < 0:
             raise ValueError(f"lost must hold microbatch ids (ints >= 0), got {j!r}")
     if len(set(items)) != len(items):
         raise ValueError(f"lost holds duplicate microbatch ids: {items}")

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from recover.checks import is_int
 from recover.coordinator.client import CoordinatorUnreachable, request_once
 from recover.coordinator.protocol import COORDINATOR_ENV, TOKEN_ENV
 from recover.coordinator.state_store import CoordinatorOptions
@@ -316,7 +317,7 @@ def run_coordinator_process(
         except ValueError as e:
             log.error("error: %s", e)
             return 2
-        if isinstance(leader_ttl_s, bool) or not isinstance(leader_ttl_s, int) or leader_ttl_s < 1:
+        if not is_int(leader_ttl_s) or leader_ttl_s < 1:
             log.error("error: --leader-ttl must be an int >= 1, got %r", leader_ttl_s)
             return 2
     if store_port is not None:  # torch only when a TCPStore is hosted

@@ -68,6 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from recover.checks import is_int
 from recover.coordinator.protocol import (
     ProtocolError,
     View,
@@ -275,7 +276,7 @@ class CoordinatorClient:
         incarnation: str | None = None,
         standbys: list[tuple[str, int]] | tuple = (),
     ) -> None:
-        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or replica_id < 0:
+        if not is_int(replica_id) or replica_id < 0:
             raise ValueError(f"replica_id must be an int >= 0, got {replica_id!r}")
         for name, v in (
             ("heartbeat_s", heartbeat_s),

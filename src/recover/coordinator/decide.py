@@ -48,6 +48,7 @@ import math
 import statistics
 from dataclasses import replace
 
+from recover.checks import is_int
 from recover.coordinator.protocol import (
     Admitted,
     Committed,
@@ -196,7 +197,7 @@ def _mismatch(s: CoordinatorState, m: Register) -> str:
     """Why `m` cannot join this run ("" if it can): its fingerprint or next_step differ."""
     if s.options.microbatches == 0:  # M comes from the replicas: each must declare it
         declared = m.fingerprint.get("microbatches")
-        if isinstance(declared, bool) or not isinstance(declared, int) or declared < 1:
+        if not is_int(declared) or declared < 1:
             return f"fingerprint field 'microbatches' must be an int >= 1, got {declared!r}"
     first = _first_pending(s) if s.status != RUNNING else None
     peers = [first] if first is not None else []

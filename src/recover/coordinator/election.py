@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from recover.checks import is_int
 from recover.coordinator.etcd import (
     EtcdClient,
     EtcdUnavailable,
@@ -56,7 +57,7 @@ class Election:
         poll_s: float = 0.1,
         alive: Callable[[], bool] | None = None,
     ) -> None:
-        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s < 1:
+        if not is_int(ttl_s) or ttl_s < 1:
             raise ValueError(
                 f"ttl_s must be an int >= 1 (etcd leases are whole seconds), got {ttl_s!r}"
             )

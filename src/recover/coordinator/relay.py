@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from recover.checks import is_number
 from recover.coordinator.decide import attempt_outcome
 from recover.coordinator.pacing import LeaseQueue, StreamProtocol, Waiters
 from recover.coordinator.protocol import (
@@ -481,7 +482,7 @@ class RelayServer(LoopService):
 
     def _deadline(self, req: dict[str, Any]) -> float:
         v = req.get("deadline_s")
-        if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
+        if not is_number(v) or not v >= 0:
             raise ProtocolError(f"field 'deadline_s' must be a number >= 0, got {v!r}"[:200])
         return float(v)
 

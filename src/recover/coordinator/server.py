@@ -63,6 +63,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from recover.checks import is_number
 from recover.coordinator.decide import (
     attempt_outcome,
     check_member,
@@ -137,7 +138,7 @@ class _Relay:
 
 def _number(req: dict[str, Any], name: str) -> float:
     v = req.get(name)
-    if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
+    if not is_number(v) or not v >= 0:
         raise ProtocolError(f"field {name!r} must be a number >= 0, got {v!r}"[:200])
     return float(v)
 

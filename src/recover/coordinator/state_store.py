@@ -29,6 +29,7 @@ import threading
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Protocol
 
+from recover.checks import is_int, is_number
 from recover.coordinator.protocol import View
 
 __all__ = [
@@ -58,7 +59,7 @@ TERMINAL = (QUORUM_LOST, FINISHED, DIVERGED)
 
 
 def _positive(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not is_number(value):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be positive and finite, got {value!r}")
@@ -90,7 +91,7 @@ class CoordinatorOptions:
         for name in ("expected_replicas", "microbatches", "min_replicas"):
             v = getattr(self, name)
             low = 0 if name == "microbatches" else 1
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            if not is_int(v) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
         if self.min_replicas > self.expected_replicas:
             raise ValueError(

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from recover.checks import is_int
 from recover.data.corpus import DataError
 from recover.data.prepare import META_FILE, READABLE_FORMAT_VERSIONS, SPLITS
 
@@ -85,7 +86,7 @@ def _validate_meta(meta: Any, meta_path: Path) -> None:
     if meta.get("dtype") not in _ALLOWED_DTYPES:
         raise bad(f"dtype {meta.get('dtype')!r} not one of {_ALLOWED_DTYPES}")
     vocab = meta.get("vocab_size")
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2:
+    if not is_int(vocab) or vocab < 2:
         raise bad(f"vocab_size {vocab!r}")
     if not isinstance(meta.get("content_hash"), str):
         raise bad("no content_hash")

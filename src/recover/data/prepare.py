@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from recover.checks import is_int
 from recover.data.corpus import (
     DEFAULT_TEXT_FIELD,
     SOURCE_FORMATS,
@@ -109,7 +110,7 @@ class PrepareConfig:
             raise ValueError("tokenizer_file is needed with tokenizer 'hf' and only with it")
         if not isinstance(self.val_fraction, int | float) or not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
-        if isinstance(self.shard_tokens, bool) or not isinstance(self.shard_tokens, int):
+        if not is_int(self.shard_tokens):
             raise ValueError(f"shard_tokens must be an int >= 2, got {self.shard_tokens!r}")
         if self.shard_tokens < 2:
             raise ValueError(f"shard_tokens must be >= 2, got {self.shard_tokens}")

@@ -31,6 +31,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from recover.checks import is_int
 from recover.data.corpus import DataError
 
 TOKENIZER_KINDS = ("byte", "bpe", "hf")
@@ -131,7 +132,7 @@ def validate_vocab_size(kind: str, vocab_size: int | None) -> None:
         if vocab_size is not None:
             raise ValueError("vocab_size applies only to the bpe tokenizer (a file has its own)")
         return
-    if vocab_size is None or isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+    if vocab_size is None or not is_int(vocab_size):
         raise ValueError(
             f"vocab_size must be an int >= {MIN_BPE_VOCAB} for bpe, got {vocab_size!r}"
         )

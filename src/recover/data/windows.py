@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from recover.checks import is_int
 from recover.data.addressing import TokenDataset, microbatch_tokens
 from recover.data.prepare import META_FILE
 
@@ -44,9 +45,9 @@ class TokenWindows:
             ("microbatch_size", microbatch_size),
             ("microbatches", microbatches),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        if not is_int(seed) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         self.seq_len, self.microbatch_size, self.microbatches = (
             seq_len,

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from recover import exits
+from recover.checks import is_int
 from recover.coordinator.client import (
     CoordinatorClient,
     CoordinatorUnreachable,
@@ -127,7 +128,7 @@ class Replica:
         max_nonfinite: int = 3,
         env: Mapping[str, str] | None = None,
     ) -> None:
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        if not is_int(microbatches) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
         if (
             isinstance(max_nonfinite, bool)

@@ -63,6 +63,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from recover.checks import is_int, is_number
+
 logger = logging.getLogger(__name__)
 
 AbortKind = Literal["error", "deadline", "epoch"]
@@ -126,7 +128,7 @@ class CollectiveConfig:
             "abort_check_interval_s",
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            if not is_number(value) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         if self.pg_timeout_s < self.op_deadline_s:
             raise ValueError(
@@ -424,11 +426,11 @@ class EpochGroup:
         releases the GIL while it waits.
         """
         config = config if config is not None else CollectiveConfig()
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        if not is_int(epoch) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        if not is_int(world_size) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        if not is_int(rank) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
         # A store client serialises its calls: a rendezvous blocked in wait() on the trainer's own
         # client would stall every other thread using it (heartbeats) until build_timeout_s. So
@@ -499,7 +501,7 @@ class EpochGroup:
         """Broadcast every tensor of the list (each in place, from rank ``src``), all in flight
         together and waited for as one op (same abort rules): a state of many tensors moves
         without being packed into one buffer first."""
-        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
+        if not is_int(src) or not 0 <= src < self.world_size:
             raise ValueError(f"src must be an int in [0, {self.world_size}), got {src!r}")
         for tensor in tensors:
             self._check_buffer(tensor, name="tensor", one_dim=False)
@@ -578,7 +580,7 @@ class EpochGroup:
         for name, ops in (("sends", sends), ("recvs", recvs)):
             for tensor, peer in ops:
                 self._check_buffer(tensor, name=name, one_dim=False)
-                if isinstance(peer, bool) or not isinstance(peer, int) or peer == self.rank:
+                if not is_int(peer) or peer == self.rank:
                     raise ValueError(f"{name}: a peer must be another rank's int, got {peer!r}")
                 if not 0 <= peer < self.world_size:
                     raise ValueError(f"{name}: peer {peer} is not in [0, {self.world_size})")

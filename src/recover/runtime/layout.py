@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from recover.checks import is_int
+
 DIMS = ("pp", "shard", "tp")  # mesh order, outermost first
 
 
@@ -24,7 +26,7 @@ class ReplicaLayout:
     def __post_init__(self) -> None:
         for name in DIMS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"--{name} must be an int >= 1, got {value!r}")
 
     @classmethod

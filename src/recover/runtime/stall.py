@@ -33,13 +33,14 @@ import time
 from collections.abc import Callable, Iterator
 
 from recover import exits
+from recover.checks import is_number
 
 log = logging.getLogger(__name__)
 
 
 def check_stall(seconds: float) -> None:
     """ValueError unless `--stall-timeout` is a number >= 0 (0 turns the guard off)."""
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
+    if not is_number(seconds) or not seconds >= 0:
         raise ValueError(f"--stall-timeout must be >= 0 seconds (0: off), got {seconds!r}")
 
 

@@ -43,12 +43,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from recover.checks import is_int
+
 Node = tuple[int, int]  # (level, index): the ids [index * 2**level, (index + 1) * 2**level) < M
 
 
 def tree_levels(M: int) -> int:
     """L, the root's level: the smallest L with 2**L >= M."""
-    if isinstance(M, bool) or not isinstance(M, int) or M < 1:
+    if not is_int(M) or M < 1:
         raise ValueError(f"M must be an int >= 1, got {M!r}")
     return (M - 1).bit_length()
 
@@ -118,7 +120,7 @@ def decompose(ids: Iterable[int], M: int) -> list[Node]:
     shape = TreeSum(M)
     marker = torch.empty(0)
     for j in ids:
-        if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < M:
+        if not is_int(j) or not 0 <= j < M:
             raise ValueError(f"microbatch id {j!r} is not in 0..{M - 1}")
         shape.add_leaf(j, marker.new_empty(0))  # empty tensors: only the shape is computed
     return [node for node, _ in shape.ordered()]

@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from recover.checks import is_int
+
 __all__ = [
     "LLAMA3_GPU_FAILURES_PER_HOUR",
     "Costs",
@@ -67,9 +69,9 @@ class JobShape:
     def __post_init__(self) -> None:
         for name in ("replicas", "gpus_per_replica", "microbatches", "tokens_per_microbatch"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
+        if not is_int(self.spares) or self.spares < 0:
             raise ValueError(f"spares must be an int >= 0, got {self.spares!r}")
         if not (1 <= self.min_replicas <= self.replicas):
             raise ValueError(

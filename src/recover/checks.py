@@ -1,0 +1,19 @@
+"""Type checks of settings and message fields, shared by every layer (a leaf: imports nothing).
+
+`bool` is a subclass of `int` in Python, so `isinstance(True, int)` holds; a setting or a field
+that must be a number refuses booleans, and these two say so once.
+"""
+
+from __future__ import annotations
+
+__all__ = ["is_int", "is_number"]
+
+
+def is_int(value: object) -> bool:
+    """Whether `value` is an int and not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """Whether `value` is an int or a float and not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
