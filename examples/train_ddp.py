@@ -6,6 +6,7 @@ them against each other. A failure here ends the job: torchrun restarts every pr
 """
 
 import contextlib
+import gc
 import json
 import time
 
@@ -42,6 +43,12 @@ def main():
             record = {"step": step, "local_loss": float(loss.detach()), "time": time.time()}
             with open(args.out / "losses.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
+    # DDP's reducer holds the process group: drop it first, so that the group's last reference
+    # goes with destroy_process_group, which frees it with the GIL released. Freed by the
+    # reducer instead, the group's destructor joins its worker threads holding the GIL, and a
+    # worker that needs the GIL to free its last op hangs the exit (1 run in 3 on 2 cores).
+    del ddp
+    gc.collect()
     dist.destroy_process_group()
 
 
