@@ -258,3 +258,26 @@ def test_torchft_restarts_a_killed_replica_which_heals_from_a_peer(tiny_dataset,
     assert all(s["microbatches"] == M and s["replicas"] == 3 for s in after)
     assert (out / "final" / "model.safetensors").exists()
     assert leftover_processes(str(out)) == []
+
+
+def test_a_benchmark_run_that_outlives_its_timeout_goes_with_every_process_it_started(tmp_path):
+    """Every timed benchmark run goes through `run_child`. torchrun's workers do not follow their
+    agent, and `recover bench script` left a hung DDP rank behind when it timed out: the whole
+    session of the timed-out command is killed."""
+    from recover.tooling.bench.common import run_child
+
+    marker = str(tmp_path / "grandchild")
+    script = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', {marker!r}])\n"
+        "print('grandchild started', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    try:
+        with pytest.raises(RuntimeError, match="did not finish in 4 s") as raised:
+            run_child([sys.executable, "-c", script], timeout_s=4)
+        assert "grandchild started" in str(raised.value)  # it was there before the kill
+        assert not leftover_processes(marker)
+    finally:
+        for line in leftover_processes(marker):  # ours, found by their tmp_path: never leave one
+            subprocess.run(["kill", "-9", line.split(":")[0]], check=False)

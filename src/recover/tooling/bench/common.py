@@ -8,8 +8,10 @@ first few).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -43,13 +45,37 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_recover(flags: list[str], out: Path, *, timeout_s: float) -> Path:
-    cmd = [sys.executable, "-m", "recover.cli", "train", *flags, "--out", str(out), "--quiet"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=child_env())
-    if r.returncode != 0:
+def run_child(cmd: list[str], *, timeout_s: float) -> str:
+    """Run one benchmark command to its end and return its output; RuntimeError with the tail of
+    its output if it fails or outlives `timeout_s`. It runs in a session of its own, killed whole
+    on a timeout or an interrupt: a launcher's workers (torchrun's do not follow their agent)
+    are never left behind."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except BaseException as e:  # a timeout, or Ctrl-C: the whole session goes
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        if not isinstance(e, subprocess.TimeoutExpired):
+            raise
         raise RuntimeError(
-            f"benchmark run failed ({r.returncode}): {r.stdout[-2000:]}{r.stderr[-2000:]}"
-        )
+            f"{' '.join(cmd[:6])} ... did not finish in {timeout_s:.0f} s (killed with every "
+            f"process of its session): {output[-2000:]}"
+        ) from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}): {output[-2000:]}")
+    return output
+
+
+def run_recover(flags: list[str], out: Path, *, timeout_s: float) -> Path:
+    run_child(
+        [sys.executable, "-m", "recover.cli", "train", *flags, "--out", str(out), "--quiet"],
+        timeout_s=timeout_s,
+    )
     return out
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,16 +29,8 @@ def _step_times(records: Path) -> list[float]:
     return [b - a for a, b in zip(times[WARMUP:], times[WARMUP + 1 :], strict=False)]
 
 
-def _run(cmd: list[str], timeout: float) -> None:
-    from recover.tooling.bench.common import child_env as _child_env
-
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_child_env())
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({r.returncode}): {r.stdout[-1500:]}")
-
-
 def bench_script(args: argparse.Namespace) -> dict:
-    from recover.tooling.bench.common import machine_info
+    from recover.tooling.bench.common import machine_info, run_child
 
     script, ddp = Path(args.script).resolve(), Path(args.ddp_script).resolve()
     for path in (script, ddp):
@@ -48,21 +39,21 @@ def bench_script(args: argparse.Namespace) -> dict:
     pairs = []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "tokens.bin"
-        _run([sys.executable, str(script), "--make-data", str(data)], 120)
+        run_child([sys.executable, str(script), "--make-data", str(data)], timeout_s=120)
         common = ["--data", str(data), "--steps", str(args.steps)]
         common += ["--microbatches", str(args.microbatches)]
         for i in range(args.repeats):
             out_a, out_b = Path(tmp) / f"ddp-{i}", Path(tmp) / f"recover-{i}"
-            _run(
+            run_child(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone",
                  "--nproc-per-node", str(args.replicas), str(ddp), *common, "--out", str(out_a)],
-                args.timeout,
+                timeout_s=args.timeout,
             )  # fmt: skip
-            _run(
+            run_child(
                 [sys.executable, "-m", "recover.cli", "run", "--replicas", str(args.replicas),
                  "--quiet", "--out", str(out_b / "job"), "--", sys.executable, str(script),
                  *common, "--out", str(out_b)],
-                args.timeout,
+                timeout_s=args.timeout,
             )  # fmt: skip
             a = statistics.median(_step_times(out_a / "losses.jsonl"))
             b = statistics.median(_step_times(out_b / "losses.jsonl"))
