@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU checks, as one short script for a machine with a GPU (CI has none): the tests marked
+# `gpu` that the visible GPUs allow, then three runs on the GPU that no CPU test covers there:
+# a SIGKILLed replica respawned and fed the state by transfer, and a --deterministic run with a
+# kill that must equal one replica bit for bit. Uses the python3 on the PATH (it must hold a
+# CUDA build of torch) and the package from src/ (no install). Logs go to $OUT (default: a
+# temporary folder); exits non-zero at the first failed check.
+#
+#     bash benchmarks/gpu_check.sh            # DEVICE=cpu runs the same runs on CPU (a dry run)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+DEVICE=${DEVICE:-cuda}
+PY=${PYTHON:-python3}
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+FLAGS=(--preset tiny --seq-len 32 --microbatch-size 2 --microbatches 6 --steps 20 --eval-every 0
+       --warmup-steps 2 --device "$DEVICE" --balance equal --quiet)
+status=0
+check() {  # check NAME COMMAND...: run it with its output in $OUT/NAME.log, say how it ended
+    local name=$1; shift
+    local t0=$SECONDS
+    "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name: exit $rc in $((SECONDS - t0)) s"
+    [ $rc -eq 0 ] || { status=1; tail -25 "$OUT/$name.log"; }
+    return $rc
+}
+run() { "$PY" -m recover.cli "$@"; }
+
+"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
+    torch.cuda.device_count(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'
+run prepare --out "$WORK/data" >"$OUT/prepare.log" 2>&1 || { tail "$OUT/prepare.log"; exit 1; }
+DATA=(--data "$WORK/data")
+
+if [ "$DEVICE" = cuda ]; then
+    check gpu-tests timeout 300 "$PY" -m pytest -p no:cacheprovider -m gpu -n 0 -q -rs \
+        tests/test_multirank.py tests/test_collective.py
+fi
+
+# A replica killed mid-step, respawned at once: the joiner gets the state from the live replicas
+# (host copies of GPU tensors) and the run stays on the one-replica trajectory.
+check respawn-one run train "${FLAGS[@]}" "${DATA[@]}" --replicas 1 --out "$WORK/one"
+check respawn run train "${FLAGS[@]}" "${DATA[@]}" --replicas 3 --respawn 0 \
+    --fault kill:replica=2,step=4,phase=backward --out "$WORK/respawn"
+check respawn-compare run compare "$WORK/one" "$WORK/respawn"
+transfers=$(grep -c '"state_transfer"' "$WORK/respawn/metrics.jsonl" 2>/dev/null || echo 0)
+echo "respawn: $transfers state_transfer event(s)"
+[ "$transfers" -ge 1 ] || status=1
+
+# --deterministic on the GPU: 3 replicas with a kill equal 1 replica, bit for bit.
+check det-one run train "${FLAGS[@]}" "${DATA[@]}" --replicas 1 --deterministic --out "$WORK/det1"
+check det run train "${FLAGS[@]}" "${DATA[@]}" --replicas 3 --deterministic \
+    --fault kill:replica=1,step=3,phase=forward --out "$WORK/det3"
+check det-compare run compare --rtol 0 "$WORK/det1" "$WORK/det3"
+cp "$WORK"/respawn/metrics.jsonl "$OUT/respawn-metrics.jsonl" 2>/dev/null
+echo "logs in $OUT; status $status"
+exit $status
