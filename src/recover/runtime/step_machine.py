@@ -509,7 +509,13 @@ class StepMachine:
                 "state_transfer", replica=self.me, rank=self.link.rank, step=step, epoch=epoch,
                 source=stats.source, sources=list(stats.sources),
                 bytes=stats.bytes, seconds=round(stats.seconds, 4),
-                load_s=round(stats.load_s, 4),
+                header_s=round(stats.header_s, 4), load_s=round(stats.load_s, 4),
+            )  # fmt: skip
+        elif stats.sent:
+            self.hooks.event(
+                "state_served", replica=self.me, rank=self.link.rank, step=step, epoch=epoch,
+                sent=stats.sent, seconds=round(stats.seconds, 4),
+                prepare_s=round(stats.prepare_s, 4),
             )  # fmt: skip
         return True
 

@@ -136,6 +136,17 @@ def rejoin_figures(out: Path) -> dict:
         "transfer_bytes": transfer["bytes"],
         "transfer_s": transfer["seconds"],
         "transfer_load_s": transfer.get("load_s"),  # of transfer_s: the joiner's load
+        # of transfer_s: until the header was in (the sources' preparation, the wait for them)
+        "transfer_header_s": transfer.get("header_s"),
+        # the slowest source's preparation of its bytes (on GPUs, its copies to host memory)
+        "source_prepare_s": max(
+            (
+                r["prepare_s"]
+                for r in records
+                if r.get("name") == "state_served" and r.get("epoch") == transfer["epoch"]
+            ),
+            default=None,
+        ),  # fmt: skip
         "transfer_mb_s": transfer["bytes"] / transfer["seconds"] / 1e6,
         "start_to_first_commit_s": first_commit - respawned["t_wall"],
         "admission_to_first_commit_s": first_commit - admitted["t_wall"],
