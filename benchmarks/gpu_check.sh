@@ -4,7 +4,7 @@
 # a SIGKILLed replica respawned and fed the state by transfer, and a --deterministic run with a
 # kill that must equal one replica bit for bit. Uses the python3 on the PATH (it must hold a
 # CUDA build of torch) and the package from src/ (no install). Logs go to $OUT (default: a
-# temporary folder); exits non-zero at the first failed check.
+# temporary folder); every check runs, and the exit status is non-zero if any failed.
 #
 #     bash benchmarks/gpu_check.sh            # DEVICE=cpu runs the same runs on CPU (a dry run)
 set -uo pipefail

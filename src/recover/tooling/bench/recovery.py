@@ -146,7 +146,7 @@ def rejoin_figures(out: Path) -> dict:
                 if r.get("name") == "state_served" and r.get("epoch") == transfer["epoch"]
             ),
             default=None,
-        ),  # fmt: skip
+        ),
         "transfer_mb_s": transfer["bytes"] / transfer["seconds"] / 1e6,
         "start_to_first_commit_s": first_commit - respawned["t_wall"],
         "admission_to_first_commit_s": first_commit - admitted["t_wall"],
