@@ -114,6 +114,44 @@ def test_a_script_of_its_own_survives_kills_and_its_respawns_get_its_state(
     assert transfers == {0, 1}, "a respawned replica never joined"
 
 
+@pytest.mark.timeout(240)
+def test_sigterm_to_a_script_replica_is_a_planned_leave(
+    custom_token_file, custom_reference, tmp_path
+):
+    """Replica 1's process gets a real SIGTERM (sent to itself as its step 5 begins, so the signal
+    always meets the installed handler): its next done report asks to leave, the coordinator
+    plans the step after without it, and nobody redoes anything; the run stays on the
+    failure-free trajectory. (Leaving with `Leave` at the boundary, as before, cost the others a
+    redo of the step they had begun with it in the plan.)"""
+    script = tmp_path / "sigterm_at_step_5.py"
+    script.write_text(
+        "import os, runpy, signal, sys\n"
+        "import recover\n"
+        "if os.environ['RECOVER_REPLICA_ID'] == '1':\n"
+        "    steps = recover.Replica.steps\n"
+        "    def stopped_at_5(self, *args, **kwargs):\n"
+        "        for step in steps(self, *args, **kwargs):\n"
+        "            if step == 5:\n"
+        "                os.kill(os.getpid(), signal.SIGTERM)\n"
+        "            yield step\n"
+        "    recover.Replica.steps = stopped_at_5\n"
+        f"sys.argv[0] = {str(EXAMPLES / 'train_custom.py')!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    r = recover_run(tmp_path, script, "--replicas", "3", script_args=custom_args(custom_token_file))
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert_same_trajectory(custom_reference, tmp_path, steps=STEPS)
+    job = tmp_path / "job"
+    (stopped,) = events(job, "replica_stopped")
+    assert stopped["replica"] == 1 and stopped["step"] == 7, stopped  # after step 6, its last
+    assert not events(job, "coordinator.redo"), "a replica's planned leave cost a redo"
+    (left,) = [
+        e for e in events(job, "coordinator.epoch_changed") if "as they asked" in e["reason"]
+    ]
+    assert left["live"] == [0, 2]
+    assert not events(job, "coordinator.member_dead")
+
+
 @pytest.mark.timeout(120)
 def test_a_replica_with_other_settings_is_refused_with_the_field_named(custom_token_file, tmp_path):
     """The script's `config` is part of the fingerprint: a replica with another learning rate is

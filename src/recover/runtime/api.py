@@ -187,6 +187,9 @@ class Replica:
         self.skipped = False  # the last step's sum was not finite: .grad is None, not applied
         self.stopped = False  # steps() ended early: a stop was asked for (SIGTERM, SIGINT)
         self._stop_requested = threading.Event()
+        # Set at the boundary where a stop was agreed: the next step's done report asks to leave,
+        # so the coordinator plans the step after without this replica (nobody redoes anything).
+        self._asked_to_leave = threading.Event()
         self.max_nonfinite = max_nonfinite
         self._skips = 0
         self._machine: StepMachine | None = None
@@ -302,7 +305,12 @@ class Replica:
                 check_every=self.check_every,
                 deterministic=self.env.spec.deterministic,
             ),
-            hooks=StepHooks(phase=self._faults, event=self.event, guard=self._guard),
+            hooks=StepHooks(
+                phase=self._faults,
+                event=self.event,
+                guard=self._guard,
+                leaving=self._asked_to_leave.is_set,
+            ),
             has_state=not joining,
         )
         if self._own_signals:  # leave at the next step boundary (before now: nothing to save)
@@ -338,9 +346,15 @@ class Replica:
                         "to its end in every step"
                     )
                 step += 1
-                # A stop request (SIGTERM/SIGINT to any rank of the replica) is served here, at
-                # the step boundary: the loop ends early with `stopped` set; save after it.
+                # A stop request (SIGTERM/SIGINT to any rank of the replica) is served at a step
+                # boundary: the next step's done report asks to leave, and the coordinator plans
+                # the step after without this replica; then the loop ends early with `stopped`
+                # set (save after it). When the coordinator keeps it (the last replicas, or
+                # min_replicas), it leaves all the same.
                 if step < total_steps and not self._link.agree(not self._stop_requested.is_set()):
+                    if not self._asked_to_leave.is_set() and self._machine.has_state:
+                        self._asked_to_leave.set()
+                        continue
                     self.stopped = True
                     self.event(
                         "replica_stopped", replica=self.replica_id, rank=self.rank, step=step
