@@ -139,6 +139,49 @@ def test_a_non_finite_step_is_never_applied_and_too_many_stop_the_run(job):
 
 
 @pytest.mark.timeout(30)
+def test_a_non_finite_update_from_a_finite_gradient_is_undone(job):
+    """Steps 1, 3, 4 and 5 scale the loss by 1e30: the gradient is finite (the step commits and
+    .grad holds it), but AdamW squares it into a second moment that overflows fp32. When the loop
+    comes back, the library finds the state not finite, puts the state of before the update back
+    (bit for bit) and counts the step as skipped; three in a row raise NonFinite from the loop."""
+    from recover import NonFinite
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
+    replica = Replica(microbatches=2, env=job)
+    replica.attach(model, optimizer)
+    poisoned = {1, 3, 4, 5}
+    seen, before, grads_finite = [], None, []
+
+    def state():
+        out = [p.detach().clone() for p in model.parameters()]
+        return out + [v.clone() for s in optimizer.state.values() for v in s.values()]
+
+    with pytest.raises(NonFinite, match="3 consecutive steps"):
+        for step in replica.steps(8):
+            if before is not None:  # the previous step's outcome, as the loop came back
+                now = state()
+                unchanged = len(now) == len(before) and all(
+                    torch.equal(a, b) for a, b in zip(before, now, strict=True)
+                )
+                seen.append((step - 1, replica.skipped, unchanged))
+            before = state()
+            for j in replica.microbatches():
+                loss = loss_of(model, step, j)
+                replica.backward(loss * 1e30 if step in poisoned else loss)
+            grads_finite.append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
+            optimizer.step()
+            optimizer.zero_grad()
+    assert all(grads_finite)  # every step's gradient was finite: the sum's check let them pass
+    assert seen == [(0, False, False), (1, True, True), (2, False, False), (3, True, True),
+                    (4, True, True)]  # fmt: skip
+    assert replica.skipped  # step 5, undone before NonFinite was raised
+    assert all(torch.isfinite(t).all() for t in state())
+    replica.close()
+
+
+@pytest.mark.timeout(30)
 def test_a_fault_that_could_never_fire_is_refused(job):
     """`recover run` cannot know the script's steps or M; the Replica checks its faults itself."""
     env = {**job, "RECOVER_FAULTS": "kill:replica=0,step=2,phase=forward,microbatch=5"}

@@ -67,3 +67,23 @@ def test_the_run_folder_records_the_models_shape(trained):
     model = json.loads((trained / "config.json").read_text())["model"]
     assert model["n_layer"] == 2 and model["n_head"] == 2 and model["n_embd"] == 64
     assert model["block_size"] == 32 and model["vocab_size"] == 256
+
+
+@pytest.mark.timeout(60)
+def test_a_model_that_is_not_finite_is_never_exported(trained, tmp_path):
+    """A final model holding a NaN (written by hand: the trainer itself never writes one) is
+    refused with one line naming the file, and nothing is exported."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    final = run / "final" / "model.safetensors"
+    state = load_file(final)
+    name = next(k for k, v in state.items() if v.is_floating_point())
+    state[name].view(-1)[0] = float("nan")
+    save_file(state, final)
+    r = run_cli(["export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")])
+    assert r.returncode != 0 and "not finite" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "hf").exists()

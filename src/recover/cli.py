@@ -41,8 +41,9 @@ TRAIN_HELP = {
     "eval_batches": "validation microbatches per evaluation",
     "ckpt_every": "checkpoint every N steps (0: no periodic checkpoints)",
     "keep_ckpts": "keep the last K checkpoints",
-    "max_nonfinite": "a step whose summed gradient or loss is not finite is skipped (never "
-    "applied); stop the run after N such steps in a row (0: never stop)",
+    "max_nonfinite": "a step whose summed gradient or loss is not finite, or whose update makes "
+    "any parameter or optimizer state non-finite, is skipped (never applied, or undone); stop "
+    "the run after N such steps in a row (0: never stop)",
 }
 
 

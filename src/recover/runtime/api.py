@@ -76,6 +76,7 @@ from recover.runtime.step_machine import (
     StepMachine,
     StepOptions,
 )
+from recover.runtime.update_guard import UpdateGuard
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,9 @@ class Replica:
     - check_data: optional `(step, j) -> tensors`; with it the check also compares a replayed
       microbatch, which catches data that is not a pure function of (step, j);
     - max_nonfinite: a step whose summed gradient or loss is not finite is never applied (every
-      .grad is None, `skipped` is True); after this many in a row `NonFinite` is raised (0: never);
+      .grad is None, `skipped` is True); a step whose optimizer update made a parameter or
+      optimizer state value non-finite is undone when the loop comes back for the next step
+      (`skipped` is True then); after this many in a row `NonFinite` is raised (0: never);
     - env: the launcher's variables (default: this process's environment; see recover.runtime.env).
     """
 
@@ -184,7 +187,9 @@ class Replica:
         self.loss: float | None = None  # the committed mean loss of the last committed step
         self.is_writer = False  # this rank writes the records of the last committed step
         self.committed_microbatches = 0  # microbatches summed in the last committed step (M)
-        self.skipped = False  # the last step's sum was not finite: .grad is None, not applied
+        # The last step was not applied: its sum was not finite (.grad is None), or the update
+        # the optimizer made of it was not (undone at the next step's start).
+        self.skipped = False
         self.stopped = False  # steps() ended early: a stop was asked for (SIGTERM, SIGINT)
         self._stop_requested = threading.Event()
         # Set at the boundary where a stop was agreed: the next step's done report asks to leave,
@@ -231,6 +236,7 @@ class Replica:
         self._guard = StallGuard(
             self.env.spec.stall_s, replica=self.replica_id, rank=self.rank, emit=self.event
         )
+        self._update_guard = UpdateGuard(optimizer)
         optimizer.register_step_pre_hook(self._before_optimizer_step)
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
@@ -345,6 +351,7 @@ class Replica:
                         f"step {step} ended before it committed: iterate replica.microbatches() "
                         "to its end in every step"
                     )
+                self._check_update(step)
                 step += 1
                 # A stop request (SIGTERM/SIGINT to any rank of the replica) is served at a step
                 # boundary: the next step's done report asks to leave, and the coordinator plans
@@ -423,20 +430,15 @@ class Replica:
             # Never applied: every .grad is None, so the optimizer step changes no parameter
             # (torch's optimizers pass over parameters without a gradient).
             work.grads.clear()
-            self._skips += 1
-            self.event("step_skipped", replica=self.replica_id, step=step, reason="non-finite")
+            self._skip(step, "non-finite")
         else:
-            self._skips = 0
             work.grads.load(commit.reduced, divide_by=commit.count)
+            # The script's optimizer step comes next: what it produces is checked after it
+            # (`_check_update`), and undone from this copy if it is not finite.
+            self._update_guard.save()
         self.is_writer = commit.writer and self.rank == 0
         self.committed_microbatches = commit.count
         self._committed = step
-        if self.max_nonfinite and self._skips >= self.max_nonfinite:
-            raise NonFinite(
-                f"{self._skips} consecutive steps had a non-finite gradient or loss (skipped, "
-                f"never applied): the model holds the state after step {step} of the last "
-                "finite one; lower the learning rate or check the data, then resume"
-            )
         if commit.recovered_s is not None:
             self.event(
                 "recovered", replica=self.replica_id, step=step,
@@ -447,6 +449,32 @@ class Replica:
                     f"[recover] step {step} committed with all {commit.count} microbatches, "
                     f"{commit.recovered_s:.3f} s after this replica saw the failure"
                 )
+
+    def _skip(self, step: int, reason: str) -> None:
+        """Count step `step` as skipped (its update never applied, or undone); `NonFinite`
+        after `max_nonfinite` in a row."""
+        self._skips += 1
+        self.event("step_skipped", replica=self.replica_id, step=step, reason=reason)
+        if self.max_nonfinite and self._skips >= self.max_nonfinite:
+            raise NonFinite(
+                f"{self._skips} consecutive steps had a non-finite gradient, loss or update "
+                f"(skipped, never applied): the model holds the state after step {step} of the "
+                "last finite one; lower the learning rate or check the data, then resume"
+            )
+
+    def _check_update(self, step: int) -> None:
+        """After the script's optimizer step of a committed step: where it made any parameter
+        or optimizer state non-finite on any rank of the replica, every rank puts the state
+        saved before it back, and the step counts as skipped (`replica.skipped`)."""
+        if self.skipped:
+            return  # nothing was applied
+        if self._link.agree(self._update_guard.finite()):
+            self._skips = 0
+            return
+        self._update_guard.restore()
+        self.skipped = True
+        self._say(f"step {step}'s update made a value that is not finite: undone", 0)
+        self._skip(step, "non-finite update")
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()` for the microbatch just handed out, counted in the step's loss (a

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from recover.runtime.update_guard import all_finite
 from recover.training.config import RunPaths, TrainConfig
 from recover.training.model import GPT, build_config
 
@@ -56,6 +57,8 @@ def load_run_model(run: Path) -> tuple[GPT, dict]:
             raise ExportError(f"{run}: no final model and no checkpoint to export")
         model.load_state_dict(read_checkpoint(point.path)["model"])  # whole, whatever the layout
         source = str(point.path)
+    if not all_finite(model.parameters()):
+        raise ExportError(f"{source} holds a value that is not finite: it is not exported")
     model.eval()
     return model, {**config, "source": source}
 

@@ -36,6 +36,8 @@ Invariants:
 - Resuming (`find_resume_point`) takes the newest *valid* checkpoint: a corrupt newer one is skipped
   with its error reported to the caller; when checkpoints exist and none is valid, it raises,
   never falling back to step 0.
+- A state holding a non-finite value (a parameter or optimizer state) is never saved: `save`
+  raises `CheckpointError` before anything is written (agreed over the replica's ranks).
 - Only the last `keep` checkpoints are kept (an old folder is renamed to a temporary name first,
   so a prune cut short never leaves a half-deleted checkpoint under a valid name).
 - Checkpoints of the older single-file form (`step_N.ckpt`: b'RCVRCKP1', SHA-256, a torch.save
@@ -91,6 +93,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from recover.runtime.update_guard import all_finite
 from recover.training.dcp_reader import InPlaceReader, UnreadableRecord
 
 FORMAT = "recover-dcp/1"
@@ -392,6 +395,16 @@ class CheckpointWriter:
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]
 
+    def _finite(self, state: dict) -> bool:
+        """Whether every floating value of the state is finite, on every rank of the replica: a
+        non-finite state is never written (nor over a finite one)."""
+        ok = all_finite(v for v in _flatten(state).values() if torch.is_tensor(v))
+        if self.group is None:
+            return ok
+        flag = torch.tensor([1.0 if ok else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item() > 0)
+
     def save(
         self,
         step: int,
@@ -408,6 +421,12 @@ class CheckpointWriter:
         the latest when `wait()` returns; `block`: before this returns)."""
         self.wait()
         path = checkpoint_path(self.directory, step)
+        if not self._finite(state):
+            raise CheckpointError(
+                f"refused to checkpoint step {step}: its state holds a value that is not finite "
+                "(a parameter or optimizer state); the newest checkpoint in "
+                f"{self.directory} is the last finite state"
+            )
         go = self.fence is None or not self.leads or self.fence()
         go, tmp_name = self._agree(go, f"{path.name}.tmp.{_host()}.{os.getpid()}")
         if not go:  # evicted: nothing is written, anywhere

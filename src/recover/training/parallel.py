@@ -127,6 +127,11 @@ class MultiRankTrainer(ReplicaTrainer):
             if dim != "pp"
         )
 
+    def _all_ranks(self, ok: bool) -> bool:
+        flag = torch.tensor([1.0 if ok else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.intra.group)
+        return bool(flag.item() > 0)
+
     def _clip_gradients(self, clip: float) -> float:
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         with_grad = [p for p in self.params if p.grad is not None]
@@ -202,6 +207,7 @@ class MultiRankTrainer(ReplicaTrainer):
     def save_model(self, path: str | None) -> None:
         from safetensors.torch import save_model
 
+        self.check_finite_model()
         whole = self._whole_model()
         if path is not None:
             save_model(whole, path)

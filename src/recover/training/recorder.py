@@ -143,10 +143,14 @@ class RunRecorder:
         elapsed = now - self._t_start
         eta = elapsed / max(1, done) * (cfg.steps - stats.step - 1)
         if stats.skipped:
-            extra["skipped"] = "non-finite"
+            extra["skipped"] = stats.skipped
+            what = (
+                "the update it made is not finite (undone)"
+                if stats.skipped == "non-finite update"
+                else "its summed gradient or loss is not finite (not applied)"
+            )
             self.say(
-                f"step {stats.step + 1} skipped: its summed gradient or loss is not finite "
-                f"(not applied; {self.trainer.consecutive_skips} in a row)"
+                f"step {stats.step + 1} skipped: {what}; {self.trainer.consecutive_skips} in a row"
             )
         flop_per_s = achieved_flop_per_s(self._flops_per_token, tokens, step_s)
         devices = self._devices = extra.get("replicas", 1) * self.devices_per_replica

@@ -38,6 +38,7 @@ from recover.data.addressing import (
 from recover.runtime.grads import GradientSum
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.spec import DEVICES
+from recover.runtime.update_guard import UpdateGuard
 from recover.training.checkpoint import ResumePoint, dcp_state, load_dcp_state
 from recover.training.config import TrainConfig, compute_lr
 from recover.training.model import GPT, build_config
@@ -99,7 +100,9 @@ class CommitStats:
     loss: float  # mean loss over the M microbatches of the step
     lr: float
     grad_norm: float  # global norm of the averaged gradient, before clipping
-    skipped: bool = False  # the sum was not finite: no update was applied (see apply_commit)
+    # Why no update was applied, or "" when one was: "non-finite" (the sum was not finite) or
+    # "non-finite update" (the sum was, the state the optimizer made of it was not: undone).
+    skipped: str = ""
 
 
 class NonFiniteError(RuntimeError):
@@ -151,6 +154,8 @@ class ReplicaTrainer:
             foreach=False,  # one summation order everywhere: replicas must agree bit for bit
         )
         self._eval_set: list | None = None
+        # What the update produced is checked, and undone when it is not finite (update_guard).
+        self.update_guard = UpdateGuard(self.optimizer)
 
     def _parallelize(self, model: GPT) -> torch.nn.Module:
         """What a replica is inside: one rank holding the whole model here (see parallel.py)."""
@@ -233,7 +238,8 @@ class ReplicaTrainer:
         `count` is the number of microbatches in the sum: M always, except in the `shrink`
         baseline, whose global batch shrinks after a failure. `finite`: whether every value of
         the sum is finite (None: check it here). A non-finite step is skipped: no update, and
-        `stop_if_diverging` ends the run after `max_nonfinite` of them in a row.
+        `stop_if_diverging` ends the run after `max_nonfinite` of them in a row. So is a step
+        whose update made any parameter or optimizer state non-finite: it is undone.
         """
         M = self.cfg.microbatches if count is None else count
         loss = self._committed_loss_sum(flat_sum) / M
@@ -245,17 +251,32 @@ class ReplicaTrainer:
             # every replica at once. The step counts (the schedule moves on); the state does not.
             self.grads.clear()
             self.consecutive_skips += 1
-            return CommitStats(step=step, loss=loss, lr=lr, grad_norm=math.nan, skipped=True)
-        self.consecutive_skips = 0
+            return CommitStats(
+                step=step, loss=loss, lr=lr, grad_norm=math.nan, skipped="non-finite"
+            )
         self.grads.load(flat_sum, divide_by=M)
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = self._clip_gradients(clip)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.phase_hook("optimizer", step, None)
+        self.update_guard.save()
         self.optimizer.step()
         self.grads.clear()
+        if not self._all_ranks(self.update_guard.finite()):
+            # A finite gradient made a non-finite state (an overflow inside the optimizer): the
+            # update is undone on every rank, and the step is skipped like a non-finite sum.
+            self.update_guard.restore()
+            self.consecutive_skips += 1
+            return CommitStats(
+                step=step, loss=loss, lr=lr, grad_norm=grad_norm, skipped="non-finite update"
+            )
+        self.consecutive_skips = 0
         return CommitStats(step=step, loss=loss, lr=lr, grad_norm=grad_norm)
+
+    def _all_ranks(self, ok: bool) -> bool:
+        """Whether `ok` holds on every rank of the replica (one rank here)."""
+        return ok
 
     def _committed_loss_sum(self, flat_sum: torch.Tensor) -> float:
         return float(flat_sum[-1])
@@ -265,8 +286,8 @@ class ReplicaTrainer:
         limit = self.cfg.max_nonfinite
         if limit and self.consecutive_skips >= limit:
             raise NonFiniteError(
-                f"{self.consecutive_skips} consecutive steps had a non-finite gradient or loss "
-                "(skipped, never applied); the parameters are those of the last finite step. "
+                f"{self.consecutive_skips} consecutive steps had a non-finite gradient, loss or "
+                "update (skipped, never applied); the parameters are those of the last finite step. "
                 "Lower --lr or enable --grad-clip, then resume"
             )
 
@@ -351,10 +372,17 @@ class ReplicaTrainer:
         """This rank's parameter values, flat (the local shards in a sharded replica)."""
         return self.grads.flat_parameters()
 
+    def check_finite_model(self) -> None:
+        """NonFiniteError unless the model and optimizer state are finite on every rank: a
+        non-finite model is never written (the guard should have made this impossible)."""
+        if not self._all_ranks(self.update_guard.finite()):
+            raise NonFiniteError("the model holds a value that is not finite: it is not written")
+
     def save_model(self, path: str | None) -> None:
         """Write the whole model as safetensors to `path` (a collective in a sharded replica,
         whose other ranks pass None: they take part in gathering it, and write nothing)."""
         from safetensors.torch import save_model
 
+        self.check_finite_model()
         if path is not None:
             save_model(self.model, path)

@@ -1,0 +1,121 @@
+"""The non-finite guard's last line: an optimizer step whose result is not finite is undone.
+
+Job: keep the committed state (parameters and optimizer state) finite whatever the update did.
+Checking the gradient is not enough. A finite gradient can still make a non-finite update: AdamW
+squares it into its second moment (1e20 squared overflows fp32), and a large learning rate times
+weight decay grows parameters geometrically. Where a kernel first overflows depends on the CPU's
+kernels (AMD and Intel machines differed on the same run). So this guard checks what the update
+produced, not its inputs: `save()` copies the state into a backup held for the run (allocated at
+the first step, reused), and after the optimizer step `finite()` checks every floating value of
+the parameters and of the optimizer state; where one is not, `restore()` copies the backup back.
+The caller then counts the step as skipped, exactly as a step whose gradient was not finite.
+
+Invariants: after `restore()` the parameters and the optimizer state are bit for bit those saved
+(state created by the step is dropped, state it changed is copied back, non-tensor entries such as
+a step count are put back). It covers this rank's parts only (the local shard of a DTensor): the
+ranks of a replica must agree on `finite()` before they restore (the callers pass it through
+their replica's agreement), so that no rank keeps an update another undid.
+
+Costs: memory of one more copy of this rank's parameters and optimizer state; per step one copy
+(`save`) and one read (`finite`: one abs-max per tensor, NaN propagating). On the small preset
+(0.83M parameters, AdamW, one CPU thread) 0.7 ms and 0.9 ms against a 2.2 ms optimizer step and a
+~100 ms step of 8 microbatches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from recover.runtime.grads import local_part
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every value of every floating tensor is finite (one abs-max per tensor: max
+    propagates NaN, and an infinity stays one; integer tensors are finite by type)."""
+    peaks = [
+        local_part(t).detach().abs().amax().float()
+        for t in tensors
+        if t.is_floating_point() and local_part(t).numel()
+    ]
+    if not peaks:
+        return True
+    devices = {p.device for p in peaks}
+    if len(devices) > 1:  # one stack per device; a value per device is enough
+        return all(all_finite([p for p in peaks if p.device == d]) for d in devices)
+    return bool(torch.isfinite(torch.stack(peaks)).all())
+
+
+class UpdateGuard:
+    """A backup of one rank's model and optimizer state around an optimizer step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._params: list[torch.Tensor] = []  # backups of the parameters' local parts
+        self._state: dict[int, dict] = {}  # param index -> its optimizer state's backup
+        self.saved = False
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """What an optimizer step can change: the parameters of the optimizer's groups."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def save(self) -> None:
+        """Copy the state as it is now (before the optimizer step) into the backup."""
+        params = self.params
+        if len(self._params) != len(params):
+            self._params = [local_part(p).detach().clone() for p in params]
+        else:
+            for backup, p in zip(self._params, params, strict=True):
+                backup.copy_(local_part(p).detach())
+        kept: dict[int, dict] = {}
+        for i, p in enumerate(params):
+            state = self.optimizer.state.get(p)
+            if not state:
+                continue
+            old = self._state.get(i, {})
+            kept[i] = {k: _backup(v, old.get(k)) for k, v in state.items()}
+        self._state = kept
+        self.saved = True
+
+    def finite(self) -> bool:
+        """Whether the parameters and the optimizer state are finite now (this rank's parts)."""
+        state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return all_finite([*self.params, *state])
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put the saved state back: the optimizer step never happened."""
+        if not self.saved:
+            raise RuntimeError("UpdateGuard.restore() without a save() before the step")
+        for backup, p in zip(self._params, self.params, strict=True):
+            local_part(p).copy_(backup)
+        for i, p in enumerate(self.params):
+            saved = self._state.get(i)
+            if saved is None:  # the step created this state: the optimizer had none before
+                self.optimizer.state.pop(p, None)
+                continue
+            state = self.optimizer.state[p]
+            for k in list(state):
+                if k not in saved:
+                    del state[k]
+            for k, v in saved.items():
+                now = state.get(k)
+                if torch.is_tensor(v) and torch.is_tensor(now) and now.shape == v.shape:
+                    local_part(now).copy_(local_part(v))
+                else:
+                    state[k] = v.clone() if torch.is_tensor(v) else v
+
+
+def _backup(value, old):
+    """A copy of one optimizer-state entry, reusing `old`'s memory where it fits."""
+    if not torch.is_tensor(value):
+        return value
+    if torch.is_tensor(old) and old.shape == value.shape and old.dtype == value.dtype:
+        local_part(old).copy_(local_part(value).detach())
+        return old
+    return value.detach().clone()
+
+
+__all__ = ["UpdateGuard", "all_finite"]
