@@ -207,7 +207,7 @@ def test_heartbeats_keep_a_lease_and_silence_expires_it():
 
 
 def test_a_batch_of_heartbeats_counts_each_from_when_it_was_read():
-    sim = Sim().formed()
+    sim = Sim(self_suspicion_s=0).formed()  # three of four silent: no self-suspicion here
     sim.now = 0.9
     seen = ((0, "inc0", 0.5), (1, "inc1", 0.9), (2, "old-incarnation", 0.9), (9, "x", 0.9))
     ds = sim.send(Heartbeats(seen=seen))
@@ -218,14 +218,14 @@ def test_a_batch_of_heartbeats_counts_each_from_when_it_was_read():
 
 
 def test_tick_with_a_due_list_judges_only_those_replicas():
-    sim = Sim().formed()
+    sim = Sim(self_suspicion_s=0).formed()  # every lease ran out: no self-suspicion here
     ds = sim.send(Tick(due=(1,)), dt=1.5)  # every lease ran out, but only 1 is named
     assert [(d.name, d.replica_id) for d in ds if d.name == "member_dead"] == [("member_dead", 1)]
     assert sim.state.live == (0, 2, 3)
 
 
 def test_a_pending_replica_that_expired_is_not_banned_and_registers_again():
-    sim = Sim(expected_replicas=3)
+    sim = Sim(expected_replicas=3, self_suspicion_s=0)
     sim.reg(0)
     sim.reg(1)
     ds = sim.tick(1.5)  # both pending replicas missed their lease: dead, but not fenced
@@ -236,6 +236,47 @@ def test_a_pending_replica_that_expired_is_not_banned_and_registers_again():
     sim.reg(1)
     sim.reg(2)
     assert sim.state.status == "running" and sim.state.live == (0, 1, 2)
+
+
+def test_a_coordinator_whose_members_all_went_silent_suspects_itself_for_a_bounded_time():
+    """The coordinator's own network cut: every lease runs out together. Nobody is judged;
+    their leases restart (revalidated) until self_suspicion_s after the first suspicion. Heard
+    again and a commit later, the suspicion is over; a silence past the bound is judged."""
+    sim = Sim(self_suspicion_s=3.0).formed()
+    epoch = sim.state.epoch
+    ds = sim.tick(1.1)
+    assert names(ds) == ["revalidated"] and one(ds, "revalidated").members == (0, 1, 2, 3)
+    assert sim.state.live == (0, 1, 2, 3) and sim.state.epoch == epoch
+    assert "suspects its own network" in one(ds, "revalidated").reason
+    assert names(sim.tick(1.1)) == ["revalidated"]  # 1.1 s into the suspicion
+    assert names(sim.tick(1.1)) == ["revalidated"]  # 2.2 s
+    ds = sim.tick(1.1)  # 3.3 s: past the bound, the silence is theirs
+    assert sorted(d.replica_id for d in ds if d.name == "member_dead") == [0, 1, 2, 3]
+    assert sim.state.status == "quorum_lost"
+
+    sim = Sim(self_suspicion_s=3.0).formed()
+    assert names(sim.tick(1.1)) == ["revalidated"]
+    sim.hb_all()  # the network is back: the in-flight step commits
+    for r in range(4):
+        sim.done(r)
+    assert sim.state.committed_step == 0 and sim.state.suspect_since is None
+    sim.tick(2.5)
+    assert names(sim.tick(1.1)) == ["revalidated"]  # a later cut is suspected afresh
+    assert sim.state.live == (0, 1, 2, 3)
+
+
+def test_a_minority_that_goes_silent_is_judged_at_its_lease():
+    """Two of four silent is no majority: they die at their lease, as always; so does the one
+    replica of a one-replica job (its silence and the coordinator's cannot be told apart)."""
+    sim = Sim(self_suspicion_s=3.0).formed()
+    sim.now += 1.1
+    sim.hb(2)
+    sim.hb(3)
+    ds = sim.tick(0.0)
+    assert sorted(d.replica_id for d in ds if d.name == "member_dead") == [0, 1]
+    assert "revalidated" not in names(ds)
+    sim = Sim(expected_replicas=1, self_suspicion_s=3.0).formed(n=1)
+    assert "member_dead" in names(sim.tick(1.1))
 
 
 def test_process_exit_is_an_immediate_death_with_a_new_epoch():

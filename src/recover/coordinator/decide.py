@@ -29,6 +29,9 @@ Rules (docs/design.md has the narrative):
   replicas leave with `Leave` as before).
 - Relays (relay.py): `ReportsDone` takes each report as if it came alone, then judges the
   attempt once; `LeaseExpired` (a lease judged at a relay) kills as an expiry judged here.
+- Self-suspicion (`_suspects_itself`): a lease that runs out while more than half of the
+  members are silent restarts their leases instead (the coordinator's own network is the likelier
+  fault), for at most `self_suspicion_s` from the first suspicion until a commit.
 - A dead or left incarnation is fenced forever; (t, a) reports that are not the current attempt
   are refused as "stale".
 
@@ -336,6 +339,8 @@ def _on_leave(s: CoordinatorState, now: float, m: Leave, out: list) -> str:
 def _on_tick(s: CoordinatorState, now: float, m: Tick, out: list) -> str:
     opts = s.options
     due = sorted(s.members) if m.due is None else sorted(set(m.due))
+    if _suspects_itself(s, now, due, out):
+        return "every member went silent at once: the coordinator suspects its own network"
     for r in due:
         member = s.members.get(r)
         if member is None:
@@ -354,6 +359,46 @@ def _on_tick(s: CoordinatorState, now: float, m: Tick, out: list) -> str:
         else:
             _lose_quorum(s, out, f"{head}; check that every replica can reach the coordinator")
     return ""
+
+
+def _suspects_itself(s: CoordinatorState, now: float, due: list[int], out: list) -> bool:
+    """The self-suspicion rule. When a lease runs out while more than half of the watched members
+    (live or pending; at least two) have been silent for over half a lease, the likelier fault is
+    the coordinator's own network (or host), not theirs: each silent member's lease restarts now
+    (`Revalidated`, as after the coordinator's own pause) and nobody is judged. Bounded: from the
+    first such suspicion, for `self_suspicion_s` at most (0: never suspect); past it, leases are
+    judged as usual (the replicas, which cannot reach a coordinator for `coordinator_grace`, have
+    given up by then). The suspicion ends at the next commit. Costs O(R), only when a lease ran
+    out. Judged here only: a lease judged at a relay comes as `LeaseExpired`."""
+    opts = s.options
+    if not opts.self_suspicion_s or s.status in (QUORUM_LOST, FINISHED, DIVERGED):
+        return False
+    expired = [
+        r for r in due
+        if (mb := s.members.get(r)) is not None and mb.state in (PENDING, LIVE)
+        and now - mb.last_seen > opts.lease_s
+    ]  # fmt: skip
+    if not expired:
+        return False
+    watched = [(r, mb) for r, mb in s.members.items() if mb.state in (PENDING, LIVE)]
+    silent = sorted(r for r, mb in watched if now - mb.last_seen > opts.lease_s / 2)
+    if len(watched) < 2 or 2 * len(silent) <= len(watched):
+        return False
+    if s.suspect_since is None:
+        s.suspect_since = now
+    elif now - s.suspect_since > opts.self_suspicion_s:
+        return False  # suspected long enough: the silence is theirs
+    members = s.own("members")
+    silence = max(now - members[r].last_seen for r in silent)
+    for r in silent:
+        members[r] = replace(members[r], last_seen=now)
+    why = (
+        f"replicas {silent} of {len(watched)} went silent together ({len(expired)} leases ran "
+        f"out): the coordinator suspects its own network, not them; their leases restart now "
+        f"(for {now - s.suspect_since:.1f} s of at most self_suspicion_s={opts.self_suspicion_s})"
+    )
+    out.append(Revalidated(reason=why, paused_s=round(silence, 3), members=tuple(silent)))
+    return True
 
 
 def _on_takeover(s: CoordinatorState, now: float, m: Takeover, out: list) -> str:
@@ -502,6 +547,7 @@ def _commit(s: CoordinatorState, out: list, survivors: list[int]) -> None:
     if gone:
         why += f" (replicas {gone} left the epoch after the reduce; the sum is complete)"
     s.committed_step = t
+    s.suspect_since = None  # a commit heard every member: the network works
     _name_writer(s, t, survivors)
     s.step = t + 1
     s.joined = ()  # a committed step proves every member held the committed state

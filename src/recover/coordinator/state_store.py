@@ -86,6 +86,10 @@ class CoordinatorOptions:
     # for comparison only (torchft's semantics): a dead replica's ids are dropped, each replica
     # keeps the fixed slot of ids it had in a full job, so the global batch shrinks.
     mode: str = "recover"
+    # When more than half of the members go silent together, the coordinator suspects its own
+    # network and restarts their leases, for at most this long (decide._suspects_itself); it
+    # matches the replicas' default coordinator grace, after which they give up. 0: never.
+    self_suspicion_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("expected_replicas", "microbatches", "min_replicas"):
@@ -108,6 +112,10 @@ class CoordinatorOptions:
         ):
             raise ValueError(
                 f"rebalance_threshold must be a number >= 0, got {self.rebalance_threshold!r}"
+            )
+        if not is_number(self.self_suspicion_s) or not 0 <= self.self_suspicion_s < math.inf:
+            raise ValueError(
+                f"self_suspicion_s must be a number >= 0, got {self.self_suspicion_s!r}"
             )
         if self.mode not in ("recover", "shrink"):
             raise ValueError(f"mode must be recover or shrink, got {self.mode!r}")
@@ -166,6 +174,8 @@ class CoordinatorState:
     plan_version: int = 0  # the view_version at which plan or weights last changed
     revision: int = 0
     reason: str = "waiting for registrations"  # why the view last changed
+    # Coordinator clock of the first self-suspicion since the last commit (decide), else None.
+    suspect_since: float | None = None
 
     def clone(self) -> CoordinatorState:
         """A shallow copy that shares its containers with `self` (O(1)). Change a container of
@@ -301,6 +311,7 @@ def resume_state(state: CoordinatorState, now: float) -> CoordinatorState:
     """A loaded state on a new clock: leases and the start deadline restart now."""
     s = state.clone()
     s.members = {r: replace(m, last_seen=now) for r, m in s.members.items()}
+    s.suspect_since = None  # a time on the old clock
     if s.status == FORMING:
         s.start_deadline = now + s.options.start_deadline_s
     return s
