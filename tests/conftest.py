@@ -32,10 +32,11 @@ TIERS = {
         "test_addressing", "test_architecture", "test_checkpoint", "test_cli_help", "test_coordinator_decide",
         "test_etcd_store", "test_jobconfig",
         "test_data_formats", "test_data_prepare", "test_policy", "test_report", "test_simulate",
-        "test_spec", "test_tree_sum", "test_units",
+        "test_spec", "test_tree_sum", "test_units", "test_update_guard",
     ),
     "inprocess": (
-        "test_api_usage", "test_coordinator_server", "test_step_machine", "test_train_single",
+        "test_addresses", "test_api_usage", "test_coordinator_server", "test_step_machine",
+        "test_train_single",
     ),
     "process": (
         "test_api", "test_bench_compare", "test_collective", "test_coordinator_relay",
@@ -45,6 +46,7 @@ TIERS = {
         "test_coordinator_scale", "test_durability", "test_export", "test_fault_specs",
         "test_graceful", "test_logs", "test_multirank", "test_multireplica", "test_nonfinite",
         "test_rejoin", "test_run_views", "test_status", "test_transfer", "test_zygote",
+        "test_cpu_kernels", "test_hosts",
     ),
 }  # fmt: skip
 _TIER_OF = {name: tier for tier, names in TIERS.items() for name in names}
@@ -53,7 +55,8 @@ _TIER_OF = {name: tier for tier, names in TIERS.items() for name in names}
 # alone; then the rest of the process tier, the in-process tier, and the many short unit tests,
 # which fill the gaps. The longest files, from the durations of the suite's runs.
 _LONGEST_FIRST = (
-    "test_rejoin", "test_multirank", "test_api", "test_multireplica", "test_coordinator_takeover",
+    "test_rejoin", "test_multirank", "test_api", "test_cpu_kernels", "test_multireplica",
+    "test_coordinator_takeover",
     "test_deterministic", "test_train_single", "test_run_views", "test_bench_compare",
 )  # fmt: skip
 _TIER_ORDER = ("process", "inprocess", "unit")
