@@ -155,7 +155,9 @@ def test_hand_started_workers_end_with_one_line_naming_their_resume_command(tiny
 
 @pytest.mark.unit
 def test_a_resumed_coordinator_judges_no_lease_for_its_own_pause():
-    sim = Sim(expected_replicas=3)
+    # (Its heartbeats come 0.6 s before the tick, a majority silent over half a lease: without
+    # self_suspicion_s=0 the self-suspicion rule would spare replica 2 as well.)
+    sim = Sim(expected_replicas=3, self_suspicion_s=0)
     for r in range(3):
         sim.reg(r)
     sim.tick(0.05)

@@ -220,13 +220,15 @@ class _Channel:
         on_taken: Callable[[], None] | None = None,
     ) -> dict[str, Any]:
         """Send one request, return its reply; caller holds `lock`. `timeout_s`: how long the
-        reply may take beyond `wait_s` (default: the channel's). A `{"taken": true}` frame
-        before the reply (a report that waits for its outcome) runs `on_taken`."""
+        reply may take beyond `wait_s` (default: the channel's; it bounds the connect too). A
+        `{"taken": true}` frame before the reply (a report that waits for its outcome) runs
+        `on_taken`."""
+        patience = self.timeout_s if timeout_s is None else timeout_s
         try:
             if self.sock is None:
                 self.host, self.port, self.generation = self.leader.current()
-                self.sock = _connect(self.host, self.port, self.timeout_s)
-            self.sock.settimeout(wait_s + (self.timeout_s if timeout_s is None else timeout_s))
+                self.sock = _connect(self.host, self.port, min(self.timeout_s, patience))
+            self.sock.settimeout(wait_s + patience)
             send_frame(self.sock, req)
             reply = recv_frame(self.sock)
             while reply.get("taken") is True:
@@ -355,6 +357,8 @@ class CoordinatorClient:
         if self._heartbeats is None:
             return self._evicted is None
         patience = max(self._rpc_timeout_s, self._grace_s) + self._heartbeat_s
+        if self.lost:  # none answered for the grace: one fence window more, not another grace
+            patience = self._fence_s + self._heartbeat_s
         end = time.monotonic() + (patience if wait_s is None else wait_s)
         with self._beat:
             while True:
@@ -560,12 +564,12 @@ class CoordinatorClient:
             req["token"] = self._token
         return req
 
-    def _register_session(self) -> dict[str, Any]:
+    def _register_session(self, patience: float | None = None) -> dict[str, Any]:
         req = {"kind": "register", "fingerprint": self._fingerprint, "next_step": self._next_step}
         req = self._member(req)
         with self._session.lock:
             generation = self._session.generation
-            reply = self._session.call(req)
+            reply = self._session.call(req, timeout_s=patience)
         self._absorb(reply, req["view_version"])
         if self._session.generation != generation:
             self._rpc.interrupt()  # a call parked on the old leader moves on at once
@@ -655,7 +659,8 @@ class CoordinatorClient:
         until a coordinator answers or none did for the grace: then CoordinatorUnreachable."""
         while True:
             try:
-                return self._rpc.call(req, wait_s, on_taken=on_taken)
+                patience = min(self._rpc_timeout_s, max(0.05, self._grace_left()))
+                return self._rpc.call(req, wait_s, patience, on_taken=on_taken)
             except CoordinatorUnreachable as e:
                 if self._evicted is not None:
                     raise
@@ -665,7 +670,11 @@ class CoordinatorClient:
 
     def _coordinator_lost(self) -> bool:
         """No coordinator answered for longer than the grace."""
-        return time.monotonic() - self._answered_at > self._grace_s
+        return self._grace_left() < 0
+
+    def _grace_left(self) -> float:
+        """Seconds until the grace since the last answer of a coordinator runs out."""
+        return self._grace_s - (time.monotonic() - self._answered_at)
 
     def _lost_reason(self, error: BaseException) -> str:
         return (
@@ -691,23 +700,28 @@ class CoordinatorClient:
             req = {"kind": "heartbeat", "epoch": view.epoch if view else 0}
             req["view_version"] = view.version if view else -1
             req["hold_s"] = self._heartbeat_s  # a new epoch is pushed while the reply is held
+            # With standbys, a leader that does not answer within a lease (frozen, or deposed)
+            # is left for the next address. Never past the grace: a cut-off coordinator (frames
+            # vanish, nothing is refused) is found lost when the grace ends, not a timeout later.
+            patience = 2 * self._lease_s if self._standbys else self._rpc_timeout_s
+            patience = min(patience, max(0.05, self._grace_left()))
             try:
                 with self._session.lock:
                     if self._stop.is_set():
                         return
                     fresh = self._session.sock is None
                     if not fresh:
-                        # With standbys, a leader that does not answer within a lease (frozen,
-                        # or deposed) is left for the next address.
-                        patience = 2 * self._lease_s if self._standbys else None
                         reply = self._session.call(self._member(req), self._heartbeat_s, patience)
                 if fresh:  # a new session must start with a (same-incarnation) register
-                    reply = self._register_session()
+                    reply = self._register_session(patience)
                 self._absorb(reply, req["view_version"])
                 self._unreachable = None
             except CoordinatorUnreachable as e:
                 if self._coordinator_lost():
                     self._unreachable = self._lost_reason(e)
+                    # The training thread may be parked in a long poll on the rpc connection,
+                    # which would wait out its own timeout: it fails now and finds us lost.
+                    self._rpc.interrupt()
                 with self._beat:  # refused: nothing listens there (a timeout: frozen, or cut off)
                     refused = isinstance(e.__cause__, ConnectionRefusedError)
                     before = self._refused_since_answer

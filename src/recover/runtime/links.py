@@ -245,6 +245,10 @@ class SoloLink:
     def evicted(self) -> bool:
         return self.client.evicted
 
+    @property
+    def coordinator_lost(self) -> str | None:
+        return self.client.lost
+
     def live_view(self) -> View:
         return self.client.view
 
@@ -330,6 +334,12 @@ class ReplicaLink:
     @property
     def evicted(self) -> bool:
         return self.client.evicted if self.client is not None else False
+
+    @property
+    def coordinator_lost(self) -> str | None:
+        """Why no coordinator answered for the grace (rank 0, which holds the membership); the
+        other ranks follow rank 0's stop through the relay."""
+        return self.client.lost if self.client is not None else None
 
     def live_view(self) -> View:
         """The newest view known on this rank (to abort collectives early); plans come from

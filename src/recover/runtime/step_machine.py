@@ -100,6 +100,9 @@ class Link(Protocol):
     def evicted(self) -> bool: ...
 
     @property
+    def coordinator_lost(self) -> str | None: ...  # why none answered for the grace, or None
+
+    @property
     def store_address(self) -> tuple[str, int]: ...
 
 
@@ -450,6 +453,9 @@ class StepMachine:
             guard.tick()  # polled all along an in-flight collective: progress
             if link.evicted:
                 return "this replica was evicted"
+            lost = link.coordinator_lost
+            if lost:  # nothing in flight may outlive the grace (the coordinator-lost bounds)
+                return f"the coordinator is lost: {lost}"
             newer = link.live_view()
             if newer.epoch > epoch or newer.status != "running":
                 return f"epoch {newer.epoch} announced ({newer.reason})"
