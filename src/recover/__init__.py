@@ -8,7 +8,8 @@ The public API for your own training loop (docs/api.md):
 - `Replica`: joins the job a launcher (`recover run`) started, hands out each step's microbatch
   ids, and returns the committed mean gradient in `.grad`;
 - `TokenWindows`: microbatch `(step, j)` as a pure function of `(seed, step, j)` over a token file;
-- `UsageError`, `QuorumLost`, `NonFinite`, `CoordinatorLost`: what the API raises.
+- `UsageError`, `QuorumLost`, `NonFinite`, `CoordinatorLost`, `AddressError`: what the API
+  raises.
 
 They are imported on first use, so that `import recover.coordinator...` (which needs no torch)
 stays fast.
@@ -22,6 +23,7 @@ _EXPORTS = {
     "QuorumLost": "recover.runtime.api",
     "NonFinite": "recover.runtime.api",
     "CoordinatorLost": "recover.runtime.api",
+    "AddressError": "recover.addresses",
     "TokenWindows": "recover.data.windows",
     "write_token_file": "recover.data.windows",
 }

@@ -278,6 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_replica_flags(worker)
     worker.add_argument(
+        "--ifname",
+        default=None,
+        metavar="IF[,IF...]",
+        help="the network interface(s) of every process group this replica builds: their "
+        "address is what the other replicas dial (default: $RECOVER_IFNAME, else torch's "
+        "$GLOO_SOCKET_IFNAME, else the address this host reaches a remote coordinator from; "
+        "with a coordinator on 127.0.0.1, gloo's default)",
+    )
+    worker.add_argument(
         "--standby",
         action="store_true",
         help="a warm standby (recover train --standby, or a node agent's): build the replica, "
@@ -626,7 +635,15 @@ def run_sample(args: argparse.Namespace) -> int:
 
 def run_worker_cli(args: argparse.Namespace) -> int:
     import os
+    from dataclasses import replace
 
+    from recover import exits
+    from recover.addresses import (
+        AddressError,
+        InterfaceChoice,
+        export_for_torch,
+        resolve_peer_address,
+    )
     from recover.data import DataError
     from recover.runtime.env import (
         TOKEN_ENV,
@@ -678,7 +695,15 @@ def run_worker_cli(args: argparse.Namespace) -> int:
                 spec=ReplicaSpec.from_args(args),
                 ranks=RankEnv.from_environ(os.environ),
                 device_index=device_index(os.environ),
+                interfaces=InterfaceChoice.from_environ(os.environ),
             )
+        if args.ifname is not None:  # this host's, so it holds under --launched too
+            env = replace(env, interfaces=InterfaceChoice.from_environ({}, args.ifname))
+        check_faults_fit(env.faults, steps=cfg.steps, microbatches=cfg.microbatches)
+        check_layout_fits(cfg.preset, env.spec.layout.tp, env.spec.layout.pp)
+        # Before anything registers: the address every group of this process advertises, one
+        # choice, refused when its peers could not dial it (recover.addresses).
+        peer = resolve_peer_address(env.coordinator, env.interfaces)
         wcfg = WorkerConfig(
             env=env,
             data=args.data,
@@ -686,17 +711,27 @@ def run_worker_cli(args: argparse.Namespace) -> int:
             resume=args.resume,
             register_timeout_s=args.register_timeout,
             resume_command=_worker_resume_command(args),
+            peer=peer,
         )
-        check_faults_fit(env.faults, steps=cfg.steps, microbatches=cfg.microbatches)
-        check_layout_fits(cfg.preset, env.spec.layout.tp, env.spec.layout.pp)
+    except AddressError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exits.ADDRESS
     except ValueError as e:
         return _error(str(e))
+    # torch's own gloo groups (the replica's own, the checkpoint group) take only its variable.
+    export_for_torch(env.interfaces, os.environ)
     from recover.logs import process_prefix, replica_name, setup_logging
 
     ranks = env.ranks.world_size if env.ranks is not None else 1
     rank = env.ranks.rank if env.ranks is not None else 0
     name = replica_name(env.replica_id, rank, ranks)
     setup_logging(env.spec.log_level, prefix=process_prefix(name, os.environ))
+    logging.getLogger("recover.cli").log(
+        logging.DEBUG if wcfg.peer.default else logging.INFO,
+        "gloo advertises %s: %s",
+        ", ".join(wcfg.peer.advertised) or "this host's name",
+        wcfg.peer.reason,
+    )
     import torch
 
     torch.set_num_threads(1)  # one core per replica process

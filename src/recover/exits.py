@@ -18,6 +18,8 @@ STALLED = 8  # the training thread made no progress (recover.runtime.stall)
 NONFINITE = 9  # max_nonfinite consecutive steps were not finite (none was applied)
 STOPPED = 10  # left at a step boundary when asked to stop (SIGTERM or SIGINT)
 COORDINATOR_LOST = 11  # the coordinator could not be reached any more
+ADDRESS = 12  # at start: the address it would advertise cannot be dialled by its peers, or an
+# interface asked for does not exist (recover.addresses); nothing was registered
 FAULT_EXIT = 17  # an injected `exit` fault (recover.runtime.faults)
 
 RUN_FAILURES = {
@@ -34,5 +36,6 @@ MEANINGS = {
     STALLED: f"stalled (status {STALLED})",
     STOPPED: f"left at a step boundary when asked to stop (status {STOPPED})",
     COORDINATOR_LOST: f"lost the coordinator and stopped (status {COORDINATOR_LOST})",
+    ADDRESS: f"has no address its peers can dial (status {ADDRESS}; see its line)",
     FAULT_EXIT: f"exited by an `exit` fault (status {FAULT_EXIT})",
 }

@@ -5,7 +5,9 @@ directly as a multiprocessing target or subprocess main); `relay` runs a `RelayS
 of a coordinator (`run_relay_process`); `status` prints members, epoch, step,
 lease ages and the last decisions with their reasons. The token comes from --token or, read once
 here, the environment variable RECOVER_TOKEN; nothing below the CLI reads the environment.
-Binding anything other than 127.0.0.1 must be asked for with --host (and warns without a token).
+Binding anything other than 127.0.0.1 must be asked for with --host or --ifname (and warns
+without a token). The store address each replica is told: --advertise, else (bound to a wildcard)
+the address that replica reached the coordinator at, else the bound address (recover.addresses).
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ import threading
 import time
 from typing import Any
 
+from recover.addresses import (
+    GLOO_IFNAME_ENV,
+    IFNAME_ENV,
+    InterfaceChoice,
+    interface_ipv4,
+    is_loopback,
+    is_wildcard,
+)
 from recover.checks import is_int
 from recover.coordinator.client import CoordinatorUnreachable, request_once
 from recover.coordinator.protocol import COORDINATOR_ENV, TOKEN_ENV
@@ -48,7 +58,27 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="a job file: TOML with one [coordinator] table whose keys are these flags without "
         "dashes; flags given here override it",
     )
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    serve.add_argument(
+        "--host",
+        default=None,
+        help="bind address (default 127.0.0.1, or --ifname's address); 0.0.0.0 (or ::) binds "
+        "every interface, and each replica is then told the store address it reached the "
+        "coordinator at",
+    )
+    serve.add_argument(
+        "--advertise",
+        default=None,
+        metavar="HOST",
+        help="the store address given to every replica (default: the bound address; bound to "
+        "0.0.0.0, the address each replica reached the coordinator at)",
+    )
+    serve.add_argument(
+        "--ifname",
+        default=None,
+        metavar="IF",
+        help=f"bind to this network interface's IPv4 address when --host is not given (default: "
+        f"${IFNAME_ENV}, else ${GLOO_IFNAME_ENV}; neither: 127.0.0.1)",
+    )
     serve.add_argument(
         "--port", type=int, default=29400, help="port for replicas and relays (default 29400)"
     )
@@ -226,10 +256,13 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
         setup_logging(args.log_level, prefix=prefix, timestamps=True)
         if getattr(args, "resolved_job", None) is not None:  # (recover.cli.parse_args)
             log.debug("job: %s", json.dumps(args.resolved_job, sort_keys=True))
-        if args.host != "127.0.0.1" and token is None:
-            log.warning(
-                f"warning: serving on {args.host} without a token; set --token or {TOKEN_ENV}"
-            )
+        try:
+            host = bind_host(args.host, args.ifname, os.environ)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if not is_loopback(host) and host != "localhost" and token is None:
+            log.warning(f"warning: serving on {host} without a token; set --token or {TOKEN_ENV}")
         options = CoordinatorOptions(
             expected_replicas=args.replicas,
             microbatches=args.microbatches,
@@ -241,7 +274,8 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
         )
         return run_coordinator_process(
             options,
-            host=args.host,
+            host=host,
+            advertise=args.advertise,
             port=args.port,
             store_port=None if args.no_store else args.store_port,
             token=token,
@@ -288,10 +322,32 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
     return 0
 
 
+def bind_host(host: str | None, ifname: str | None, environ) -> str:
+    """Where `coordinator serve` binds: --host; else the IPv4 address of --ifname (else
+    RECOVER_IFNAME, else GLOO_SOCKET_IFNAME; the first interface of a list); else 127.0.0.1.
+    ValueError naming the flag for both flags at once or an interface without an address."""
+    if host is not None:
+        if ifname is not None:
+            raise ValueError("give --host or --ifname, not both")
+        return host
+    asked = InterfaceChoice.from_environ(environ, ifname)
+    if not asked.names:
+        return "127.0.0.1"
+    address = interface_ipv4(asked.names[0])
+    if address is None:
+        raise ValueError(
+            f"{asked.source} names interface {asked.names[0]!r}, which has no IPv4 address on "
+            "this host: set --host (an address, or 0.0.0.0) or another interface"
+        )
+    log.info("binding %s, the address of interface %s (%s)", address, asked.names[0], asked.source)
+    return address
+
+
 def run_coordinator_process(
     options: CoordinatorOptions | dict[str, Any],
     *,
     host: str = "127.0.0.1",
+    advertise: str | None = None,
     port: int = 0,
     store_port: int | None = 0,
     token: str | None = None,
@@ -334,11 +390,12 @@ def run_coordinator_process(
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     if state is not None:
-        serve = dict(host=host, port=port, store_port=store_port, token=token)
+        serve = dict(host=host, port=port, store_port=store_port, token=token, advertise=advertise)
         return _serve_ha(options, url, leader_ttl_s, serve, events_path, address_file, stop)
     server = CoordinatorServer(
-        options, host=host, port=port, store_port=store_port, token=token, events_path=events_path
-    )
+        options, host=host, port=port, store_port=store_port, token=token,
+        events_path=events_path, advertise=advertise,
+    )  # fmt: skip
     server.start()
     try:
         if address_file is not None:
@@ -351,7 +408,7 @@ def run_coordinator_process(
                 "pid": os.getpid(),
             }
             _write_address(address_file, info)
-        log.info("coordinator listening on %s:%s", *server.address)
+        log.info("coordinator listening on %s:%s%s", *server.address, _store_line(server))
         while not stop.wait(0.2):
             if server.failed is not None:
                 return 1
@@ -407,7 +464,10 @@ def _serve_ha(
         election.publish(info)
         if address_file is not None:
             _write_address(address_file, info)
-        log.info("coordinator of term %d listening on %s:%s", term, *server.address)
+        log.info(
+            "coordinator of term %d listening on %s:%s%s", term, *server.address,
+            _store_line(server),
+        )  # fmt: skip
         while not stop.wait(0.1):
             if server.failed is not None or server.deposed is not None:
                 break
@@ -420,6 +480,16 @@ def _serve_ha(
             return 0
         log.warning("term %d ended (%s); standing by", term, server.deposed)
     return 0
+
+
+def _store_line(server: Any) -> str:
+    """How the log line names the store's address (a wildcard: per replica)."""
+    store = server.store_address
+    if store is None:
+        return ""
+    if is_wildcard(store[0]):
+        return f"; store on port {store[1]}, given to each replica at the address it reached"
+    return f"; store given as {store[0]}:{store[1]}"
 
 
 def _write_address(path: str, info: dict[str, Any]) -> None:

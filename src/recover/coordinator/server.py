@@ -38,6 +38,13 @@ it (its connection's end, or its `relay_beat` lease); `done_batch` applies a rel
 done reports as one `ReportsDone`. Every reply's view is relative to the `view_version` the
 request names (views.py).
 
+Addresses (recover.addresses, docs/design.md "Across machines"): the store's address a replica
+is given (in its register reply, and after a takeover in every reply that may start an epoch) is
+`advertise` when set; bound to a wildcard (0.0.0.0, ::), the local address of the connection that
+replica came in on (the address it reached us at, so one it can dial; never the wildcard); else
+the bound address. A register from another host while that address is loopback is refused
+(code "address", naming --advertise) before it joins anything.
+
 Invariants: a bad frame, a wrong token, an unknown kind or a malformed field closes only that
 connection (after an error reply when possible); every wait has a deadline (long-polls are capped
 at `max_wait_s`, a frame body must arrive within `body_timeout_s`).
@@ -63,6 +70,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from recover.addresses import advertised_store_host, is_loopback, is_wildcard, unmapped
 from recover.checks import is_number
 from recover.coordinator.decide import (
     attempt_outcome,
@@ -121,6 +129,8 @@ class _Conn:
     id: int
     peer: str
     writer: asyncio.StreamWriter | None = None
+    peer_host: str | None = None  # the remote IP address
+    local: str | None = None  # our IP address on this connection (what the peer dialled)
     session: tuple[int, str] | None = None  # (replica_id, incarnation) registered here
     left: bool = False
     gone: asyncio.Future | None = None  # resolved when the peer closes (StreamProtocol)
@@ -147,7 +157,9 @@ class CoordinatorServer(LoopService):
     """`CoordinatorServer(options).start()`; `.address`, `.store_address`; `.stop()`.
 
     `store_port=None` hosts no TCPStore (tools and tests that build no process groups);
-    `state_store` defaults to an `InMemoryStateStore`.
+    `state_store` defaults to an `InMemoryStateStore`. `advertise`: the store host given to
+    replicas (default: the bound host; bound to a wildcard, the address each replica reached us
+    at; see the module docstring).
     """
 
     _what = "coordinator"
@@ -170,11 +182,14 @@ class CoordinatorServer(LoopService):
         term: int | None = None,
         authority: Callable[[], bool] | None = None,
         takeover_grace_s: float = 5.0,
+        advertise: str | None = None,
     ) -> None:
         if not isinstance(options, CoordinatorOptions):
             raise ValueError(f"options must be CoordinatorOptions, got {type(options).__name__}")
         if token is not None and not token:
             raise ValueError("token must be a non-empty string or None")
+        if advertise is not None and (not isinstance(advertise, str) or not advertise.strip()):
+            raise ValueError(f"advertise must be a host name or address, got {advertise!r}")
         for name, v in (
             ("tick_s", tick_s),
             ("max_wait_s", max_wait_s),
@@ -185,6 +200,8 @@ class CoordinatorServer(LoopService):
         super().__init__(token=token, max_wait_s=max_wait_s, body_timeout_s=body_timeout_s)
         self._options = options
         self._host, self._port, self._store_port = host, port, store_port
+        self._advertise = advertise.strip("[] ") if advertise is not None else None
+        self._fixed_loopback = False  # the store's fixed host is loopback (set at start)
         self._events_path = events_path
         self._state_store = state_store if state_store is not None else InMemoryStateStore()
         self._tick_s = tick_s
@@ -274,7 +291,10 @@ class CoordinatorServer(LoopService):
                 self._host, port, is_master=True, wait_for_workers=False,
                 master_listen_fd=listening.detach(),  # the store owns (and closes) it from here
             )  # fmt: skip
-            self._store_address = (self._host, int(self._tcp_store.port))
+            fixed = advertised_store_host(self._host, self._advertise, None)
+            self._store_address = (fixed, int(self._tcp_store.port))
+            # Resolved once here, not on the loop at each registration (a name may need DNS).
+            self._fixed_loopback = not is_wildcard(fixed) and _resolves_to_loopback(fixed)
         if self._events_path is not None:
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
             self._events_fd = os.open(self._events_path, flags, 0o644)
@@ -299,7 +319,35 @@ class CoordinatorServer(LoopService):
 
     @property
     def store_address(self) -> tuple[str, int] | None:
+        """(host, port) of the store: the advertised or bound host (bound to a wildcard without
+        `advertise`, the wildcard: each replica is told the address it reached us at)."""
         return self._store_address
+
+    def _store_for(self, conn: _Conn | None) -> list | None:
+        """The store's address as the peer on `conn` is told it (see the module docstring)."""
+        if self._store_address is None:
+            return None
+        local = conn.local if conn is not None else None
+        host = advertised_store_host(self._host, self._advertise, local)
+        return [host, self._store_address[1]]
+
+    def _store_refusal(self, conn: _Conn) -> dict[str, Any] | None:
+        """A register from another host told a loopback store address (a loopback --advertise,
+        or a loopback bind it somehow reached) is refused before it joins: it could never build
+        a group (one line, what to set)."""
+        store = self._store_for(conn)
+        if store is None or conn.peer_host is None or is_loopback(conn.peer_host):
+            return None
+        if not self._fixed_loopback:  # a wildcard's per-connection address is never loopback
+            return None  # for a peer on another host
+        why = (
+            f"the coordinator would give its store as {store[0]}:{store[1]}, a loopback address, "
+            f"to a replica connecting from {conn.peer_host}, which cannot dial it: start the "
+            f"coordinator with --advertise set to an address of its host that {conn.peer_host} "
+            "reaches (or, bound to 0.0.0.0, without --advertise)"
+        )
+        log.error("refused a registration: %s", why)
+        return {"ok": False, "code": "address", "reason": why}
 
     @property
     def deposed(self) -> str | None:
@@ -567,7 +615,14 @@ class CoordinatorServer(LoopService):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        conn = _Conn(id=next(self._conn_ids), peer=str(peer), writer=writer)
+        local = writer.get_extra_info("sockname")
+        conn = _Conn(
+            id=next(self._conn_ids),
+            peer=str(peer),
+            writer=writer,
+            peer_host=unmapped(str(peer[0])) if isinstance(peer, tuple) else None,
+            local=unmapped(str(local[0])) if isinstance(local, tuple) else None,
+        )
         conn.gone = getattr(writer.transport.get_protocol(), "gone", None)
         self._writers.add(writer)
         self._tasks.add(asyncio.current_task())
@@ -624,6 +679,8 @@ class CoordinatorServer(LoopService):
             return await self._handle_relay_beat(req, conn)
         if kind == "done_batch":
             return self._handle_done_batch(req)
+        if kind == "register" and (refusal := self._store_refusal(conn)):
+            return refusal
         if kind == "heartbeat":
             return await self._handle_heartbeat(req, conn)
         if kind in ("done", "failed") and "deadline_s" in req:
@@ -631,13 +688,13 @@ class CoordinatorServer(LoopService):
         if kind in MESSAGE_KINDS:
             return self._handle_message(req, conn)
         if kind == "wait_view":
-            return await self._handle_wait_view(req)
+            return await self._handle_wait_view(req, conn)
         if kind == "wait_outcome":
-            return await self._handle_wait_outcome(req)
+            return await self._handle_wait_outcome(req, conn)
         if kind == "view":
             return {"ok": True, "view": _VIEW}
         if kind == "status":
-            return self._status()
+            return self._status(conn)
         raise ProtocolError(f"unknown request kind {kind!r}"[:200])
 
     async def _handle_heartbeat(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
@@ -696,7 +753,7 @@ class CoordinatorServer(LoopService):
             else:
                 conn.session = (msg.replica_id, msg.incarnation)
                 self._sessions[conn.session] = conn.id
-            reply["store"] = list(self._store_address) if self._store_address else None
+            reply["store"] = self._store_for(conn)
             # The replica's fence window (client.writes_allowed): how long it may go unconfirmed.
             reply["lease_s"] = self._options.lease_s
         elif relay is not None and isinstance(msg, Leave | ProcessExit | LeaseExpired):
@@ -773,7 +830,7 @@ class CoordinatorServer(LoopService):
         }
         return {"ok": True, "reason": reason, "refused": refused, "view": _VIEW}
 
-    async def _handle_wait_view(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _handle_wait_view(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         after = check_field("epoch", req.get("newer_than_epoch"))
         deadline_s = _number(req, "deadline_s")
         who = self._who(req, required=False)
@@ -787,14 +844,14 @@ class CoordinatorServer(LoopService):
             return None
 
         result = await self._wait_for(ready, deadline_s)
-        return self._with_store(result or {"ok": True, "timeout": True, "view": _VIEW})
+        return self._with_store(result or {"ok": True, "timeout": True, "view": _VIEW}, conn)
 
-    async def _handle_wait_outcome(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _handle_wait_outcome(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         who = self._who(req, required=True)
         step = check_field("step", req.get("step"))
         epoch = check_field("epoch", req.get("epoch"))
         deadline_s = _number(req, "deadline_s")
-        return await self._outcome(who, step, epoch, deadline_s)
+        return await self._outcome(who, step, epoch, deadline_s, conn)
 
     async def _handle_report_and_wait(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         """A done or failed report that carries `deadline_s`: taken as any report, then answered
@@ -806,7 +863,7 @@ class CoordinatorServer(LoopService):
             return reply  # refused (stale: the client asks wait_outcome)
         msg_step, msg_epoch = req["step"], req["epoch"]  # (checked by the decoder)
         who = (req["replica_id"], req["incarnation"])
-        return await self._outcome(who, msg_step, msg_epoch, deadline_s, conn.writer)
+        return await self._outcome(who, msg_step, msg_epoch, deadline_s, conn, conn.writer)
 
     async def _outcome(
         self,
@@ -814,6 +871,7 @@ class CoordinatorServer(LoopService):
         step: int,
         epoch: int,
         deadline_s: float,
+        conn: _Conn,
         taken: asyncio.StreamWriter | None = None,
     ) -> dict[str, Any]:
         """The reply to a wait for attempt (step, epoch)'s outcome; with `taken`, a writer that
@@ -839,13 +897,13 @@ class CoordinatorServer(LoopService):
             result = await self._wait_for(ready, deadline_s)
         if result is None:
             result = {"ok": True, "outcome": "timeout", "reason": "deadline passed", "view": _VIEW}
-        return self._with_store(result)
+        return self._with_store(result, conn)
 
-    def _with_store(self, reply: dict[str, Any]) -> dict[str, Any]:
+    def _with_store(self, reply: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         """The store's address with the replies after which a replica may build a process group
         (a new epoch): after a takeover, the new leader's store, whichever reply comes first."""
         if self._term is not None and self._store_address is not None and reply.get("ok"):
-            reply["store"] = list(self._store_address)
+            reply["store"] = self._store_for(conn)
         return reply
 
     def _who(self, req: dict[str, Any], *, required: bool) -> tuple[int, str] | None:
@@ -861,7 +919,7 @@ class CoordinatorServer(LoopService):
             return None
         return {"ok": False, "code": code, "reason": f"refused ({code}): {why}"}
 
-    def _status(self) -> dict[str, Any]:
+    def _status(self, conn: _Conn | None = None) -> dict[str, Any]:
         s, now = self._state, time.monotonic()
         members = [
             {
@@ -879,13 +937,22 @@ class CoordinatorServer(LoopService):
             "view": view_of(s).to_dict(),  # fresh: `pending` moves without a new version
             "members": members,
             "decisions": self.decisions(),
-            "store": list(self._store_address) if self._store_address else None,
+            "store": self._store_for(conn),
             "options": vars(s.options),
         }
 
 
 class _Deposed(Exception):
     """Raised inside the loop when this leader may no longer decide (see `_depose`)."""
+
+
+def _resolves_to_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) resolves to loopback addresses only."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(is_loopback(str(info[4][0])) for info in infos)
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from recover import exits
+from recover.addresses import AddressError, export_for_torch, resolve_peer_address
 from recover.checks import is_int
 from recover.coordinator.client import (
     CoordinatorClient,
@@ -145,6 +146,9 @@ class Replica:
 
             die_with_launcher()  # started by the local launcher: die with it, never orphaned
             _end_quietly_on(CoordinatorLost, exits.COORDINATOR_LOST)
+            _end_quietly_on(AddressError, exits.ADDRESS)
+            # torch's own gloo groups (the replica's own, a Checkpointer's) take only its variable
+            export_for_torch(self.env.interfaces, os.environ)
             ranks = self.env.ranks
             name = replica_name(
                 self.env.replica_id, *((ranks.rank, ranks.world_size) if ranks else ())
@@ -157,6 +161,10 @@ class Replica:
             raise ValueError(
                 f"--deterministic supports replicas of one rank; not yet {self.layout.describe()}"
             )
+        # Before the run forms: the address every group of this process advertises (one choice,
+        # from RECOVER_IFNAME/GLOO_SOCKET_IFNAME and the coordinator's address), refused with
+        # AddressError when the peers could not dial it (recover.addresses).
+        self.peer = resolve_peer_address(self.env.coordinator, self.env.interfaces)
         self.config = dict(config or {})
         self.check_every, self.check_data = check_every, check_data
         self.replica_id = self.env.replica_id
@@ -305,7 +313,9 @@ class Replica:
         self._machine = StepMachine(
             work=self._work,
             link=self._link,
-            groups=GroupCache(store, config=self.env.spec.collective(), scope=scope, device="cpu"),
+            groups=GroupCache(
+                store, config=self.env.spec.collective(self.peer), scope=scope, device="cpu"
+            ),
             options=StepOptions(
                 replica_id=self.replica_id,
                 check_every=self.check_every,

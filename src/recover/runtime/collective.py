@@ -10,7 +10,9 @@ How:
   buffers on a GPU, a ``ProcessGroupNCCL`` directly on a ``PrefixStore`` named after the epoch
   (``recover/runtime/collective/epoch<e>``) over the coordinator's shared ``TCPStore``. There is no
   ``init_process_group`` and no global default group, so groups of several epochs coexist in one
-  process. The rendezvous is bounded by ``build_timeout_s``. An NCCL group is torn down with
+  process. The rendezvous is bounded by ``build_timeout_s``. Every gloo group of a process gets
+  its devices from one choice (``gloo_devices``: the interfaces or the address of
+  ``recover.addresses.PeerAddress``, resolved and checked at the entry point; else gloo's default). An NCCL group is torn down with
   ``abort()`` (ncclCommAbort), which also ends its in-flight kernels.
 * ``allreduce_sum`` / ``broadcast`` split the buffer into buckets of ``bucket_bytes``, issue them
   back to back as async gloo ops (each returns a ``Work``), then poll: ``Work.is_completed()``
@@ -115,7 +117,10 @@ class CollectiveConfig:
     poll_interval_max_s: float = 0.005
     abort_check_interval_s: float = 0.005  # how often should_abort() is asked (it may be an RPC)
     bucket_bytes: int = 25 * 2**20  # bytes per async op; 0 = the whole buffer in one op
-    # Address gloo binds to; None lets gloo resolve this host's name (the usual multi-node case).
+    # Where gloo's device binds, i.e. the address peers dial (recover.addresses.PeerAddress, one
+    # choice per process): on these interfaces (--ifname, RECOVER_IFNAME, GLOO_SOCKET_IFNAME), or
+    # on this address; neither: gloo's default, this host's name (a local run).
+    gloo_interfaces: tuple[str, ...] = ()
     gloo_hostname: str | None = None
 
     def __post_init__(self) -> None:
@@ -147,6 +152,14 @@ class CollectiveConfig:
             raise ValueError(
                 f"gloo_hostname must be None or a non-empty str, got {self.gloo_hostname!r}"
             )
+        if not isinstance(self.gloo_interfaces, tuple) or not all(
+            isinstance(n, str) and n for n in self.gloo_interfaces
+        ):
+            raise ValueError(
+                f"gloo_interfaces must be a tuple of interface names, got {self.gloo_interfaces!r}"
+            )
+        if self.gloo_interfaces and self.gloo_hostname is not None:
+            raise ValueError("give gloo_interfaces or gloo_hostname, not both")
 
 
 def _as_device(device: torch.device | str | None) -> torch.device:
@@ -221,11 +234,20 @@ def _gloo(prefixed, rank: int, world_size: int, config: CollectiveConfig) -> Cal
     options = dist.ProcessGroupGloo._Options()
     # The constructor's timeout bounds the rendezvous (full-mesh connect); ops get pg_timeout_s.
     options._timeout = datetime.timedelta(seconds=config.build_timeout_s)
-    if config.gloo_hostname is not None:
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=config.gloo_hostname)]
-    else:
-        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    options._devices = gloo_devices(config)
     return lambda: dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+
+
+def gloo_devices(config: CollectiveConfig) -> list[Any]:
+    """The gloo devices of every group this process builds: one per interface asked for (as
+    torch does with GLOO_SOCKET_IFNAME), else one bound to `gloo_hostname`, else gloo's default
+    (this host's name, which a stock /etc/hosts maps to loopback: fine on one host only)."""
+    make = dist.ProcessGroupGloo.create_device
+    if config.gloo_interfaces:
+        return [make(interface=name) for name in config.gloo_interfaces]
+    if config.gloo_hostname is not None:
+        return [make(hostname=config.gloo_hostname)]
+    return [dist.ProcessGroupGloo.create_default_device()]
 
 
 _ENV_LOCK = threading.Lock()

@@ -16,6 +16,7 @@ multi-node job, `torchrun` plus these variables do the same. Nothing below the e
 | RECOVER_REPLICA_SPEC | the replica spec as JSON (recover.runtime.spec.ReplicaSpec); a partial object keeps the other fields' defaults, e.g. `{"stall_s": 600, "watchdog_s": 10}` |
 | RECOVER_DEVICE_INDEX | the GPU of this process (the local launcher numbers them), else LOCAL_RANK |
 | RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT | the replica's own ranks, as torchrun sets them |
+| RECOVER_IFNAME | the network interface(s), comma-separated, of every group this process builds (its address is what peers dial); else torch's GLOO_SOCKET_IFNAME; neither: the address this host reaches a remote coordinator from (recover.addresses) |
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from recover.addresses import IFNAME_ENV, InterfaceChoice
 from recover.coordinator.protocol import COORDINATOR_ENV, TOKEN_ENV
 from recover.runtime.faults import FaultSpec, fault_flag, parse_fault
 from recover.runtime.spec import ReplicaSpec
@@ -98,6 +100,9 @@ class ReplicaEnv:
     spec: ReplicaSpec = field(default_factory=ReplicaSpec)
     ranks: RankEnv | None = None  # None: a replica of one rank
     device_index: int = 0
+    # The interfaces asked for (RECOVER_IFNAME, else GLOO_SOCKET_IFNAME): this host's, not the
+    # job's; the entry point resolves them, with the coordinator's address, to a PeerAddress.
+    interfaces: InterfaceChoice = field(default_factory=InterfaceChoice)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> ReplicaEnv:
@@ -126,6 +131,7 @@ class ReplicaEnv:
             spec=spec_from_environ(environ),
             ranks=RankEnv.from_environ(environ),
             device_index=device_index(environ),
+            interfaces=InterfaceChoice.from_environ(environ),
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -142,6 +148,8 @@ class ReplicaEnv:
             env[FIRED_ENV] = str(self.fired)
         if self.events is not None:
             env[EVENTS_ENV] = str(self.events)
+        if self.interfaces.ours:
+            env[IFNAME_ENV] = ",".join(self.interfaces.names)
         return env
 
 

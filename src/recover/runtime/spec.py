@@ -175,13 +175,21 @@ class ReplicaSpec:
             )
 
     # ---- what the components take ----------------------------------------------------------
-    def collective(self):
-        """The deadlines of the cross-replica collective (recover.runtime.collective)."""
+    def collective(self, peer=None):
+        """The deadlines of the cross-replica collective (recover.runtime.collective), and the
+        gloo devices of this process (`peer`, a recover.addresses.PeerAddress resolved at the
+        entry point; None: gloo's default). The devices are the process's, not the job's: each
+        host has its own interfaces, so they are not a field of this spec."""
         from recover.runtime.collective import CollectiveConfig
 
         # gloo's own timeout stays a backstop behind the deadline (it must not fire first).
         backstop = max(CollectiveConfig.pg_timeout_s, 2 * self.reduce_deadline_s)
-        return CollectiveConfig(op_deadline_s=self.reduce_deadline_s, pg_timeout_s=backstop)
+        devices = {}
+        if peer is not None:
+            devices = {"gloo_interfaces": peer.interfaces, "gloo_hostname": peer.hostname}
+        return CollectiveConfig(
+            op_deadline_s=self.reduce_deadline_s, pg_timeout_s=backstop, **devices
+        )
 
     # ---- flags ---------------------------------------------------------------------------------
     @classmethod

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TextIO
 
 from recover import exits
+from recover.addresses import PeerAddress
 from recover.coordinator.client import (
     CoordinatorClient,
     CoordinatorUnreachable,
@@ -74,6 +75,10 @@ class WorkerConfig:
     # The exact command that continues this run from its checkpoint (said when the run stops
     # early: the coordinator lost); empty: "the same command with --resume".
     resume_command: str = ""
+    # The gloo devices of every group this process builds (recover.addresses; resolved and
+    # checked by the entry point from --ifname/RECOVER_IFNAME/GLOO_SOCKET_IFNAME and the
+    # coordinator's address). The default: gloo's own (this host's name), for a local run.
+    peer: PeerAddress = PeerAddress()
 
     def __post_init__(self) -> None:
         for name in ("register_timeout_s", "outcome_timeout_s"):
@@ -254,9 +259,12 @@ def run_worker(
         view = link.step_view()
         live = view.live if view is not None else ()
         recorder.is_writer = not live or me == min(live)
-        if recorder.is_writer:
-            recorder.checkpoint(recorder.last_committed + 1, block=True)
-        return recorder.writes_records
+        if not recorder.is_writer:
+            return False
+        # None: fenced before it began; a path not in place: fenced before the publish. Only a
+        # checkpoint that is on disk may be announced as saved.
+        path = recorder.checkpoint(recorder.last_committed + 1, block=True)
+        return path is not None and path.exists() and recorder.writes_records
 
     try:
         view = link.register(
@@ -290,7 +298,9 @@ def run_worker(
         machine = StepMachine(
             work=trainer,
             link=link,
-            groups=GroupCache(store, config=spec.collective(), scope=scope, device=cross_device),
+            groups=GroupCache(
+                store, config=spec.collective(wcfg.peer), scope=scope, device=cross_device
+            ),
             options=StepOptions(
                 replica_id=me,
                 check_every=spec.check_every,
