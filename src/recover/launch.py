@@ -492,6 +492,7 @@ class LocalLauncher:
                 "--start-deadline", str(lc.start_timeout_s), "--balance", lc.balance,
                 "--mode", "shrink" if lc.mode == "shrink" else "recover",
                 "--events", str(self.paths.metrics), "--address-file", str(address_file),
+                "--keep-serving",
                 "--log-level", lc.replica.log_level, *(ha or ()),
             ],
             f"[{name}] ",

@@ -82,6 +82,13 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument(
         "--port", type=int, default=29400, help="port for replicas and relays (default 29400)"
     )
+    serve.add_argument(
+        "--keep-serving",
+        action="store_true",
+        help="stay up after the run finished (default: exit with status 0 "
+        f"{FINISHED_LINGER_S:g} s after every replica left at the last step; the local launcher "
+        "stops its own coordinator)",
+    )
     serve.add_argument("--store-port", type=int, default=0, help="TCPStore port (0: any)")
     serve.add_argument(
         "--no-store",
@@ -105,6 +112,15 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the run stops (quorum lost) when fewer replicas are live (default 1)",
     )
     serve.add_argument("--lease", type=float, default=1.0, help="lease in seconds")
+    serve.add_argument(
+        "--self-suspicion",
+        type=float,
+        default=CoordinatorOptions.self_suspicion_s,
+        metavar="S",
+        help="when more than half of the replicas go silent together, suspect this "
+        "coordinator's own network and restart their leases for at most S seconds before "
+        "judging them (default %(default)s: the replicas' default --coordinator-grace; 0: never)",
+    )
     serve.add_argument(
         "--start-deadline",
         type=float,
@@ -268,6 +284,7 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             microbatches=args.microbatches,
             min_replicas=args.min_replicas,
             lease_s=args.lease,
+            self_suspicion_s=args.self_suspicion,
             start_deadline_s=args.start_deadline,
             throughput_weights=args.balance == "throughput",
             mode=args.mode,
@@ -278,6 +295,7 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             advertise=args.advertise,
             port=args.port,
             store_port=None if args.no_store else args.store_port,
+            exit_when_finished=not args.keep_serving,
             token=token,
             events_path=args.events,
             address_file=args.address_file,
@@ -343,6 +361,10 @@ def bind_host(host: str | None, ifname: str | None, environ) -> str:
     return address
 
 
+# Seconds `coordinator serve` stays up after the run finished, answering late requests.
+FINISHED_LINGER_S = 2.0
+
+
 def run_coordinator_process(
     options: CoordinatorOptions | dict[str, Any],
     *,
@@ -355,8 +377,11 @@ def run_coordinator_process(
     address_file: str | None = None,
     state: str | None = None,
     leader_ttl_s: int = 1,
+    exit_when_finished: bool = False,
 ) -> int:
-    """Serve until SIGTERM/SIGINT. Usable as a multiprocessing target or a subprocess main.
+    """Serve until SIGTERM/SIGINT, or (`exit_when_finished`, without `state`) until
+    FINISHED_LINGER_S after the run finished. Usable as a multiprocessing target or a subprocess
+    main.
 
     When listening, writes {"host", "port", "store_host", "store_port", "pid"} (and "term" with
     `state`) to `address_file` atomically (write then rename), so a parent can poll for it.
@@ -409,9 +434,15 @@ def run_coordinator_process(
             }
             _write_address(address_file, info)
         log.info("coordinator listening on %s:%s%s", *server.address, _store_line(server))
+        finished_at = None
         while not stop.wait(0.2):
             if server.failed is not None:
                 return 1
+            if exit_when_finished and finished_at is None and server.state().status == "finished":
+                finished_at = time.monotonic()  # late requests (a last heartbeat) still answered
+            if finished_at is not None and time.monotonic() - finished_at >= FINISHED_LINGER_S:
+                log.info("the run finished (every replica left): the coordinator stops")
+                return 0
         return 0
     finally:
         server.stop()
