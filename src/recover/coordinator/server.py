@@ -586,6 +586,9 @@ class CoordinatorServer(LoopService):
             fields = {k: v for k, v in record.items() if k not in ("decision", "reason")}
             if "replica_id" in fields:  # docs/metrics.md names a replica `replica` in events
                 fields["replica"] = fields["replica_id"]
+            # The step in flight when it was decided: the file's order cannot tell (a writer may
+            # append the previous step's record after this line).
+            fields.setdefault("step", self._state.step)
             line = {
                 "kind": "event",
                 "name": f"coordinator.{d.name}",
