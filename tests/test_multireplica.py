@@ -228,7 +228,9 @@ def test_a_slow_replica_is_not_evicted(reference, tiny_dataset, tmp_path):
     # Throughput-aware plans: the straggler's share of the M microbatches falls.
     first, last = (committed_steps(out / "metrics.jsonl")[s]["shares"] for s in (0, STEPS - 1))
     assert first == {"0": 2, "1": 2, "2": 2}
-    assert last["1"] < min(last["0"], last["2"]), last
+    # (Against its own first share, and no more than any other's: on 2 shared cores another
+    # replica can be measured slow too, and tie with it; seen once in CI as {0: 4, 1: 1, 2: 1}.)
+    assert last["1"] < first["1"] and last["1"] <= min(last["0"], last["2"]), last
 
 
 def test_malformed_fault_specs_are_refused_with_the_grammar(tiny_dataset, tmp_path):
