@@ -35,7 +35,8 @@ TIERS = {
         "test_spec", "test_tree_sum", "test_units", "test_update_guard",
     ),
     "inprocess": (
-        "test_addresses", "test_api_usage", "test_coordinator_server", "test_step_machine",
+        "test_addresses", "test_api_usage", "test_coordinator_server", "test_reach",
+        "test_step_machine",
         "test_train_single",
     ),
     "process": (

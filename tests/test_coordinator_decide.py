@@ -15,6 +15,7 @@ from recover.coordinator.protocol import (
     Heartbeats,
     Leave,
     ProcessExit,
+    ProtocolError,
     Register,
     ReportDone,
     ReportFailed,
@@ -85,7 +86,7 @@ class Sim:
             )
         )
 
-    def failed(self, r, step=None, epoch=None):
+    def failed(self, r, step=None, epoch=None, unreachable=()):
         s = self.state
         return self.send(
             ReportFailed(
@@ -94,8 +95,10 @@ class Sim:
                 step=s.step if step is None else step,
                 epoch=s.attempt_epoch if epoch is None else epoch,
                 reason="collective error",
+                unreachable=tuple((x, f"cannot connect to 10.0.0.{x}:7: timed out")
+                                  for x in unreachable),
             )
-        )
+        )  # fmt: skip
 
     def exit(self, r):
         return self.send(ProcessExit(replica_id=r, incarnation=self.inc[r]))
@@ -836,3 +839,84 @@ def test_a_non_finite_part_is_recomputed_elsewhere_and_its_replica_evicted_if_it
     for r in (0, 1, 2):  # every part non-finite (a diverging run): commits at once
         ds = done_part(sim, r, False)
     assert "committed" in names(ds) and "redo" not in names(ds)
+
+
+# ---------------------------------------------------------------- unreachable members
+
+
+def unreachable_attempt(sim, names, quiet=()):
+    """One failed attempt: each reporter of `names` ({reporter: named ids}) reports in order,
+    then the `quiet` members (whose builds the new epoch cut short) report naming nobody."""
+    ds = []
+    for r, named in names.items():
+        ds += sim.failed(r, unreachable=named)
+    for r in quiet:
+        ds += sim.failed(r)
+    return ds
+
+
+def test_a_member_no_one_can_dial_is_evicted_after_two_attempts_and_the_step_goes_on():
+    sim = Sim().formed()
+    first = sim.state.epoch
+    # The regroup waits for every voter: a new epoch would cut their builds (and probes) short.
+    assert "epoch_changed" not in names(sim.failed(0, unreachable=[3]))
+    assert "epoch_changed" not in names(sim.failed(1, unreachable=[3]))
+    # Named by a majority, replica 3 is not waited for (it may be blocked in its build).
+    assert one(sim.failed(2, unreachable=[3]), "epoch_changed").epoch == first + 1
+    ds = sim.failed(3)
+    assert "member_dead" not in names(ds) and one(ds, "redo").lost == ()
+    assert sim.state.unreachable_strikes == {3: 1} and sim.state.live == (0, 1, 2, 3)
+    ds = unreachable_attempt(sim, {0: [3], 1: [3], 2: [3]}, quiet=[3])
+    dead = one(ds, "member_dead")
+    assert (dead.replica_id, dead.how) == (3, "unreachable")
+    assert "10.0.0.3:7" in dead.reason and "2 consecutive attempts" in dead.reason
+    redo = one(ds, "redo")
+    assert set(redo.lost) == set(assign(8, (0, 1, 2, 3))[3]) and sim.state.live == (0, 1, 2)
+    for r in (0, 1, 2):
+        ds = sim.done(r)
+    assert one(ds, "committed").step == 0 and sim.state.unreachable_strikes == {}
+    assert sim.state.fenced["inc3"] == "evicted"
+
+
+def test_a_blip_between_commits_evicts_nobody():
+    sim = Sim().formed()
+    unreachable_attempt(sim, {0: [3], 1: [3], 2: [3]}, quiet=[3])
+    assert sim.state.unreachable_strikes == {3: 1}
+    for r in range(4):
+        ds = sim.done(r)
+    assert "committed" in names(ds) and sim.state.unreachable_strikes == {}
+    ds = unreachable_attempt(sim, {0: [3], 1: [3], 2: [3]}, quiet=[3])
+    assert "member_dead" not in names(ds) and sim.state.live == (0, 1, 2, 3)
+
+
+def test_a_minority_that_cannot_dial_a_member_evicts_nobody():
+    sim = Sim().formed()
+    for _ in range(4):
+        ds = unreachable_attempt(sim, {0: [3]}, quiet=[1, 2, 3])
+        assert "member_dead" not in names(ds) and one(ds, "redo")
+    assert sim.state.live == (0, 1, 2, 3) and sim.state.unreachable_strikes == {}
+
+
+def test_two_members_that_cannot_dial_each_other_lose_the_higher_id_only():
+    sim = Sim(expected_replicas=2).formed(2)
+    for _ in range(2):
+        ds = unreachable_attempt(sim, {0: [1], 1: [0]})
+    dead = one(ds, "member_dead")
+    assert dead.replica_id == 1 and sim.state.live == (0,) and sim.state.status == "running"
+
+
+def test_the_replica_that_cannot_dial_anyone_is_the_one_evicted():
+    """Its own probe names every peer; each peer names only it: the majority names it."""
+    sim = Sim().formed()
+    for _ in range(2):
+        ds = unreachable_attempt(sim, {3: [0, 1, 2], 0: [3], 1: [3], 2: [3]})
+    assert [(d.replica_id, d.how) for d in ds if d.name == "member_dead"] == [(3, "unreachable")]
+    assert sim.state.live == (0, 1, 2)
+
+
+def test_the_unreachable_field_is_decoded_and_checked():
+    req = {"kind": "failed", "replica_id": 0, "incarnation": "inc0", "step": 0, "epoch": 1}
+    msg = decode_message({**req, "unreachable": [[3, "no route"]]})
+    assert msg.unreachable == ((3, "no route"),)
+    with pytest.raises(ProtocolError, match="unreachable"):
+        decode_message({**req, "unreachable": [["3", "no route"]]})

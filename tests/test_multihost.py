@@ -67,13 +67,14 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def start_coordinator(
-    host: hosts.Host, run: Path, *args: str, lease: float = 1.0
+    host: hosts.Host, run: Path, *args: str, lease: float = 1.0, replicas: int = 2
 ) -> subprocess.Popen:
     """The README's coordinator command on `host`, bound to every interface."""
     run.mkdir(parents=True, exist_ok=True)
     return host.popen(
         [sys.executable, "-m", "recover.cli", "coordinator", "serve", "--host", "0.0.0.0",
-         "--port", str(PORT), "--replicas", "2", "--microbatches", str(M), "--lease", str(lease),
+         "--port", str(PORT), "--replicas", str(replicas), "--microbatches", str(M),
+         "--lease", str(lease),
          "--events", str(run / "metrics.jsonl"), *args],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
@@ -184,6 +185,35 @@ def test_an_interface_that_cannot_reach_the_peers_is_refused_in_one_line(tiny_da
     assert worker.returncode not in (0, None) and "Traceback" not in out, out[-3000:]
     said = [line for line in out.splitlines() if "loopback" in line]
     assert said and net.host(1).name in said[0] and "--ifname" in said[0], out[-3000:]
+
+
+@pytest.mark.timeout(150)
+def test_a_replica_that_cannot_be_dialled_is_named_and_evicted(reference, tiny_dataset, tmp_path):
+    """Replica 2's host can reach the coordinator only (its route to the other hosts is gone, as
+    behind a firewall between racks): its group cannot form. Within a few attempts its peers'
+    probes name it, the coordinator evicts it (`member_dead`, how "unreachable", its address in
+    the reason), it exits with status 4 without a traceback, and the two others train every
+    step with all M microbatches on the one-replica trajectory."""
+    run = tmp_path / "run"
+    with hosts.Network(4) as net:
+        lone = net.host(3)
+        for argv in (["route", "del", f"{net.subnet}.0/24", "dev", "eth0"],
+                     ["route", "add", f"{net.host(0).addr}/32", "dev", "eth0"]):  # fmt: skip
+            r = lone.run([net.tools["ip"], *argv], timeout=10)
+            assert r.returncode == 0, r.stderr
+        coordinator = start_coordinator(net.host(0), run, replicas=3)
+        workers = [start_worker(net.host(r + 1), net.host(0), r, tiny_dataset, run) for r in (0, 1)]
+        workers.append(start_worker(lone, net.host(0), 2, tiny_dataset, run))
+        outputs = finish_all(workers, timeout=120)
+        coord_out = finish_all([coordinator], timeout=15)
+    assert [w.returncode for w in workers] == [0, 0, exits.EVICTED], coord_out[0][-3000:]
+    assert "Traceback" not in outputs[2], outputs[2][-3000:]
+    dead = events(run, "coordinator.member_dead")
+    assert [(e["replica_id"], e["how"]) for e in dead] == [(2, "unreachable")], dead
+    assert lone.addr in dead[0]["reason"], dead[0]["reason"]
+    redos = events(run, "coordinator.redo")
+    assert len(redos) <= 4, f"{len(redos)} redos before the eviction: {redos}"
+    assert_invariants(reference, run, completed(0, outputs[:2]), steps=STEPS, microbatches=M)
 
 
 @pytest.mark.timeout(150)

@@ -473,10 +473,25 @@ class CoordinatorClient:
             req["finite"] = False
         return self._report(req, step, epoch, deadline_s, on_taken)
 
-    def report_failed(self, *, step: int, epoch: int, reason: str, deadline_s: float) -> Outcome:
+    def report_failed(
+        self,
+        *,
+        step: int,
+        epoch: int,
+        reason: str,
+        deadline_s: float,
+        unreachable: dict[int, str] | None = None,
+    ) -> Outcome:
         """Report a failed reduce of attempt (step, epoch) and wait for its outcome (a redo,
-        or a stop), as report_done."""
-        req = {"kind": "failed", "step": step, "epoch": epoch, "reason": str(reason)[:1000]}
+        or a stop), as report_done. `unreachable`: the members this replica could not dial
+        (id -> why), when its group would not form (the coordinator judges them)."""
+        req: dict[str, Any] = {
+            "kind": "failed", "step": step, "epoch": epoch, "reason": str(reason)[:1000]
+        }  # fmt: skip
+        if unreachable:
+            req["unreachable"] = [
+                [int(r), str(why)[:200]] for r, why in sorted(unreachable.items())
+            ]
         return self._report(req, step, epoch, deadline_s, None)
 
     def wait_outcome(self, *, step: int, epoch: int, deadline_s: float) -> Outcome:

@@ -16,6 +16,14 @@ Rules (docs/design.md has the narrative):
   since the attempt began, so that peers blocked in the failed collective see the new epoch and
   abandon it. Who hung or died is for the lease and the session's end to say: a replica never
   names a suspect (an old client's `suspects` field is ignored by the decoder).
+- Unreachable members (`_evict_unreachable`): a replica whose group would not form may name the
+  members its probe could not dial (a TCP connect to the address they advertise: a network
+  verdict, not a guess about hangs; recover.runtime.reach). Such a report defers the regroup
+  until every survivor has reported but those a majority of the others named (each may then
+  probe; see `_awaiting_voters`). A member named by
+  a majority of the others in `unreachable_attempts` consecutive failed attempts of a step is
+  evicted (how="unreachable", the probe's reason in the record); ties evict the higher id
+  first, never the last member. A commit clears the count.
 - Joiners wait as pending and are admitted only at a commit (step boundary).
 - Non-finite parts: when every survivor reported done but some (not all) said their own part of
   the sum was not finite, the step is not committed: a new attempt recomputes the suspects' ids on
@@ -321,7 +329,10 @@ def _on_failed(s: CoordinatorState, now: float, m: ReportFailed, out: list) -> s
     r = m.replica_id
     s.own("reports")[r] = "failed"
     why = f"replica {r} reported a failed collective in ({m.step}, {m.epoch}): {m.reason!r}"
-    if s.epoch == s.attempt_epoch:
+    if m.unreachable:
+        s.own("unreachable")[r] = m.unreachable
+        why += f"; it cannot dial replicas {sorted({x for x, _ in m.unreachable})}"
+    if s.epoch == s.attempt_epoch and not _awaiting_voters(s):
         _bump_epoch(s, out, f"{why}; regroup to redo step {s.step}")
     _evaluate_attempt(s, out)
     return why
@@ -536,7 +547,78 @@ def _evaluate_attempt(s: CoordinatorState, out: list) -> None:
                 return
         _commit(s, out, survivors)
     else:
+        survivors = _evict_unreachable(s, out, survivors)
+        if s.status != RUNNING:
+            return
         _redo(s, out, survivors)
+
+
+def _awaiting_voters(s: CoordinatorState) -> bool:
+    """True while a failed report of this attempt named unreachable members and a survivor has
+    not reported that a majority of the others has not named: the regroup waits for it, so that
+    its probe runs (a new epoch would cut its build, and its probe, short). Who is named by a
+    majority is not waited for (it may be blocked in its build until build_timeout_s); the
+    others report within their probe's time, or their build's timeout. O(R + named)."""
+    if not s.unreachable:
+        return False
+    alive = [r for r in s.attempt_members if _alive_in_attempt(s, r)]
+    votes = _votes(s, set(alive))
+    return any(r not in s.reports and 2 * len(votes.get(r, ())) <= len(alive) - 1 for r in alive)
+
+
+def _votes(s: CoordinatorState, alive: set[int]) -> dict[int, set[int]]:
+    """Member -> the reporters of this attempt (alive, other than it) that cannot dial it."""
+    votes: dict[int, set[int]] = {}
+    for reporter, pairs in s.unreachable.items():
+        if reporter in alive:
+            for x, _ in pairs:
+                if x in alive and x != reporter:
+                    votes.setdefault(x, set()).add(reporter)
+    return votes
+
+
+def _evict_unreachable(s: CoordinatorState, out: list, survivors: list[int]) -> list[int]:
+    """Judge the failed attempt's unreachable reports (the rule in the module docstring) and
+    return the survivors without the members evicted now. O(R + named) per failed attempt."""
+    alive = set(survivors)
+    votes = _votes(s, alive)
+    reason = {
+        x: f"replica {reporter}: {why}"
+        for reporter, pairs in sorted(s.unreachable.items(), reverse=True)
+        for x, why in pairs
+    }  # the lowest reporter's words
+    judged: list[int] = []
+    while len(alive) > 1:  # greedily, most-named first: a voter judged loses its votes
+        cands = [(len(v & alive), x) for x, v in votes.items() if x in alive]
+        cands = [(n, x) for n, x in cands if 2 * n > len(alive) - 1]
+        if not cands:
+            break
+        _, x = max(cands)
+        judged.append(x)
+        alive.discard(x)
+    s.unreachable_strikes = {x: s.unreachable_strikes.get(x, 0) + 1 for x in judged}
+    evict = [x for x in judged if s.unreachable_strikes[x] >= s.options.unreachable_attempts]
+    if not evict:
+        return survivors
+    members, fenced = s.own("members"), s.own("fenced")
+    for x in evict:
+        m = members[x]
+        n = s.unreachable_strikes.pop(x)
+        why = (
+            f"replica {x} cannot be dialled by {len(votes[x])} of the other "
+            f"{len(survivors) - 1} members in {n} consecutive attempts of step {s.step} "
+            f"({reason[x]}); evicted: check the address it advertises (--ifname)"
+        )
+        members[x] = replace(m, state=DEAD, how="unreachable")
+        fenced[m.incarnation] = "evicted"
+        out.append(
+            MemberDead(replica_id=x, incarnation=m.incarnation, how="unreachable", reason=why)
+        )
+    s.live = tuple(r for r in s.live if r not in evict)
+    _bump_epoch(s, out, f"replicas {evict} evicted: they cannot be dialled")
+    if len(s.live) < s.options.min_replicas:
+        _lose_quorum(s, out, f"only {len(s.live)} live replicas remain, below min_replicas")
+    return [r for r in survivors if r not in evict]
 
 
 def _commit(s: CoordinatorState, out: list, survivors: list[int]) -> None:
@@ -548,6 +630,7 @@ def _commit(s: CoordinatorState, out: list, survivors: list[int]) -> None:
         why += f" (replicas {gone} left the epoch after the reduce; the sum is complete)"
     s.committed_step = t
     s.suspect_since = None  # a commit heard every member: the network works
+    s.unreachable_strikes = {}  # a commit formed the group: every member could be dialled
     _name_writer(s, t, survivors)
     s.step = t + 1
     s.joined = ()  # a committed step proves every member held the committed state
@@ -559,7 +642,7 @@ def _commit(s: CoordinatorState, out: list, survivors: list[int]) -> None:
             by_hash.setdefault(h, []).append(r)
         groups = "; ".join(f"replicas {rs} hold {h}" for h, rs in sorted(by_hash.items()))
         s.status = DIVERGED
-        s.reports, s.param_hashes = {}, {}
+        s.reports, s.param_hashes, s.unreachable = {}, {}, {}
         out.append(
             Diverged(
                 step=t,
@@ -634,7 +717,7 @@ def _redo(s: CoordinatorState, out: list, survivors: list[int]) -> None:
     s.weights = weights
     s.attempt_epoch = s.epoch
     s.attempt_members = tuple(survivors)
-    s.reports, s.param_hashes = {}, {}
+    s.reports, s.param_hashes, s.unreachable = {}, {}, {}
     moved = {r: ids for r, ids in extra.items() if ids}
     why = (
         f"redo step {t} in epoch {s.epoch}: failed attempt epoch {a}, dead {dead}, "
@@ -702,7 +785,7 @@ def _new_attempt(s: CoordinatorState) -> None:
         s.plan = plan
     s.attempt_epoch = s.epoch
     s.attempt_members = s.live
-    s.reports, s.param_hashes = {}, {}
+    s.reports, s.param_hashes, s.unreachable = {}, {}, {}
     s.nonfinite, s.verifying = (), ()
 
 

@@ -153,6 +153,10 @@ class ReportFailed:
     step: int
     epoch: int
     reason: str = ""
+    # The members this replica could not dial when the attempt's group would not form, with why
+    # (recover.runtime.reach): ((replica_id, why), ...). The coordinator evicts a member that a
+    # majority of the others cannot dial, in consecutive attempts (decide._evict_unreachable).
+    unreachable: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -268,6 +272,17 @@ _CHECKS = {
     "reason": (lambda v: isinstance(v, str), "a string"),
     "leaving": (lambda v: isinstance(v, bool), "a boolean"),
     "finite": (lambda v: isinstance(v, bool), "a boolean"),
+    "unreachable": (
+        lambda v: (
+            isinstance(v, list | tuple)
+            and len(v) <= 4096
+            and all(
+                isinstance(p, list | tuple) and len(p) == 2 and _int(p[0]) and isinstance(p[1], str)
+                for p in v
+            )
+        ),
+        "a list of [replica_id, reason] pairs",
+    ),
 }
 
 
@@ -294,6 +309,8 @@ def decode_message(req: dict[str, Any]) -> Message:
             continue
         else:
             raise ProtocolError(f"{kind}: missing field {f.name!r}")
+    if "unreachable" in args:
+        args["unreachable"] = tuple((int(r), why) for r, why in args["unreachable"])
     if isinstance(args.get("throughput"), int):
         args["throughput"] = float(args["throughput"])
     return cls(**args)

@@ -90,9 +90,13 @@ class CoordinatorOptions:
     # network and restarts their leases, for at most this long (decide._suspects_itself); it
     # matches the replicas' default coordinator grace, after which they give up. 0: never.
     self_suspicion_s: float = 10.0
+    # A member that a majority of the others cannot dial (their groups would not form, and their
+    # probes say why: recover.runtime.reach) in this many consecutive failed attempts of a step
+    # is evicted (how="unreachable"): one failed probe may be a blip, an endless redo is not.
+    unreachable_attempts: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("expected_replicas", "microbatches", "min_replicas"):
+        for name in ("expected_replicas", "microbatches", "min_replicas", "unreachable_attempts"):
             v = getattr(self, name)
             low = 0 if name == "microbatches" else 1
             if not is_int(v) or v < low:
@@ -134,7 +138,7 @@ class Member:
     fingerprint: dict[str, Any]  # the replica's config fingerprint
     next_step: int  # from its checkpoint, at registration
     throughput: float | None = None  # moving average of microbatches/s from done reports
-    how: str | None = None  # how it stopped: exit | lease | suspect | leave (older: report)
+    how: str | None = None  # how it stopped: exit | lease | suspect | unreachable | leave
     leaving: bool = False  # asked to leave at the next commit (a planned leave)
 
 
@@ -176,6 +180,11 @@ class CoordinatorState:
     reason: str = "waiting for registrations"  # why the view last changed
     # Coordinator clock of the first self-suspicion since the last commit (decide), else None.
     suspect_since: float | None = None
+    # This attempt's failed reports that named members they could not dial: reporter ->
+    # ((named id, why), ...); and, per member judged unreachable, how many consecutive failed
+    # attempts judged it so (cleared at a commit). See decide._evict_unreachable.
+    unreachable: dict[int, tuple[tuple[int, str], ...]] = field(default_factory=dict)
+    unreachable_strikes: dict[int, int] = field(default_factory=dict)
 
     def clone(self) -> CoordinatorState:
         """A shallow copy that shares its containers with `self` (O(1)). Change a container of
@@ -193,7 +202,9 @@ class CoordinatorState:
         return getattr(self, name)
 
 
-_INT_KEYED = ("plan", "weights", "reports", "param_hashes", "members")
+_INT_KEYED = (
+    "plan", "weights", "reports", "param_hashes", "members", "unreachable", "unreachable_strikes"
+)  # fmt: skip
 _MEMBER_FIELDS = tuple(f.name for f in fields(Member))
 # What a state saved by an older version may hold that this one has no use for: the accusation
 # rule's open accusations and its grace (removed: no replica ever named a suspect).
@@ -233,8 +244,11 @@ def state_from_json(text: str) -> CoordinatorState:
     # state kept in etcd outlives the upgrade.
     plan = d.pop("plan") if "plan" in d else d.pop("holdings")
     d["plan"] = {int(k): tuple(v) for k, v in plan.items()}
-    for name in ("weights", "reports", "param_hashes"):
-        d[name] = {int(k): v for k, v in d[name].items()}
+    for name in ("weights", "reports", "param_hashes", "unreachable_strikes"):
+        d[name] = {int(k): v for k, v in d.get(name, {}).items()}
+    d["unreachable"] = {
+        int(k): tuple((int(r), why) for r, why in v) for k, v in d.get("unreachable", {}).items()
+    }
     d["live"] = tuple(d["live"])
     d["attempt_members"] = tuple(d["attempt_members"])
     d["joined"] = tuple(d.get("joined", ()))

@@ -55,6 +55,7 @@ import datetime
 import logging
 import os
 import re
+import socket
 import threading
 import time
 import warnings
@@ -65,14 +66,17 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from recover.addresses import interface_ipv4
 from recover.checks import is_int, is_number
+from recover.runtime.reach import KEY as _REACH_KEY
+from recover.runtime.reach import ReachListener, probe_peers
 
 logger = logging.getLogger(__name__)
 
-AbortKind = Literal["error", "deadline", "epoch"]
+AbortKind = Literal["error", "deadline", "epoch", "unreachable"]
 ShouldAbort = Callable[[], str | None]
 
-_ABORT_KINDS = ("error", "deadline", "epoch")
+_ABORT_KINDS = ("error", "deadline", "epoch", "unreachable")
 _STORE_PREFIX = "recover/runtime/collective/epoch"
 _PEER_PATTERN = re.compile(r"\[([0-9A-Za-z.:_-]+)\]:(\d+)")
 # torch 2.13 does not export the all-gather's options from torch.distributed.
@@ -84,12 +88,19 @@ class CollectiveAborted(RuntimeError):
 
     ``kind`` is ``"error"`` (the transport failed: ``detail`` holds gloo's text and ``peer`` the
     remote address gloo named, if any), ``"deadline"`` (no completion within the deadline) or
-    ``"epoch"`` (the caller's ``should_abort`` returned a reason, e.g. a newer epoch was announced).
+    ``"epoch"`` (the caller's ``should_abort`` returned a reason, e.g. a newer epoch was announced)
+    or ``"unreachable"`` (a build: ``unreachable`` maps the ranks this rank cannot dial to why).
     What to do next: restore the snapshot, wait for the coordinator's next view, build its group.
     """
 
     def __init__(
-        self, kind: AbortKind, detail: str, *, epoch: int | None = None, peer: str | None = None
+        self,
+        kind: AbortKind,
+        detail: str,
+        *,
+        epoch: int | None = None,
+        peer: str | None = None,
+        unreachable: dict[int, str] | None = None,
     ) -> None:
         if kind not in _ABORT_KINDS:
             raise ValueError(f"kind must be one of {_ABORT_KINDS}, got {kind!r}")
@@ -99,6 +110,7 @@ class CollectiveAborted(RuntimeError):
         self.detail = detail
         self.epoch = epoch
         self.peer = peer
+        self.unreachable = dict(unreachable or {})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +118,11 @@ class CollectiveConfig:
     """Deadlines and bucketing of the cross-replica collective (all times in seconds)."""
 
     build_timeout_s: float = 10.0  # rendezvous of a new epoch's group: peers must show up by then
+    # A build still waiting after reach_after_s dials the peers that reached it (recover.runtime.
+    # reach), each within reach_timeout_s: one that cannot be dialled ends the build at once
+    # (kind "unreachable", the peers named) instead of at build_timeout_s.
+    reach_after_s: float = 1.0
+    reach_timeout_s: float = 1.0
     op_deadline_s: float = 30.0  # an op not complete by then is abandoned
     # gloo's own timeout: a backstop that bounds how long an abandoned op keeps its worker threads
     # (and so the background teardown) busy. Must be >= op_deadline_s so our deadline fires first.
@@ -126,6 +143,8 @@ class CollectiveConfig:
     def __post_init__(self) -> None:
         for name in (
             "build_timeout_s",
+            "reach_after_s",
+            "reach_timeout_s",
             "op_deadline_s",
             "pg_timeout_s",
             "poll_interval_s",
@@ -296,11 +315,13 @@ def _construct(
     should_abort: ShouldAbort | None,
     *,
     bounded: bool,
+    probe: Callable[[], dict[int, str]] | None = None,
 ) -> Any:
-    """make(), on a helper thread when it must be abandoned early: when should_abort fires, or
-    after build_timeout_s if the maker does not bound itself (`bounded`: gloo's rendezvous has
-    its own timeout; NCCL's waits on the store). An abandoned build ends on its thread."""
-    if should_abort is None and bounded:
+    """make(), on a helper thread when it must be abandoned early: when should_abort fires, when
+    `probe` (called once, after reach_after_s) names peers that cannot be dialled, or after
+    build_timeout_s if the maker does not bound itself (`bounded`: gloo's rendezvous has its own
+    timeout; NCCL's waits on the store). An abandoned build ends on its thread."""
+    if should_abort is None and probe is None and bounded:
         return make()
     box: dict[str, Any] = {}
     done = threading.Event()
@@ -314,11 +335,22 @@ def _construct(
             done.set()
 
     threading.Thread(target=target, name=f"group-build-epoch{epoch}", daemon=True).start()
-    give_up = time.monotonic() + config.build_timeout_s
+    started = time.monotonic()
+    give_up = started + config.build_timeout_s
     while not done.wait(config.abort_check_interval_s):
         reason = should_abort() if should_abort is not None else None
         if reason is not None:
             raise CollectiveAborted("epoch", f"group build abandoned: {reason}", epoch=epoch)
+        if probe is not None and time.monotonic() - started > config.reach_after_s:
+            unreachable, probe = probe(), None
+            if unreachable and not done.is_set():
+                named = "; ".join(f"rank {k}: {why}" for k, why in sorted(unreachable.items()))
+                raise CollectiveAborted(
+                    "unreachable",
+                    f"group build abandoned: peers cannot be dialled: {named}",
+                    epoch=epoch,
+                    unreachable=unreachable,
+                )
         if not bounded and time.monotonic() > give_up:
             raise CollectiveAborted(
                 "deadline",
@@ -326,8 +358,55 @@ def _construct(
                 epoch=epoch,
             )
     if "error" in box:
+        # A rendezvous that failed at once (e.g. "connect: Network is unreachable") says which
+        # address failed, not which peer: the probe names the peers this rank cannot dial.
+        unreachable = probe() if probe is not None else {}
+        if unreachable:
+            named = "; ".join(f"rank {k}: {why}" for k, why in sorted(unreachable.items()))
+            raise CollectiveAborted(
+                "unreachable",
+                f"group build failed: peers cannot be dialled: {named} (gloo: {box['error']})",
+                epoch=epoch,
+                unreachable=unreachable,
+            )
         raise box["error"]
     return box["pg"]
+
+
+def _reach_probe(
+    store: dist.Store, prefix: str, rank: int, world_size: int, config: CollectiveConfig
+) -> Callable[[], dict[int, str]]:
+    """The probe of one build: dial the peers that published an endpoint under `prefix`. It
+    reads the store through a connection of its own (the build's is blocked in the rendezvous)."""
+
+    def probe() -> dict[int, str]:
+        try:
+            try:
+                client = store.clone()
+            except (RuntimeError, NotImplementedError):
+                client = store
+            view = dist.PrefixStore(prefix, client)
+            endpoints = {}
+            for k in range(world_size):
+                key = f"{_REACH_KEY}{k}"
+                if k != rank and view.check([key]):
+                    endpoints[k] = view.get(key).decode()
+        except (RuntimeError, ValueError) as e:  # the store itself failed: not a verdict
+            logger.debug("reach probe skipped: %s", e)
+            return {}
+        return probe_peers(endpoints, config.reach_timeout_s)
+
+    return probe
+
+
+def reach_host(config: CollectiveConfig) -> str | None:
+    """The address this process's gloo device binds (what peers dial), for its reach listener:
+    the first interface's IPv4 address, the configured hostname, or this host's name."""
+    if config.gloo_interfaces:
+        return interface_ipv4(config.gloo_interfaces[0])
+    if config.gloo_hostname is not None:
+        return config.gloo_hostname
+    return socket.gethostname()
 
 
 class _PeerWaits:
@@ -426,6 +505,7 @@ class EpochGroup:
         should_abort: ShouldAbort | None = None,
         scope: str = "",
         device: torch.device | str | None = None,
+        reach: ReachListener | None = None,
     ) -> EpochGroup:
         """Rendezvous with the ``world_size`` ranks of ``epoch`` on ``store``; bounded by build_timeout_s.
 
@@ -446,6 +526,11 @@ class EpochGroup:
         new one. The group talks to the store through its own ``store.clone()`` (when the store
         supports it), so a blocked rendezvous never holds up other users of ``store``. The call
         releases the GIL while it waits.
+
+        With ``reach`` (this rank's probe listener, gloo groups only), the rank publishes its
+        endpoint under the epoch's prefix, and a build still waiting after ``reach_after_s``
+        dials the peers that published theirs: one that cannot be dialled ends the build with
+        ``CollectiveAborted("unreachable")`` naming those ranks (recover.runtime.reach).
         """
         config = config if config is not None else CollectiveConfig()
         if not is_int(epoch) or epoch < 0:
@@ -469,9 +554,15 @@ class EpochGroup:
             make, bounded = _gloo(prefixed, rank, world_size, config), True
         else:
             raise ValueError(f"device must be the CPU or a CUDA device, got {device}")
+        probe = None
+        if reach is not None and reach.endpoint is not None and world_size > 1:
+            prefixed.set(f"{_REACH_KEY}{rank}", reach.endpoint)
+            probe = _reach_probe(store, f"{scope}{_STORE_PREFIX}{epoch}", rank, world_size, config)
         started = time.monotonic()
         try:
-            pg = _construct(make, config, epoch, should_abort, bounded=bounded)
+            pg = _construct(make, config, epoch, should_abort, bounded=bounded, probe=probe)
+        except CollectiveAborted:
+            raise
         except dist.DistStoreError as exc:
             raise CollectiveAborted(
                 "deadline",
@@ -820,6 +911,7 @@ class GroupCache:
         self._current: EpochGroup | None = None
         self._newest_epoch: int | None = None  # a failed build still burns its epoch
         self.teardown_threads: list[threading.Thread] = []
+        self._reach: ReachListener | None = None  # made at the first gloo build of >1 rank
 
     @property
     def current(self) -> EpochGroup | None:
@@ -850,6 +942,9 @@ class GroupCache:
             )
         self.abandon_all()
         self._newest_epoch = epoch
+        if self._reach is None and self.device.type == "cpu" and world_size > 1:
+            host = reach_host(self._config)
+            self._reach = ReachListener(host) if host else None
         group = EpochGroup.build(
             self._store() if callable(self._store) else self._store,
             epoch=epoch,
@@ -859,9 +954,16 @@ class GroupCache:
             should_abort=should_abort,
             scope=self._scope,
             device=self.device,
+            reach=self._reach,
         )
         self._current = group
         return group
+
+    def close(self) -> None:
+        """Abandon the groups and stop the reach listener (the cache is not used again)."""
+        self.abandon_all()
+        if self._reach is not None:
+            self._reach.close()
 
     def abandon_all(self) -> None:
         """Abandon the current group (teardown in the background); never blocks."""

@@ -257,8 +257,8 @@ class SoloLink:
 
     def report(
         self, *, step: int, epoch: int, failure: str | None, param_hash, throughput,
-        leaving: bool = False, finite: bool = True, deadline_s: float,
-        on_taken: Callable[[], None] = lambda: None,
+        leaving: bool = False, finite: bool = True, unreachable: dict[int, str] | None = None,
+        deadline_s: float, on_taken: Callable[[], None] = lambda: None,
     ) -> tuple[bool, Outcome]:  # fmt: skip
         if failure is None:
             return True, self.client.report_done(
@@ -266,7 +266,7 @@ class SoloLink:
                 leaving=leaving, finite=finite, deadline_s=deadline_s, on_taken=on_taken,
             )  # fmt: skip
         return False, self.client.report_failed(
-            step=step, epoch=epoch, reason=failure, deadline_s=deadline_s
+            step=step, epoch=epoch, reason=failure, unreachable=unreachable, deadline_s=deadline_s
         )
 
     def agree(self, ok: bool) -> bool:
@@ -365,8 +365,8 @@ class ReplicaLink:
 
     def report(
         self, *, step: int, epoch: int, failure: str | None, param_hash, throughput,
-        leaving: bool = False, finite: bool = True, deadline_s: float,
-        on_taken: Callable[[], None] = lambda: None,
+        leaving: bool = False, finite: bool = True, unreachable: dict[int, str] | None = None,
+        deadline_s: float, on_taken: Callable[[], None] = lambda: None,
     ) -> tuple[bool, Outcome]:  # fmt: skip
         """Agree inside the replica, then (leader) report for all of it and wait for the
         outcome, which every rank gets: (True if every rank's part succeeded, the outcome).
@@ -374,28 +374,30 @@ class ReplicaLink:
         coordinator took it, on the others once they agreed. `leaving` is the same on every
         rank (agreed at the last step boundary); the replica's part is finite when every
         rank's is."""
-        rows = self.intra.gather((failure, param_hash, finite))
-        failures = [f"rank {k}: {f}" for k, (f, _, _) in enumerate(rows) if f is not None]
+        rows = self.intra.gather((failure, param_hash, finite, unreachable or {}))
+        failures = [f"rank {k}: {f}" for k, (f, _, _, _) in enumerate(rows) if f is not None]
+        named = {r: why for *_, u in rows for r, why in u.items()}  # any rank's verdict
         msg = None
         if self.client is not None:
             try:
                 if not failures:
-                    hashes = [h for _, h, _ in rows]
+                    hashes = [h for _, h, _, _ in rows]
                     out = self.client.report_done(
                         step=step,
                         epoch=epoch,
                         param_hash=None if None in hashes else replica_hash(hashes),
                         throughput=throughput,
                         leaving=leaving,
-                        finite=all(ok for _, _, ok in rows),
+                        finite=all(ok for _, _, ok, _ in rows),
                         deadline_s=deadline_s,
                         on_taken=on_taken,
                     )
                 else:
                     reason = "; ".join(failures)[:200]
                     out = self.client.report_failed(
-                        step=step, epoch=epoch, reason=reason, deadline_s=deadline_s
-                    )
+                        step=step, epoch=epoch, reason=reason, unreachable=named,
+                        deadline_s=deadline_s,
+                    )  # fmt: skip
             except BaseException as e:
                 self.intra.relay(("raise", *_describe_error(e)))
                 raise

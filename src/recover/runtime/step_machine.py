@@ -89,7 +89,8 @@ class Link(Protocol):
     def live_view(self) -> View: ...
     def report(
         self, *, step: int, epoch: int, failure, param_hash, throughput, leaving: bool = False,
-        finite: bool = True, deadline_s: float, on_taken: Callable[[], None] = ...,
+        finite: bool = True, unreachable: dict[int, str] | None = None, deadline_s: float,
+        on_taken: Callable[[], None] = ...,
     ) -> tuple[bool, Any]: ...  # fmt: skip
     def agree(self, ok: bool) -> bool: ...
     def gather(self, obj: Any) -> list[Any]: ...
@@ -211,6 +212,8 @@ class StepAttempt:
     redos: int = 0
     t_first_fault: float | None = None
     failure: str | None = None  # why this rank's part of the current attempt failed
+    # The attempt's members this rank could not dial when its group would not form: id -> why.
+    unreachable: dict[int, str] = field(default_factory=dict)
     compute_s: float = 0.0  # seconds spent computing this replica's microbatches of the step
     sum_finite: bool = True  # the last successful reduce's sum is finite (on this rank)
     tree: TreeSum | None = None  # the deterministic mode's local sum (p.grad stays empty)
@@ -274,7 +277,7 @@ class StepMachine:
                 _stop(view.status, view.reason)
             epoch = view.attempt_epoch
             reduced = None
-            attempt.failure = None
+            attempt.failure, attempt.unreachable = None, {}
             transferred = self._transfer_if_needed(view, step, attempt)
             if view.joined:  # every rank of the replica goes on only if all of them got it
                 transferred = self.link.agree(transferred)
@@ -314,6 +317,7 @@ class StepMachine:
             agreed, outcome = self.link.report(
                 step=step, epoch=epoch, failure=failure, param_hash=phash,
                 throughput=attempt.throughput(), leaving=hooks.leaving(), finite=part_finite,
+                unreachable=attempt.unreachable,
                 deadline_s=self.options.outcome_timeout_s,
                 on_taken=lambda: hooks.phase("commit", step, None),
             )  # fmt: skip
@@ -407,7 +411,7 @@ class StepMachine:
                     group, tree, plan, numel=self._numel, should_abort=should_abort_reduce
                 )
         except CollectiveAborted as e:
-            self._failed(step, epoch, e, t0, "reduce", attempt)
+            self._failed(step, epoch, e, t0, "reduce", attempt, view)
             return None
 
     def _committed(
@@ -476,8 +480,9 @@ class StepMachine:
         return group, members
 
     def _failed(
-        self, step: int, epoch: int, error: CollectiveAborted, t0: float, what: str, attempt
-    ) -> None:
+        self, step: int, epoch: int, error: CollectiveAborted, t0: float, what: str, attempt,
+        view: View,
+    ) -> None:  # fmt: skip
         if attempt.t_first_fault is None:
             attempt.t_first_fault = t0
         self.hooks.event(
@@ -488,6 +493,10 @@ class StepMachine:
         # gloo's text ends in advice for its own users; the first sentence is the fact.
         detail = str(error.detail).split(". This is typically")[0]
         attempt.failure = f"{what}: {error.kind}: {detail}"[:200]  # reported by run_step
+        # Ranks of the attempt's group -> replica ids (the group's ranks are the plan's sorted
+        # keys): the peers this rank could not dial, for the coordinator to judge.
+        members = sorted(view.plan)
+        attempt.unreachable = {members[k]: why for k, why in error.unreachable.items()}
 
     def _transfer_if_needed(self, view: View, step: int, attempt: StepAttempt) -> bool:
         """Take part in the state transfer to this epoch's joiners; False if it failed."""
@@ -506,7 +515,7 @@ class StepMachine:
                 should_abort=self._with_fault("transfer", step, should_abort),
             )  # fmt: skip
         except CollectiveAborted as e:
-            self._failed(step, epoch, e, t0, "state transfer", attempt)
+            self._failed(step, epoch, e, t0, "state transfer", attempt, view)
             return False
         self._transferred_epoch = epoch
         self.has_state = True
@@ -541,7 +550,7 @@ class StepMachine:
                     should_abort_reduce()
             return buffer
         except CollectiveAborted as e:
-            self._failed(step, epoch, e, t0, "reduce", attempt)
+            self._failed(step, epoch, e, t0, "reduce", attempt, view)
             return None
 
 
