@@ -7,7 +7,8 @@ checkpoint-restart keeps the trajectory but recommits the steps after its checkp
 The torchft harness's launcher (restarts of dead replicas, the end of a run) and its fault
 hand-over are checked here on real processes without torchft; the torchft run itself only where
 torchft is installed (the dev extra, which CI installs, has it; elsewhere those tests skip,
-saying so). With torchft, the short comparison has both torchft rows.
+saying so). The short comparison leaves torchft's rows out (--without-torchft); the torchft
+test runs its harness.
 """
 
 from __future__ import annotations
@@ -43,19 +44,20 @@ def test_short_compare_computes_every_column_from_the_runs(tiny_dataset, tmp_pat
         [sys.executable, "-m", "recover.cli", "bench", "compare", "--preset", "tiny",
          "--replicas", "3", "--steps", "12", "--microbatches", str(M), "--microbatch-size", "2",
          "--seq-len", "32", "--faults", "every=4,count=1,offset=2", "--ckpt-every", "4",
-         "--data", str(tiny_dataset), "--out", str(out), "--json", str(tmp_path / "cmp.json")],
+         "--data", str(tiny_dataset), "--out", str(out), "--json", str(tmp_path / "cmp.json"),
+         "--without-torchft"],
         capture_output=True, text=True, timeout=280, env=child_env(),
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = {row["name"]: row for row in json.loads((out / "compare.json").read_text())["rows"]}
-    torchft_rows = {"torchft-defaults", "torchft-tuned"} if _torchft_installed() else set()
+    # torchft's rows are left out here (the torchft test below runs its harness): 40% of the
+    # time of this test on 2 cores.
     assert set(rows) == {
         "failure-free",
         "recover",
         "recover+respawn",
         "checkpoint-restart",
         "shrink",
-        *torchft_rows,
     }
     free, rec, ckr, shr = (
         rows[k] for k in ("failure-free", "recover", "checkpoint-restart", "shrink")
@@ -79,9 +81,6 @@ def test_short_compare_computes_every_column_from_the_runs(tiny_dataset, tmp_pat
     # Each row carries its settings, shown in the table.
     assert rows["recover+respawn"]["settings"] == "--respawn 0"
     assert ckr["settings"] == "--mode checkpoint-restart --ckpt-every 4"
-    for name in torchft_rows:
-        assert rows[name]["failures"] == 1 and rows[name]["steps_committed"] == 12
-        assert "restart after 0 s" in rows[name]["settings"]
     markdown = (out / "compare.md").read_text()
     assert markdown.count("\n") >= 5 and "| --respawn 0 |" in markdown
     for run in rows:
@@ -253,7 +252,7 @@ def test_torchft_restarts_a_killed_replica_which_heals_from_a_peer(tiny_dataset,
     # Its restart healed from a live peer (torchft's checkpoint transport) and contributes again:
     # every step after the one it rejoined in holds all M microbatches from all 3 replicas.
     (rejoined,) = [r for r in records if r.get("name") == "torchft.rejoined"]
-    assert rejoined["replica"] == 1 and 2 < rejoined["step"] < steps - 1
+    assert rejoined["replica"] == 1 and 2 <= rejoined["step"] < steps - 1
     after = [committed[k] for k in range(rejoined["step"] + 1, steps)]
     assert all(s["microbatches"] == M and s["replicas"] == 3 for s in after)
     assert (out / "final" / "model.safetensors").exists()

@@ -179,7 +179,8 @@ def test_start_deadline_with_too_few_is_quorum_lost_and_with_enough_starts():
     assert sim.state.status == "forming"
     ds = sim.tick(0.6)
     assert "quorum_lost" in names(ds) and sim.state.status == "quorum_lost"
-    assert one(sim.reg(1), "refused").code == "quorum_lost"
+    # Nobody of that attempt is left (replica 0's lease ran out): a late replica forms it anew.
+    assert "reforming" in names(sim.reg(1)) and sim.state.status == "forming"
 
     sim = Sim(min_replicas=2)
     sim.reg(0)
@@ -920,3 +921,32 @@ def test_the_unreachable_field_is_decoded_and_checked():
     assert msg.unreachable == ((3, "no route"),)
     with pytest.raises(ProtocolError, match="unreachable"):
         decode_message({**req, "unreachable": [["3", "no route"]]})
+
+
+# ---------------------------------------------------------------- a quorum lost, then resumed
+
+
+def test_a_run_that_lost_its_quorum_forms_again_from_resumed_replicas():
+    sim = Sim(expected_replicas=2, min_replicas=2).formed(2)
+    for r in (0, 1):
+        sim.done(r)
+    assert sim.state.committed_step == 0
+    one(sim.exit(1), "quorum_lost")
+    # Replica 0 is still live (it saves the last committed step): a restart must wait for it.
+    ds = sim.reg(1, inc="inc1-b", next_step=1)
+    refused = one(ds, "refused")
+    assert refused.code == "quorum_lost" and "still live" in refused.reason
+    sim.exit(0)  # it saved and exited
+    epoch = sim.state.epoch
+    ds = sim.reg(0, inc="inc0-b", next_step=1)
+    reform = one(ds, "reforming")
+    assert reform.lost_at == 0 and sim.state.status == "forming"
+    assert sim.state.fenced["inc0"] == sim.state.fenced["inc1"] == "evicted"
+    ds = sim.reg(1, inc="inc1-b", next_step=1)
+    assert one(ds, "admitted").replica_ids == (0, 1)
+    assert sim.state.step == 1 and sim.state.epoch > epoch and sim.state.status == "running"
+    for r in (0, 1):
+        ds = sim.done(r)
+    assert one(ds, "committed").step == 1
+    # An old incarnation is fenced for good.
+    assert one(sim.reg(0, inc="inc0"), "refused").code == "evicted"

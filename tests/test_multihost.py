@@ -217,6 +217,37 @@ def test_a_replica_that_cannot_be_dialled_is_named_and_evicted(reference, tiny_d
 
 
 @pytest.mark.timeout(150)
+def test_a_run_that_lost_its_quorum_resumes_against_the_same_coordinator(
+    reference, tiny_dataset, tmp_path
+):
+    """min_replicas 2 and replica 1 SIGKILLed: the quorum is lost, replica 0 saves the last
+    committed step and exits 3 in one line. Both replicas restarted with --resume against the
+    coordinator that is still up: the run forms again (`coordinator.reforming`), goes on from
+    the checkpoint, and ends on the one-replica trajectory, every step recorded once."""
+    run = tmp_path / "run"
+    with hosts.Network(3) as net:
+        coordinator = start_coordinator(net.host(0), run, "--min-replicas", "2")
+        kill = "kill:replica=1,step=4,phase=backward,microbatch=0"
+        first = [
+            start_worker(net.host(1), net.host(0), 0, tiny_dataset, run),
+            start_worker(net.host(2), net.host(0), 1, tiny_dataset, run, "--fault", kill),
+        ]
+        lost = finish_all(first, timeout=90)
+        assert first[0].returncode == exits.QUORUM_LOST, lost[0][-3000:]
+        assert "Traceback" not in lost[0] and "--resume" in lost[0], lost[0][-3000:]
+        again = [
+            start_worker(net.host(r + 1), net.host(0), r, tiny_dataset, run, "--resume")
+            for r in (0, 1)
+        ]
+        outputs = finish_all(again, timeout=90)
+        coord_out = finish_all([coordinator], timeout=15)
+    assert [w.returncode for w in again] == [0, 0], outputs[0][-3000:] + coord_out[0][-2000:]
+    (reform,) = events(run, "coordinator.reforming")
+    assert reform["lost_at"] == 3, reform
+    assert_invariants(reference, run, completed(0, outputs), steps=STEPS, microbatches=M)
+
+
+@pytest.mark.timeout(150)
 def test_the_coordinators_host_cut_off_for_less_than_the_grace_is_survived(
     reference, tiny_dataset, tmp_path
 ):

@@ -5,6 +5,9 @@ redo decisions and lease expiry. No sockets, threads or clocks: the caller passe
 `now` (a monotonic clock), so tests drive every race with an injected clock.
 
 Rules (docs/design.md has the narrative):
+- Re-forming (`_reform`): a registration after the quorum was lost, once no old member is
+  still live (the survivors save the last committed step first), starts the forming again, as a
+  fresh coordinator would; the old incarnations are fenced, epochs keep increasing.
 - Forming: the run forms at epoch 1 when `expected_replicas` registrations with one fingerprint
   and one `next_step` are there (or, at `start_deadline_s`, with >= min_replicas of them).
 - Every membership change (death, clean leave, regroup, admission) bumps the epoch by one.
@@ -76,6 +79,7 @@ from recover.coordinator.protocol import (
     ProcessExit,
     QuorumLost,
     Redo,
+    Reforming,
     Refused,
     Register,
     Registered,
@@ -175,6 +179,19 @@ def _on_register(s: CoordinatorState, now: float, m: Register, out: list) -> str
     if cur is not None and cur.incarnation == inc and cur.state != DEAD:
         s.own("members")[r] = replace(cur, last_seen=now)
         return f"replica {r} registered again (new session, same incarnation)"
+    if s.status == QUORUM_LOST:
+        still = [
+            x for x, mb in s.members.items()
+            if mb.state in (PENDING, LIVE) and now - mb.last_seen <= s.options.lease_s
+        ]  # fmt: skip
+        if still:
+            why = (
+                f"the run lost its quorum ({s.reason}); replicas {sorted(still)} of the old run "
+                "are still live (saving the last committed step): start this replica again "
+                "once they have exited"
+            )
+            return _refuse(out, m, s.status, why)
+        _reform(s, now, out, r)
     if s.status in TERMINAL:
         return _refuse(out, m, s.status, f"the run is {s.status}: {s.reason}")
     if s.leaving:  # no step boundary will come any more: nothing to join
@@ -517,6 +534,30 @@ def _kill(s: CoordinatorState, r: int, how: str, why: str, out: list) -> None:
         _lose_quorum(s, out, f"{why}: stop and resume from the last checkpoint")
     else:
         _evaluate_attempt(s, out)
+
+
+def _reform(s: CoordinatorState, now: float, out: list, r: int) -> None:
+    """A run that lost its quorum forms again, as a fresh coordinator would, from the replicas
+    that register now (restarted with --resume: their checkpoints say where it goes on). Every
+    incarnation of the old run is fenced; epochs and versions go on increasing."""
+    lost_at = s.committed_step
+    members, fenced = s.own("members"), s.own("fenced")
+    for x, mb in list(members.items()):
+        if mb.state in (PENDING, LIVE):
+            members[x] = replace(mb, state=DEAD, how="quorum")
+            fenced[mb.incarnation] = "evicted"
+    s.status, s.reason = FORMING, "waiting for registrations"
+    s.live, s.attempt_members, s.joined, s.nonfinite, s.verifying = (), (), (), (), ()
+    s.plan, s.weights, s.reports, s.param_hashes = {}, {}, {}, {}
+    s.unreachable, s.unreachable_strikes = {}, {}
+    s.step, s.committed_step, s.committed_writer, s.records_from = 0, -1, -1, 0
+    s.fingerprint, s.leaving, s.n_pending, s.suspect_since = None, False, 0, None
+    s.start_deadline = now + s.options.start_deadline_s
+    why = (
+        f"replica {r} registered after the run lost its quorum (last committed step {lost_at}): "
+        f"the run forms again from the replicas that register (every old incarnation is fenced)"
+    )
+    out.append(Reforming(replica_id=r, lost_at=lost_at, reason=why))
 
 
 def _lose_quorum(s: CoordinatorState, out: list, why: str) -> None:

@@ -589,6 +589,16 @@ class QuorumLost(_Decision):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Reforming(_Decision):
+    """A run that lost its quorum forms again: a replica registered (restarted with --resume)
+    once no member of the old run was still live. The old incarnations are fenced."""
+
+    name: ClassVar[str] = "reforming"
+    replica_id: int
+    lost_at: int  # the last committed step before the quorum was lost
+
+
+@dataclass(frozen=True, kw_only=True)
 class Refused(_Decision):
     name: ClassVar[str] = "refused"
     replica_id: int | None
@@ -644,6 +654,7 @@ Decision = (
     | Diverged
     | Finished
     | Revalidated
+    | Reforming
 )
 
 # ---------------------------------------------------------------- framing

@@ -138,7 +138,7 @@ class Member:
     fingerprint: dict[str, Any]  # the replica's config fingerprint
     next_step: int  # from its checkpoint, at registration
     throughput: float | None = None  # moving average of microbatches/s from done reports
-    how: str | None = None  # how it stopped: exit | lease | suspect | unreachable | leave
+    how: str | None = None  # how it stopped: exit | lease | suspect | unreachable | quorum | leave
     leaving: bool = False  # asked to leave at the next commit (a planned leave)
 
 

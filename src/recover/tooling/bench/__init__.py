@@ -113,6 +113,11 @@ def add_bench_parser(subparsers) -> None:
                 help="checkpoint interval of the checkpoint-restart mode (default: 5)",
             )
             p.add_argument(
+                "--without-torchft",
+                action="store_true",
+                help="leave out the two torchft rows even when torchft is installed",
+            )
+            p.add_argument(
                 "--out",
                 default="bench-compare",
                 metavar="DIR",

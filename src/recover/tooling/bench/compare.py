@@ -88,9 +88,12 @@ def bench_compare(args: argparse.Namespace) -> dict:
         loads[name] = (load0, os.getloadavg()[0])
         settings[name] = " ".join(own) or ("no faults" if not faulted else "defaults")
         print(f"  {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-    torchft_note, torchft_settings = _maybe_run_torchft(
-        cfg, args.replicas, faults, data, out_dir, runs, settings, loads
-    )
+    if getattr(args, "without_torchft", False):
+        torchft_note, torchft_settings = "torchft left out (--without-torchft)", {}
+    else:
+        torchft_note, torchft_settings = _maybe_run_torchft(
+            cfg, args.replicas, faults, data, out_dir, runs, settings, loads
+        )
     rows = build_table(runs, reference="failure-free")
     for row in rows:
         row["settings"] = settings[row["name"]]
