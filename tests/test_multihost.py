@@ -248,6 +248,49 @@ def test_a_run_that_lost_its_quorum_resumes_against_the_same_coordinator(
 
 
 @pytest.mark.timeout(150)
+def test_a_replica_cut_off_past_its_lease_is_fenced_then_rejoins_as_a_new_member(
+    reference, tiny_dataset, tmp_path
+):
+    """Replica 1's host leaves the network for 3 s (lease 1 s, grace 10 s): after its lease the
+    coordinator declares it dead and replica 0 redoes the step alone, with all M microbatches.
+    Healed within its grace, the old replica 1 learns it was evicted: status 4, no traceback,
+    and not one line written into the run after the cut. Restarted, replica 1 registers as a
+    new member, gets the live state and trains to the end on the one-replica trajectory.
+    (Replica 0 is paced 100x from step 2 so that the run outlasts the restart.)"""
+    run = tmp_path / "run"
+    with hosts.Network(3) as net:
+        coordinator = start_coordinator(net.host(0), run)
+        pace = "slow:replica=0,step=2,factor=100"
+        workers = [
+            start_worker(net.host(1), net.host(0), 0, tiny_dataset, run, "--fault", pace),
+            start_worker(net.host(2), net.host(0), 1, tiny_dataset, run),
+        ]
+        wait_until(lambda: last_recorded_step(run) >= 1, "step 1", alive=workers, timeout=90)
+        net.host(2).partition()
+        cut = time.time()
+        time.sleep(3.0)  # the partition's length (what is tested), not a wait for a result
+        net.host(2).heal()
+        (old,) = finish_all([workers[1]], timeout=30)
+        restarted = time.time()
+        new = start_worker(net.host(2), net.host(0), 1, tiny_dataset, run)
+        outputs = finish_all([workers[0], new], timeout=120)
+        finish_all([coordinator], timeout=15)
+    assert workers[1].returncode == exits.EVICTED and "Traceback" not in old, old[-3000:]
+    assert [workers[0].returncode, new.returncode] == [0, 0], outputs[1][-3000:]
+    dead = events(run, "coordinator.member_dead")
+    assert [(e["replica_id"], e["how"]) for e in dead] == [(1, "lease")], dead
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    fenced = [
+        r for r in lines
+        if r.get("replica") == 1 and cut + 0.5 < r["t_wall"] < restarted
+        and not r.get("name", "").startswith("coordinator.")  # the coordinator's, about it
+    ]  # fmt: skip
+    assert fenced == [], fenced
+    assert {t["replica"] for t in events(run, "state_transfer")} == {1}
+    assert_invariants(reference, run, completed(0, outputs), steps=STEPS, microbatches=M)
+
+
+@pytest.mark.timeout(150)
 def test_the_coordinators_host_cut_off_for_less_than_the_grace_is_survived(
     reference, tiny_dataset, tmp_path
 ):
