@@ -344,13 +344,7 @@ def _construct(
         if probe is not None and time.monotonic() - started > config.reach_after_s:
             unreachable, probe = probe(), None
             if unreachable and not done.is_set():
-                named = "; ".join(f"rank {k}: {why}" for k, why in sorted(unreachable.items()))
-                raise CollectiveAborted(
-                    "unreachable",
-                    f"group build abandoned: peers cannot be dialled: {named}",
-                    epoch=epoch,
-                    unreachable=unreachable,
-                )
+                raise _unreachable(unreachable, epoch, "group build abandoned")
         if not bounded and time.monotonic() > give_up:
             raise CollectiveAborted(
                 "deadline",
@@ -362,15 +356,21 @@ def _construct(
         # address failed, not which peer: the probe names the peers this rank cannot dial.
         unreachable = probe() if probe is not None else {}
         if unreachable:
-            named = "; ".join(f"rank {k}: {why}" for k, why in sorted(unreachable.items()))
-            raise CollectiveAborted(
-                "unreachable",
-                f"group build failed: peers cannot be dialled: {named} (gloo: {box['error']})",
-                epoch=epoch,
-                unreachable=unreachable,
-            )
+            raise _unreachable(unreachable, epoch, "group build failed", f" (gloo: {box['error']})")
         raise box["error"]
     return box["pg"]
+
+
+def _unreachable(
+    unreachable: dict[int, str], epoch: int, what: str, cause: str = ""
+) -> CollectiveAborted:
+    named = "; ".join(f"rank {k}: {why}" for k, why in sorted(unreachable.items()))
+    return CollectiveAborted(
+        "unreachable",
+        f"{what}: peers cannot be dialled: {named}{cause}",
+        epoch=epoch,
+        unreachable=unreachable,
+    )
 
 
 def _reach_probe(
