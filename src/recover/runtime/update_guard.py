@@ -27,8 +27,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
 from recover.runtime.grads import local_part
+
+
+def on_every_rank(ok: bool, group, device: torch.device | str = "cpu") -> bool:
+    """Whether `ok` holds on every rank of `group` (one MIN all-reduce; None: this rank only)."""
+    if group is None:
+        return ok
+    flag = torch.tensor([1.0 if ok else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item() > 0)
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:

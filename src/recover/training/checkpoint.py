@@ -93,7 +93,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from recover.runtime.update_guard import all_finite
+from recover.runtime.update_guard import all_finite, on_every_rank
 from recover.training.dcp_reader import InPlaceReader, UnreadableRecord
 
 FORMAT = "recover-dcp/1"
@@ -399,11 +399,7 @@ class CheckpointWriter:
         """Whether every floating value of the state is finite, on every rank of the replica: a
         non-finite state is never written (nor over a finite one)."""
         ok = all_finite(v for v in _flatten(state).values() if torch.is_tensor(v))
-        if self.group is None:
-            return ok
-        flag = torch.tensor([1.0 if ok else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item() > 0)
+        return on_every_rank(ok, self.group)
 
     def save(
         self,

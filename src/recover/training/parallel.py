@@ -67,6 +67,7 @@ from recover.data.addressing import TokenDataset, microbatch_seed
 from recover.policy import deal_round_robin
 from recover.runtime.grads import laid_out_like, local_part
 from recover.runtime.layout import ReplicaLayout
+from recover.runtime.update_guard import on_every_rank
 from recover.training.config import TrainConfig
 from recover.training.model import GPT, embed, lm_loss
 from recover.training.trainer import FULL_STATE, ReplicaTrainer, check_layout_free
@@ -128,9 +129,7 @@ class MultiRankTrainer(ReplicaTrainer):
         )
 
     def _all_ranks(self, ok: bool) -> bool:
-        flag = torch.tensor([1.0 if ok else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.intra.group)
-        return bool(flag.item() > 0)
+        return on_every_rank(ok, self.intra.group, self.device)
 
     def _clip_gradients(self, clip: float) -> float:
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
