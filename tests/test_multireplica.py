@@ -343,3 +343,61 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_second_launcher_on_a_live_run_folder_is_refused(tiny_dataset, tmp_path):
+    """One live launcher per run folder: a `--resume` into a run that is still training (or the
+    same --out started twice) is refused in one line naming the holder, and writes nothing. The
+    first run, paced (30x per microbatch, 400 steps) to outlive the second's start, is then
+    stopped by SIGTERM: every step it committed is recorded once."""
+    import signal
+
+    out = tmp_path / "run"
+    first = start_train(tiny_dataset, out, *FLAGS, "--replicas", "2", "--steps", "400",
+                        "--fault", "slow:replica=0,step=0,factor=30")  # fmt: skip
+    try:
+        wait_for_step(out, 0, alive=[first])
+        second = train(tiny_dataset, out, "--replicas", "2", "--steps", "400", "--resume",
+                       timeout=60)  # fmt: skip
+        assert first.poll() is None, "the first run ended before the second launcher started"
+        assert second.returncode == 2, second.stdout[-3000:]
+        assert f"another launcher (pid {first.pid})" in second.stdout, second.stdout[-3000:]
+        assert "[replica" not in second.stdout and "[coordinator" not in second.stdout
+        first.send_signal(signal.SIGTERM)
+        finish(first, 60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    steps = committed_steps(out / "metrics.jsonl")
+    assert steps and sorted(steps) == list(range(len(steps)))
+    records = [r for r in read_metrics(out / "metrics.jsonl") if r.get("kind") == "step"]
+    assert len(records) == len(steps), "a step recorded twice"
+    assert leftover_processes(str(out)) == []
+
+
+def test_the_run_folder_lock_dies_with_its_launcher(tmp_path):
+    """A launcher killed by SIGKILL keeps no lock: the kernel's flock goes with the process."""
+    import signal
+    import sys
+
+    from recover.training.runfolder import RunFolderError, lock_run_folder
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from recover.training.runfolder import "
+         "lock_run_folder; lock_run_folder(__import__('pathlib').Path(sys.argv[1])); "
+         "print('locked', flush=True); time.sleep(60)", str(out)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunFolderError, match=f"pid {holder.pid}"):
+            lock_run_folder(out)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+        os.close(lock_run_folder(out))  # taken at once
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()

@@ -600,7 +600,12 @@ def run_script(args: argparse.Namespace) -> int:
         token=os.environ.get(TOKEN_ENV) or None,
         job={"job": args.resolved_job, "command": command},
     )
-    return launcher.run()
+    from recover.training.runfolder import RunFolderError
+
+    try:
+        return launcher.run()
+    except RunFolderError as e:
+        return _error(str(e))
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -62,7 +62,7 @@ from recover.runtime.faults import FaultSpec, fault_flag, faults_for, read_fired
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.spec import ReplicaSpec
 from recover.training.config import TRAIN_CONFIG_ENV, RunPaths, TrainConfig
-from recover.training.runfolder import open_run_folder
+from recover.training.runfolder import LOCK_FILE, RunFolderError, lock_run_folder, open_run_folder
 from recover.zygote import Zygote
 
 # How the launcher starts its own commands (coordinator, built-in worker): this Python, this package.
@@ -682,7 +682,20 @@ class LocalLauncher:
 
     def run(self) -> int:
         lc = self.lcfg
-        self._open_run_folder()
+        # One live launcher per run folder, for the whole job (released when this process ends).
+        out = self.paths.out
+        fresh = not out.exists()
+        new_lock = not (out / LOCK_FILE).exists()
+        self._lock_fd = lock_run_folder(out)
+        try:
+            self._open_run_folder()
+        except RunFolderError:  # refused: leave the folder as it was found
+            os.close(self._lock_fd)
+            if new_lock:
+                (out / LOCK_FILE).unlink(missing_ok=True)
+            if fresh and not any(out.iterdir()):
+                out.rmdir()
+            raise
         if not self.resume:  # a new job: none of its faults has fired (the file comes with one)
             self.fired_file.unlink(missing_ok=True)
         self._write_token()

@@ -1,9 +1,11 @@
 """The run folder (`--out DIR`): refuse one that holds another run, write `config.json`, and on
-`--resume` check that the folder's run is the one asked for. Torch-free (the launcher uses it).
+`--resume` check that the folder's run is the one asked for; one live launcher per folder
+(`lock_run_folder`). Torch-free (the launcher uses it).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -12,6 +14,7 @@ from recover.training.config import RESUMABLE_CHANGES, RunPaths, TrainConfig
 from recover.training.presets import build_config
 
 CONFIG_FORMAT = 1
+LOCK_FILE = ".launcher.lock"  # held (flock) by the live launcher of the run; not the record
 
 
 class RunFolderError(ValueError):
@@ -53,7 +56,7 @@ def open_run_folder(
                 f"(hash {saved.get('data', {}).get('content_hash')!r}, "
                 f"now {data_info.get('content_hash')!r})"
             )
-    elif out.exists() and any(out.iterdir()):
+    elif out.exists() and any(p.name != LOCK_FILE for p in out.iterdir()):
         what = "another run" if has_run else "other files"
         raise RunFolderError(
             f"--out {out}: the folder holds {what}; pass --resume to continue it or choose an "
@@ -70,6 +73,30 @@ def open_run_folder(
     if launch:
         record["launch"] = launch
     _write_json_atomic(paths.config, record)
+
+
+def lock_run_folder(out: Path) -> int:
+    """Take the run folder's lock for this launcher's lifetime (the returned descriptor; it is
+    not inherited by children). A second launcher on the same folder (a --resume into a live run,
+    or the same --out twice) is refused with RunFolderError naming the holder's pid. The lock is
+    the kernel's (flock): a launcher that dies, even by SIGKILL, holds it no longer."""
+    if out.exists() and not out.is_dir():
+        raise RunFolderError(f"--out {out}: exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RunFolderError(
+            f"--out {out}: another launcher (pid {holder}) is running this run; wait for it to "
+            "end (or stop it) before starting or resuming a job in this folder"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def read_dataset_info(path: Path) -> dict:
