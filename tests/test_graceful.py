@@ -62,7 +62,8 @@ def test_sigterm_to_the_launcher_saves_the_committed_state_and_resume_continues(
     reference, tiny_dataset, tmp_path
 ):
     out = tmp_path / "run"
-    proc = start(tiny_dataset, out, "--replicas", "2")
+    # --quiet hides the step lines, not the line that says where the state is and what to run.
+    proc = start(tiny_dataset, out, "--replicas", "2", "--quiet")
     try:
         wait_for_step(out, 5, alive=[proc], timeout=60)
         proc.terminate()  # the launcher alone, as a scheduler stops a job

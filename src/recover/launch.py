@@ -735,7 +735,8 @@ class LocalLauncher:
                 self._stop_replicas()
             except KeyboardInterrupt:  # a second signal: no more waiting
                 self.say("interrupted again: stopping every process now")
-            self.say(f"stopped: {self._resume_hint()}")
+            # What to do next is said even with --quiet: it is the outcome the user acts on.
+            self.say(f"stopped: {self._resume_hint()}", logging.WARNING)
             return code
         finally:
             signal.signal(signal.SIGTERM, previous)
