@@ -67,6 +67,13 @@ def test_non_finite_or_negative_fault_values_are_refused(spec, field):
         parse_fault(spec)
 
 
+def test_a_wake_up_later_than_an_hour_is_refused():
+    """A hang woken after 1e308 s kept a launcher waiting after the run ended."""
+    assert parse_fault("hang:replica=0,step=1,phase=forward,wake_after=3600").wake_after == 3600
+    with pytest.raises(ValueError, match="wake_after must be <= 3600 s"):
+        parse_fault("hang:replica=0,step=1,phase=forward,wake_after=1e308")
+
+
 def test_a_nan_fault_is_for_the_backward_phase_only():
     assert parse_fault("nan:replica=1,step=2,phase=backward,microbatch=1").kind == "nan"
     with pytest.raises(ValueError, match="phase backward only"):

@@ -197,6 +197,23 @@ def test_a_hung_writer_is_evicted_and_writes_nothing_when_it_wakes(
     assert {e["replica"] for e in events(out, "replica_finished")} == {1, 2}
 
 
+def test_a_hang_to_be_woken_after_the_run_ended_is_not_waited_for(
+    reference, tiny_dataset, tmp_path
+):
+    """Replica 1 stops (SIGSTOP) at step 2 with a wake-up due in 10 minutes; evicted by its
+    lease, the others finish the run. The launcher does not wait for the wake-up: it ends with
+    status 0 once they finished, with no resume line, and leaves no process behind."""
+    out = tmp_path / "hang"
+    r = train(
+        tiny_dataset, out, "--replicas", "3", "--lease", "0.5",
+        "--fault", "hang:replica=1,step=2,phase=forward,wake_after=600", timeout=60,
+    )  # fmt: skip
+    assert_invariants(reference, out, r)
+    assert "waking replica 1" not in r.stdout and "--resume" not in r.stdout, r.stdout[-3000:]
+    (dead,) = events(out, "coordinator.member_dead")
+    assert (dead["replica_id"], dead["how"]) == (1, "lease")
+
+
 @pytest.mark.parametrize("phase", ["backward", "reduce"])
 def test_a_frozen_training_thread_is_caught_by_the_stall_guard(
     phase, reference, tiny_dataset, tmp_path

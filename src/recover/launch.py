@@ -922,13 +922,13 @@ class LocalLauncher:
         return problems
 
     def _only_hung_left(self, alive: dict[int, set[int]], codes: list, wake: dict) -> bool:
-        """True when every process still running is one we leave stopped for ever."""
+        """True when a replica finished and every process still running is one stopped by its
+        hang fault: the run is over, so no fault's wake-up is waited for (the stopped processes
+        are fenced; they are SIGKILLed at the end)."""
         if not any(c == 0 for _, _, c in codes):
             return False
         return all(
-            (r, k) in wake
-            and wake[(r, k)] is None
-            and _is_stopped(self.children[_proc_name(r, k)].pid)
+            (r, k) in wake and _is_stopped(self.children[_proc_name(r, k)].pid)
             for r, ranks in alive.items()
             for k in ranks
         )

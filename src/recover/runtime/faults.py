@@ -35,7 +35,8 @@ whatever the process's fence says, since the fault acts all the same, and it doe
 where, or whether, the process writes its events.
 
 A fault that could never fire, or never end, is refused at start-up with a ValueError naming the
-field: `wake_after` and `factor` must be finite and not negative (`factor` > 1 for `slow`); and,
+field: `wake_after` and `factor` must be finite and not negative (`factor` > 1 for `slow`,
+`wake_after` at most an hour); and,
 where the run's M and steps are known (`check_faults_fit`, called by the CLI), `microbatch` must
 be < M and `step` < steps.
 """
@@ -58,6 +59,7 @@ from recover import exits
 log = logging.getLogger(__name__)
 
 KINDS = ("kill", "hang", "exit", "freeze", "slow", "nan")
+MAX_WAKE_AFTER_S = 3600.0  # a hang woken later than this is a hang for good: leave it out
 FREEZE_PHASES = ("forward", "backward", "reduce", "optimizer")
 PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "transfer")
 GRAMMAR = (
@@ -101,6 +103,11 @@ class FaultSpec:
             )
         if self.wake_after is not None and (self.kind != "hang" or self.wake_after < 0):
             raise ValueError("wake_after is for hang faults only, and must be >= 0")
+        if self.wake_after is not None and self.wake_after > MAX_WAKE_AFTER_S:
+            raise ValueError(
+                f"fault wake_after must be <= {MAX_WAKE_AFTER_S:g} s, got {self.wake_after:g} "
+                "(leave wake_after out for a replica that stays stopped)"
+            )
 
     def describe(self) -> str:
         if self.kind == "slow":
