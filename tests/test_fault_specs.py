@@ -105,6 +105,7 @@ def test_faults_beyond_the_run_are_refused_naming_the_field():
         ("hang:replica=1,step=1,phase=forward,wake_after=nan", "wake_after"),
         ("kill:replica=1,step=1,phase=backward,microbatch=50", "microbatch=50"),
         ("kill:replica=1,step=999,phase=reduce", "step=999"),
+        ("kill:replica=1,step=1,phase=transfer", "--respawn"),  # no joiner: it never fires
     ],
 )
 def test_recover_train_refuses_them_before_anything_starts(
@@ -213,7 +214,8 @@ def test_the_launcher_gives_a_new_process_only_the_faults_not_recorded_as_fired(
     )
     cfg = TrainConfig(preset="tiny", steps=4, microbatches=M)
     launcher = LocalLauncher(
-        cfg, LaunchConfig(replicas=2, faults=(nan, transfer, slow)), data=tmp_path, out=tmp_path,
+        cfg, LaunchConfig(replicas=2, faults=(nan, transfer, slow), respawn_s=0.0), data=tmp_path,
+        out=tmp_path,
         resume=False, data_info={}, console=None,
     )  # fmt: skip
     # The run's record is not what the launcher goes by: an event there fires nothing.

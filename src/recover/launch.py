@@ -155,6 +155,11 @@ class LaunchConfig:
                 raise ValueError(
                     f"--fault names rank {f.rank}, but a replica has ranks 0..{self.ranks - 1}"
                 )
+            if f.phase == "transfer" and f.kind != "slow" and self.respawn_delay_s is None:
+                raise ValueError(
+                    f"--fault {fault_flag(f)} fires in a state transfer to a joiner, and this job "
+                    "never has one: add --respawn S or --standby N (it would never fire)"
+                )
 
     @property
     def mode(self) -> str:
