@@ -171,11 +171,14 @@ def test_a_hung_writer_is_evicted_and_writes_nothing_when_it_wakes(
     # Replica 0, the writer of step 2, stops (SIGSTOP) in the optimizer step after the commit,
     # before its records; it is evicted (lease), and woken 1.5 s later. Fenced, it writes nothing
     # more (no step record, event, checkpoint or temporary file) and exits 4; the writer of
-    # step 3 writes step 2's record and the checkpoint due after it, once.
+    # step 3 writes step 2's record and the checkpoint due after it, once. The others are paced
+    # (100x per microbatch from step 2) so that the run is still going when replica 0 wakes: a
+    # wake-up still due once the run is over is not waited for.
     out = tmp_path / "hang"
     r = train(
         tiny_dataset, out, "--replicas", "3", "--lease", "0.5", "--ckpt-every", "3",
         "--fault", "hang:replica=0,step=2,phase=optimizer,wake_after=1.5",
+        "--fault", "slow:replica=1,step=2,factor=100", "--fault", "slow:replica=2,step=2,factor=100",
     )  # fmt: skip
     assert_invariants(reference, out, r)
     (dead,) = events(out, "coordinator.member_dead")
