@@ -22,7 +22,8 @@ M = 6
 # 3-6, the replica killed at step 3: a respawned tiny replica of a 4-replica run (25-30 steps/s)
 # committed at steps 26-71, a respawned replica of 2 sharded ranks (2.7-9 steps/s) at steps
 # 13-64, hand-started cold joiners under a 10x pace at step 111 with 27 s of the run left. Only
-# the sharded run can be shortened: SHORT_STEPS leaves 2.2x the steps of its latest join. A
+# the sharded run and the hand-started joiners' can be shortened: SHORT_STEPS leaves 2.2x the
+# steps of the sharded run's latest join, 1.8x the joiners'. A
 # replica killed at its first commit with a standby waiting: joined at step 3 (load average 10-13).
 SHORT_STEPS = 200
 STEPS = 300
@@ -133,22 +134,31 @@ def test_a_replica_of_two_sharded_ranks_is_respawned_and_gets_its_halves(
 
 @pytest.mark.timeout(180)
 def test_hand_started_joiners_refused_killed_in_transfer_and_scale_up(
-    reference, tiny_dataset, tmp_path
+    short_reference, tiny_dataset, tmp_path
 ):
     out = tmp_path / "join"
     env = child_env() | {"RECOVER_TOKEN": "test-token-123"}
     data = ["--data", str(tiny_dataset), "--out", str(out)]
     # Paced: replica 0 computes its (equal) share 10x slower, so the run is still going when the
-    # joiners, each importing torch on a busy machine, register (unpaced, the 300 tiny steps can
-    # end first). A straggler changes no committed value: the trajectory is the reference's.
+    # joiners, each importing torch on a busy machine, register (unpaced, the tiny steps can end
+    # first). 200 steps: the joiner was admitted near step 111 (see SHORT_STEPS's note). A
+    # straggler changes no committed value: the trajectory is the reference's.
     pace = ["--balance", "equal", "--fault", "slow:replica=0,step=0,factor=10"]
-    run = cli("train", *FLAGS, "--steps", str(STEPS), *data, "--replicas", "3", *pace, env=env)
+    run = cli(
+        "train", *FLAGS, "--steps", str(SHORT_STEPS), *data, "--replicas", "3", *pace, env=env
+    )
     joiners: list[subprocess.Popen] = []
     try:
         wait_for(lambda: (out / "metrics.jsonl").exists() and committed_steps(out / "metrics.jsonl"),
                  90, "the run to start")  # fmt: skip
         address = json.loads((out / "coordinator.json").read_text())
-        where = ["--coordinator", f"127.0.0.1:{address['port']}", "--steps", str(STEPS), *data]
+        where = [
+            "--coordinator",
+            f"127.0.0.1:{address['port']}",
+            "--steps",
+            str(SHORT_STEPS),
+            *data,
+        ]
         # A joiner with a 10x learning rate is refused, naming the field; one killed while
         # receiving the state leaves the others training.
         bad = cli("worker", *FLAGS, "--lr", "1e-2", *where, "--replica-id", "3", env=env)
@@ -173,7 +183,7 @@ def test_hand_started_joiners_refused_killed_in_transfer_and_scale_up(
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-    assert_invariants(reference, out, r)
+    assert_invariants(short_reference, out, r, SHORT_STEPS)
     assert any(e.get("during") == "state transfer" for e in events(out, "failure_detected"))
     # Only the good joiner ever loads the state; it may load it twice when it was admitted with
     # the doomed one (the transfer is repeated in the epoch after the doomed one died in it).
