@@ -641,25 +641,13 @@ def _evict_unreachable(s: CoordinatorState, out: list, survivors: list[int]) -> 
     evict = [x for x in judged if s.unreachable_strikes[x] >= s.options.unreachable_attempts]
     if not evict:
         return survivors
-    members, fenced = s.own("members"), s.own("fenced")
-    for x in evict:
-        m = members[x]
-        n = s.unreachable_strikes.pop(x)
-        why = (
-            f"replica {x} cannot be dialled by {len(votes[x])} of the other "
-            f"{len(survivors) - 1} members in {n} consecutive attempts of step {s.step} "
-            f"({reason[x]}); evicted: check the address it advertises (--ifname)"
-        )
-        members[x] = replace(m, state=DEAD, how="unreachable")
-        fenced[m.incarnation] = "evicted"
-        out.append(
-            MemberDead(replica_id=x, incarnation=m.incarnation, how="unreachable", reason=why)
-        )
-    s.live = tuple(r for r in s.live if r not in evict)
-    _bump_epoch(s, out, f"replicas {evict} evicted: they cannot be dialled")
-    if len(s.live) < s.options.min_replicas:
-        _lose_quorum(s, out, f"only {len(s.live)} live replicas remain, below min_replicas")
-    return [r for r in survivors if r not in evict]
+    whys = {
+        x: f"replica {x} cannot be dialled by {len(votes[x])} of the other "
+        f"{len(survivors) - 1} members in {s.unreachable_strikes.pop(x)} consecutive attempts "
+        f"of step {s.step} ({reason[x]}); evicted: check the address it advertises (--ifname)"
+        for x in evict
+    }
+    return _evict(s, out, survivors, "unreachable", whys, "evicted: they cannot be dialled")
 
 
 def _commit(s: CoordinatorState, out: list, survivors: list[int]) -> None:
@@ -794,23 +782,35 @@ def _evict_suspects(s: CoordinatorState, out: list, survivors: list[int]) -> lis
     """The suspects of this attempt computed wrongly (their ids were finite elsewhere): evict each
     (fenced for good, a new incarnation may join) and return the survivors without them."""
     t, suspects = s.step, s.verifying
-    members, fenced = s.own("members"), s.own("fenced")
-    for r in suspects:
-        m = members[r]
-        why = (
-            f"replica {r}'s part of step {t} was not finite, and its microbatches recomputed on "
-            "other replicas were: it computes wrongly (suspect hardware); evicted"
-        )
-        out.append(SuspectHardware(replica_id=r, incarnation=m.incarnation, step=t, reason=why))
-        members[r] = replace(m, state=DEAD, how="suspect")
-        fenced[m.incarnation] = "evicted"
-        out.append(MemberDead(replica_id=r, incarnation=m.incarnation, how="suspect", reason=why))
-    s.live = tuple(r for r in s.live if r not in suspects)
+    whys = {
+        r: f"replica {r}'s part of step {t} was not finite, and its microbatches recomputed on "
+        "other replicas were: it computes wrongly (suspect hardware); evicted"
+        for r in suspects
+    }
+    for r, why in whys.items():
+        inc = s.members[r].incarnation
+        out.append(SuspectHardware(replica_id=r, incarnation=inc, step=t, reason=why))
     s.verifying = ()
-    _bump_epoch(s, out, f"replicas {list(suspects)} evicted as suspect hardware")
+    return _evict(s, out, survivors, "suspect", whys, "evicted as suspect hardware")
+
+
+def _evict(
+    s: CoordinatorState, out: list, survivors: list[int], how: str, whys: dict[int, str],
+    what: str,
+) -> list[int]:  # fmt: skip
+    """Evict the live members `whys` names at once (dead, fenced for good: a new incarnation may
+    join), one epoch for all of them; return the survivors without them."""
+    members, fenced = s.own("members"), s.own("fenced")
+    for r, why in whys.items():
+        m = members[r]
+        members[r] = replace(m, state=DEAD, how=how)
+        fenced[m.incarnation] = "evicted"
+        out.append(MemberDead(replica_id=r, incarnation=m.incarnation, how=how, reason=why))
+    s.live = tuple(r for r in s.live if r not in whys)
+    _bump_epoch(s, out, f"replicas {list(whys)} {what}")
     if len(s.live) < s.options.min_replicas:
         _lose_quorum(s, out, f"only {len(s.live)} live replicas remain, below min_replicas")
-    return [r for r in survivors if r not in suspects]
+    return [r for r in survivors if r not in whys]
 
 
 def _new_attempt(s: CoordinatorState) -> None:
