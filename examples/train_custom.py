@@ -88,15 +88,21 @@ def train(replica, model, optimizer, scheduler, data, args, *, saver=None, start
             logits = model(x)
             replica.backward(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
         # .grad holds the committed mean gradient over the step's M microbatches
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        if replica.is_writer:  # one replica writes each committed step's record
-            record = {"step": step, "loss": replica.loss, "microbatches": replica.committed_microbatches,
-                      "time": time.time()}  # fmt: skip
+        # Added to the step's record in the run's metrics.jsonl (with its loss and M), on every
+        # replica: whichever writes it, now or after a writer is lost, has them.
+        tokens = replica.committed_microbatches * args.batch * args.seq_len
+        replica.log(lr=lr, grad_norm=float(norm), tokens=tokens)
+        # This script keeps a log of its own too: the records this replica writes now (none on
+        # the others), with any step a lost writer left unwritten, so it loses nothing either.
+        for record in replica.committed_steps():
             with open(args.out / "losses.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps({**record, "time": time.time()}) + "\n")
+        if replica.is_writer:
             due = args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps
             if saver is not None and due:  # the state before step + 1, written in the background
                 saver.save(step + 1, model, optimizer, extra={"scheduler": scheduler})

@@ -15,6 +15,7 @@ import torch
 
 import recover.checkpoint
 from conftest import child_env, events, finish, leftover_processes
+from recover.record import read_metrics
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 M = 6
@@ -80,10 +81,11 @@ def custom_args(data: Path, steps: int = STEPS) -> list[str]:
 
 @pytest.fixture(scope="module")
 def custom_reference(custom_token_file, tmp_path_factory) -> Path:
-    """The failure-free run of the custom script: 3 replicas."""
+    """The failure-free run of the custom script, one replica: what every job of the script
+    (any replica count, any failures) must reproduce, since M is the same."""
     out = tmp_path_factory.mktemp("custom-ref")
     r = recover_run(
-        out, "train_custom.py", "--replicas", "3", script_args=custom_args(custom_token_file)
+        out, "train_custom.py", "--replicas", "1", script_args=custom_args(custom_token_file)
     )
     assert r.returncode == 0, r.stdout[-3000:]
     return out
@@ -112,6 +114,50 @@ def test_a_script_of_its_own_survives_kills_and_its_respawns_get_its_state(
     assert {2, 3} <= redone, redone
     transfers = {e["replica"] for e in events(job, "state_transfer")}
     assert transfers == {0, 1}, "a respawned replica never joined"
+
+
+@pytest.mark.timeout(240)
+def test_a_scripts_record_keeps_the_step_whose_writer_died_after_its_commit(
+    custom_token_file, custom_reference, tmp_path
+):
+    """Replica 0, the writer, is SIGKILLed in its optimizer step of step 2: the step committed,
+    and its records were never written. The writer of step 3 (named by the coordinator, with
+    `records_from` 2) writes step 2's record from what it kept: every step is in the job's
+    metrics.jsonl once, with the scalars the script gave `replica.log`, and in the script's own
+    log once (`replica.committed_steps()`), and in TensorBoard once (the writers' mirrors).
+    `recover compare` then reads the job as a run, on the one-replica failure-free trajectory."""
+    tb = tmp_path / "tb"
+    r = recover_run(
+        tmp_path, "train_custom.py", "--replicas", "3", "--tensorboard", str(tb),
+        "--fault", "kill:replica=0,step=2,phase=optimizer",
+        script_args=custom_args(custom_token_file),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert_same_trajectory(custom_reference, tmp_path, steps=STEPS)  # (the script's own log)
+    job = tmp_path / "job"
+    steps = [e for e in read_metrics(job / "metrics.jsonl") if e["kind"] == "step"]
+    assert sorted(e["step"] for e in steps) == list(range(STEPS)), "a step is missing or twice"
+    by_step = {e["step"]: e for e in steps}
+    assert by_step[1]["writer"] == 0 and by_step[2]["writer"] != 0, (by_step[1], by_step[2])
+    assert all(e["microbatches"] == M and e["lr"] > 0 and e["grad_norm"] > 0 for e in steps)
+    (filled,) = events(job, "records_filled")
+    assert filled["steps"] == [2] and filled["replica"] == by_step[2]["writer"], filled
+    own = {e["step"]: e["loss"] for e in records(tmp_path)}
+    assert all(own[s] == e["loss"] for s, e in by_step.items()), "the two logs differ"
+    assert (job / "final" / "model.safetensors").exists()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (s, pytest.approx(by_step[s]["loss"], rel=1e-6)) for s in range(STEPS)
+    ]
+    cmp = subprocess.run(
+        [sys.executable, "-m", "recover.cli", "compare", str(custom_reference / "job"), str(job)],
+        capture_output=True, text=True, env=child_env(), timeout=60,
+    )  # fmt: skip
+    assert cmp.returncode == 0, cmp.stdout + cmp.stderr
+    assert f"common committed steps     {STEPS}" in cmp.stdout, cmp.stdout
 
 
 @pytest.mark.timeout(240)

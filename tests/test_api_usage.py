@@ -194,3 +194,56 @@ def test_a_fault_that_could_never_fire_is_refused(job):
     with pytest.raises(ValueError, match="step=9 never comes"):
         next(iter(replica.steps(4)))
     replica.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_scripts_steps_are_recorded_once_with_its_scalars_and_the_final_model(job, tmp_path):
+    """Each committed step's record goes to RECOVER_EVENTS with the loss, M and the scalars the
+    script logged; `committed_steps()` hands the same record to a log of the script's own; the
+    finished job ends with a summary and the final model holding the model's last state."""
+    from safetensors.torch import load_file
+
+    from recover.record import committed_steps, read_metrics
+
+    metrics = tmp_path / "job" / "metrics.jsonl"
+    replica, model, optimizer = attached({**job, "RECOVER_EVENTS": str(metrics)})
+    own = []
+    for step in replica.steps(3):
+        for j in replica.microbatches():
+            replica.backward(loss_of(model, step, j))
+        optimizer.step()
+        optimizer.zero_grad()
+        replica.log(lr=0.1, tokens=4, note=None)
+        own += replica.committed_steps()
+    recorded = committed_steps(metrics)
+    assert sorted(recorded) == [0, 1, 2]
+    assert [r["step"] for r in own] == [0, 1, 2]
+    for r in own:
+        got = recorded[r["step"]]
+        assert got["loss"] == r["loss"] and got["lr"] == 0.1 and got["note"] is None
+        assert got["microbatches"] == 2 and got["writer"] == 0
+    (summary,) = [r for r in read_metrics(metrics) if r["kind"] == "summary"]
+    assert summary["steps"] == 3
+    final = load_file(str(metrics.parent / "final" / "model.safetensors"))
+    assert torch.equal(final["weight"], model.weight.detach())
+
+
+@pytest.mark.timeout(30)
+def test_log_is_refused_outside_a_committed_step_and_for_what_is_not_a_scalar(job):
+    replica, model, optimizer = attached(job)
+    with pytest.raises(UsageError, match="after replica.microbatches"):
+        replica.log(lr=0.1)
+    steps = replica.steps(1)
+    step = next(steps)
+    with pytest.raises(UsageError, match="after replica.microbatches"):
+        replica.log(lr=0.1)  # the step has not committed yet
+    for j in replica.microbatches():
+        replica.backward(loss_of(model, step, j))
+    with pytest.raises(UsageError, match="the library writes itself"):
+        replica.log(loss=1.0)
+    with pytest.raises(UsageError, match="a scalar is a number"):
+        replica.log(accuracy=torch.tensor(0.5))
+    replica.log(accuracy=0.5)
+    optimizer.step()
+    optimizer.zero_grad()
+    assert list(steps) == []

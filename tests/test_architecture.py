@@ -24,7 +24,7 @@ ALLOWED = {
     "tooling": {"runtime", "coordinator", "training", "launch"},
     "data": set(),
 }
-LEAVES = {"policy", "record", "exits", "data", "logs", "checks", "addresses"}
+LEAVES = {"policy", "record", "exits", "data", "logs", "checks", "addresses", "dashboards"}
 
 
 def _module_name(path: Path) -> str:

@@ -486,18 +486,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     try:
         cfg = train_config_from_args(args)
-        spec = ReplicaSpec.from_args(args)
-        if spec.tensorboard:  # every replica writes to the same folder, whatever its cwd
-            from dataclasses import replace
-
-            from recover.training.dashboards import check_tensorboard
-
-            check_tensorboard()
-            spec = replace(spec, tensorboard=str(Path(spec.tensorboard).resolve()))
-        if spec.wandb:
-            from recover.training.dashboards import check_wandb
-
-            check_wandb(spec.wandb)
+        spec = _checked_dashboards(ReplicaSpec.from_args(args))
         lcfg = LaunchConfig(
             replicas=args.replicas,
             replica=spec,
@@ -563,6 +552,24 @@ def run_train(args: argparse.Namespace) -> int:
         return _error(str(e))
 
 
+def _checked_dashboards(spec):
+    """`spec` with its --tensorboard folder made absolute (every replica writes to the same
+    folder, whatever its cwd), after checking that the dashboards asked for can be used
+    (ValueError naming the package to install)."""
+    from dataclasses import replace
+
+    if spec.tensorboard:
+        from recover.dashboards import check_tensorboard
+
+        check_tensorboard()
+        spec = replace(spec, tensorboard=str(Path(spec.tensorboard).resolve()))
+    if spec.wandb:
+        from recover.dashboards import check_wandb
+
+        check_wandb(spec.wandb)
+    return spec
+
+
 def run_script(args: argparse.Namespace) -> int:
     """`recover run`: the local launcher over a user's command."""
     import os
@@ -580,7 +587,7 @@ def run_script(args: argparse.Namespace) -> int:
         return _error("recover run needs a command after --, e.g. recover run -- python train.py")
     try:
         # The launcher only counts a script's ranks: the script builds its own layout.
-        spec = ReplicaSpec.from_args(args)
+        spec = _checked_dashboards(ReplicaSpec.from_args(args))
         lcfg = LaunchConfig(
             replicas=args.replicas,
             replica=replace(spec, layout=ReplicaLayout(shard=args.ranks_per_replica)),

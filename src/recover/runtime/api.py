@@ -49,6 +49,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,6 +70,7 @@ from recover.runtime.collective import GroupCache, StoreFollower
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.faults import FaultInjector, check_faults_fit
 from recover.runtime.layout import ReplicaLayout
+from recover.runtime.script_record import StepRecords
 from recover.runtime.script_work import ScriptWork
 from recover.runtime.stall import StallGuard
 from recover.runtime.step_machine import (
@@ -117,6 +119,9 @@ class Replica:
       .grad is None, `skipped` is True); a step whose optimizer update made a parameter or
       optimizer state value non-finite is undone when the loop comes back for the next step
       (`skipped` is True then); after this many in a row `NonFinite` is raised (0: never);
+    - save_final: at the end of a finished job the writer saves the model's whole state as
+      RUN/final/model.safetensors next to the run's metrics.jsonl (what `recover compare` and
+      `recover export` read; a sharded replica gathers it, a collective inside the replica);
     - env: the launcher's variables (default: this process's environment; see recover.runtime.env).
     """
 
@@ -130,6 +135,7 @@ class Replica:
         check_every: int = 50,
         check_data: Callable[[int, int], Any] | None = None,
         max_nonfinite: int = 3,
+        save_final: bool = True,
         env: Mapping[str, str] | None = None,
     ) -> None:
         if not is_int(microbatches) or microbatches < 1:
@@ -193,7 +199,16 @@ class Replica:
         self.mesh = self.intra.mesh if self.intra is not None else None
         self.step: int | None = None  # the step in progress (or the last one handed out)
         self.loss: float | None = None  # the committed mean loss of the last committed step
-        self.is_writer = False  # this rank writes the records of the last committed step
+        self.save_final = save_final
+        self._mirrors: list = []  # the dashboards' mirrors of the record (--tensorboard, --wandb)
+        if self._writer is not None and self.rank == 0:
+            self._mirrors = _dashboards(self.env.spec, self._writer.path, self.replica_id, config)
+        self._records = StepRecords(
+            self._writer, replica=self.replica_id, leads=self.rank == 0,
+            on_written=self._follow_mirrors,
+        )  # fmt: skip
+        # Set when the coordinator is lost: whether this rank saves (CoordinatorLost's message).
+        self._writer_when_lost: bool | None = None
         self.committed_microbatches = 0  # microbatches summed in the last committed step (M)
         # The last step was not applied: its sum was not finite (.grad is None), or the update
         # the optimizer made of it was not (undone at the next step's start).
@@ -211,6 +226,15 @@ class Replica:
         self._pending: tuple | None = None  # (step, j, index, weight) awaiting backward()
         self._in_step = False
         self._closed = False
+
+    @property
+    def is_writer(self) -> bool:
+        """This rank writes the records of the last committed step: the coordinator named its
+        replica with the commit, it is the replica's first rank, and it is not fenced (an evicted
+        incarnation is never the writer). After `CoordinatorLost`: whether this rank saves."""
+        if self._writer_when_lost is not None:
+            return self._writer_when_lost
+        return self._records.writes()
 
     # ---- set-up --------------------------------------------------------------------------------
     def event(self, name: str, **fields) -> None:
@@ -362,6 +386,8 @@ class Replica:
                         "to its end in every step"
                     )
                 self._check_update(step)
+                # The step's record (and a lost writer's), before the next step is reported.
+                self._records.write_due(self.event)
                 step += 1
                 # A stop request (SIGTERM/SIGINT to any rank of the replica) is served at a step
                 # boundary: the next step's done report asks to leave, and the coordinator plans
@@ -378,10 +404,71 @@ class Replica:
                     )
                     self._say(f"stopped as asked at the boundary of step {step}", 0)
                     break
+            if step == total_steps:
+                self._finish(total_steps, start_step)
             with self._stops():
                 self._link.leave(step=step)
         finally:
             self.close()
+
+    def log(self, **scalars: float | None) -> None:
+        """Add scalars (numbers: an lr, a gradient norm, an accuracy) to the record of the step
+        that just committed, which the library writes to the run's metrics.jsonl (with its loss
+        and M) when the loop body of the step returns. Call it on every replica, after
+        `replica.microbatches()`: the replica that writes a lost writer's records writes them
+        from what it kept."""
+        if self.step is None or self._committed != self.step:
+            raise UsageError(
+                "replica.log(...) belongs in a step's body after replica.microbatches() has "
+                "ended (the step has committed then)"
+            )
+        try:
+            self._records.log(self.step, scalars)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+    def committed_steps(self) -> list[dict]:
+        """For a script that keeps a log of its own: the records this rank must write in it now
+        ([] unless it is the writer): a lost writer's steps first (committed, not in the run's
+        record), then the step that just committed, each a dict of `step`, `loss`,
+        `microbatches` and the scalars given to `log()` so far. Call it after `log()`, in the
+        step's body; the library writes the same records to metrics.jsonl when the body returns."""
+        if self.step is None or self._committed != self.step:
+            raise UsageError(
+                "replica.committed_steps() belongs in a step's body after replica.microbatches() "
+                "has ended"
+            )
+        return self._records.due()
+
+    def _finish(self, total_steps: int, start_step: int) -> None:
+        """The end of a finished job, on the replica that wrote the last step's records: the
+        final model (when `save_final`) and the summary record."""
+        records = self._records
+        if not records.named or self._writer is None:
+            return
+        state = _whole_state(self._work.model, self.intra) if self.save_final else None
+        if not records.writes():  # the replica's other ranks took part in gathering it
+            return
+        out = self._writer.path.parent
+        if state is not None:
+            final = out / "final" / "model.safetensors"
+            if not _save_safetensors(state, final):
+                self._say(
+                    f"the final model holds a value that is not finite: {final} not written", 0
+                )
+        summary = {
+            "steps": total_steps,
+            "steps_this_run": total_steps - start_step,
+            "wall_s": round(records.wall_s(), 3),  # (of this process)
+            "out": str(out.resolve()),
+        }
+        self._writer.write("summary", **summary)
+        for mirror in self._mirrors:
+            mirror.follow(final=True)
+
+    def _follow_mirrors(self) -> None:
+        for mirror in self._mirrors:
+            mirror.follow()
 
     def microbatches(self) -> Iterator[int]:
         """The microbatch ids of the current step this rank computes: its share of the plan,
@@ -436,6 +523,13 @@ class Replica:
             self._pending = None
         self.loss = self._replica_loss(commit.reduced) / commit.count
         self.skipped = not commit.finite
+        self.committed_microbatches = commit.count
+        self._committed = step
+        self._records.committed(
+            step, loss=self.loss, microbatches=commit.count, replicas=len(commit.shares),
+            attempts=commit.attempts, epoch=commit.epoch, writer=commit.writer,
+            records_from=commit.records_from,
+        )  # fmt: skip
         if self.skipped:
             # Never applied: every .grad is None, so the optimizer step changes no parameter
             # (torch's optimizers pass over parameters without a gradient).
@@ -446,9 +540,6 @@ class Replica:
             # The script's optimizer step comes next: what it produces is checked after it
             # (`_check_update`), and undone from this copy if it is not finite.
             self._update_guard.save()
-        self.is_writer = commit.writer and self.rank == 0
-        self.committed_microbatches = commit.count
-        self._committed = step
         if commit.recovered_s is not None:
             self.event(
                 "recovered", replica=self.replica_id, step=step,
@@ -464,8 +555,10 @@ class Replica:
         """Count step `step` as skipped (its update never applied, or undone); `NonFinite`
         after `max_nonfinite` in a row."""
         self._skips += 1
+        self._records.skipped(step, reason)
         self.event("step_skipped", replica=self.replica_id, step=step, reason=reason)
         if self.max_nonfinite and self._skips >= self.max_nonfinite:
+            self._records.write_due(self.event)  # the run ends here: its last step is recorded
             raise NonFinite(
                 f"{self._skips} consecutive steps had a non-finite gradient, loss or update "
                 f"(skipped, never applied): the model holds the state after step {step} of the "
@@ -535,7 +628,9 @@ class Replica:
             view = self._link.step_view() if getattr(self, "_link", None) else None
             live = view.live if view is not None else ()
             held = self._machine is not None and self._machine.has_state
-            self.is_writer = held and self.rank == 0 and (not live or self.replica_id == min(live))
+            self._writer_when_lost = (
+                held and self.rank == 0 and (not live or self.replica_id == min(live))
+            )
             # No step can run any more: stop the heartbeats and the replica's watchdog now, so
             # that the ranks of a replica that end on it are not taken for lost mates.
             self.close()
@@ -566,6 +661,9 @@ class Replica:
             self.intra.close()
         if self._work is not None:
             self._guard.close()
+        for mirror in self._mirrors:
+            mirror.close()
+        self._mirrors = []
         # The events file stays open to the end of the process: what ends it after this (a lost
         # replica-mate, seen by the watchdog or an error) is still recorded.
 
@@ -616,6 +714,57 @@ def _end_quietly_on(kind: type[BaseException], status: int) -> None:
         os._exit(status)
 
     sys.excepthook = hook
+
+
+def _dashboards(spec, metrics, replica: int, config: Mapping[str, Any] | None) -> list:
+    """The mirrors of the record asked for (`--tensorboard`, `--wandb`), held by a replica's
+    first rank; each follows only the steps its replica wrote (recover.dashboards)."""
+    mirrors = []
+    if spec.tensorboard or spec.wandb:
+        from recover.dashboards import RecordMirror, TensorBoardBackend, WandbBackend
+
+        if spec.tensorboard:
+            backend = TensorBoardBackend(Path(spec.tensorboard))
+            mirrors.append(RecordMirror(metrics, replica=replica, backend=backend))
+        if spec.wandb:
+            backend = WandbBackend(spec.wandb, metrics.parent, config=dict(config or {}))
+            mirrors.append(RecordMirror(metrics, replica=replica, backend=backend))
+    return mirrors
+
+
+def _whole_state(model: torch.nn.Module, intra) -> dict[str, torch.Tensor]:
+    """The model's whole state on the CPU (on the first rank of a sharded replica: gathering
+    it is a collective of the replica's ranks; the others get nothing)."""
+    if intra is None:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> bool:
+    """Write `state` to `path` durably (a temporary file, fsync, rename); False, and nothing
+    written, when a value is not finite."""
+    from safetensors.torch import save_file
+
+    tensors, storages = {}, set()
+    for name, value in state.items():
+        value = value.detach().contiguous()
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return False
+        where = value.untyped_storage().data_ptr()
+        if where in storages:  # tied weights: safetensors stores each storage once
+            value = value.clone()
+        storages.add(where)
+        tensors[name] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return True
 
 
 def _sum_inside_fsdp(model: torch.nn.Module) -> None:

@@ -108,7 +108,7 @@ class ReplicaSpec:
         "events (failures, recoveries, joins, epochs) as TensorBoard event files in DIR, by the "
         "replica that writes the step records; metrics.jsonl stays the record (needs the "
         "tensorboard package: pip install 'recover[tensorboard]'; default: none)",
-        metavar="DIR",
+        metavar="DIR", scripts=True,
     )  # fmt: skip
     wandb: str = _setting(
         "", "--wandb",
@@ -116,7 +116,7 @@ class ReplicaSpec:
         "W&B run per run folder (a resumed run continues it), by the replica that writes the "
         "step records; W&B's files go to RUN/wandb (WANDB_MODE=offline keeps them there); "
         "metrics.jsonl stays the record (needs pip install 'recover[wandb]'; default: none)",
-        metavar="PROJECT",
+        metavar="PROJECT", scripts=True,
     )  # fmt: skip
     # A replica-level setting like the others, so that one field reaches every replica process
     # (built-in workers and `recover run`'s scripts alike) inside the spec's JSON, checked once.

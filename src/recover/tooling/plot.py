@@ -48,7 +48,9 @@ class RunSeries:
 
     loss: list[tuple[int, float]] = field(default_factory=list)  # (step, committed loss)
     val_loss: list[tuple[int, float]] = field(default_factory=list)  # (step, val loss)
-    progress: list[tuple[float, float]] = field(default_factory=list)  # (t, tokens of 0..step)
+    progress: list[tuple[float, float]] = field(default_factory=list)  # (t, work of 0..step)
+    # The work `progress` counts: tokens, or microbatches for a script that logs no `tokens`.
+    unit: str = "tokens"
     step_s: list[tuple[int, float]] = field(default_factory=list)  # (step, seconds)
     marks: dict[str, list[int]] = field(default_factory=dict)  # marker -> steps in flight
     replicas: list[tuple[float, int]] = field(default_factory=list)  # (t, live replicas) steps
@@ -70,10 +72,11 @@ def series_of(records: list[dict], committed: dict[int, dict]) -> RunSeries:
         first = min((r for r in records if "t_wall" in r), key=lambda r: r["t_wall"])
         start -= float(first.get("step_s") or 0.0)  # started a step time before its record
     s = RunSeries()
+    s.unit = work_unit(committed.values())
     cumulative, total = {}, 0.0
     for step in sorted(committed):
         record = committed[step]
-        total += float(record["tokens"])
+        total += float(record[s.unit])
         cumulative[step] = total
         if record.get("loss") is not None:
             s.loss.append((step, float(record["loss"])))
@@ -99,6 +102,12 @@ def series_of(records: list[dict], committed: dict[int, dict]) -> RunSeries:
     s.failure_steps = sorted({int(f["step"]) for f in injected if f.get("step") is not None})
     s.replicas = _live_replicas(records, start, end)
     return s
+
+
+def work_unit(step_records) -> str:
+    """What a run's step records count its work in: `tokens` (the built-in trainer's records,
+    and a script's that logs them), else `microbatches` (every step record has them)."""
+    return "tokens" if all("tokens" in r for r in step_records) else "microbatches"
 
 
 def _live_replicas(records: list[dict], start: float, end: float) -> list[tuple[float, int]]:
@@ -179,9 +188,17 @@ def _draw_over_time(series: dict[str, RunSeries], path: Path, what: str, title: 
 
 
 def draw_tokens(series: dict[str, RunSeries], path: Path) -> Path:
-    """Committed tokens (steps 0..t) against seconds since each run's start."""
-    return _draw_over_time(series, path, "progress", "committed tokens against wall time",
-                           "committed tokens (steps 0..t)")  # fmt: skip
+    """Committed tokens (steps 0..t) against seconds since each run's start (microbatches when
+    a run's records have no tokens: a script that does not log them)."""
+    units = {s.unit for s in series.values()} or {"tokens"}
+    if len(units) > 1:
+        raise ValueError(
+            "the runs count their work differently (tokens, microbatches): give the script's "
+            "step records tokens (replica.log(tokens=...)) to plot them together"
+        )
+    unit = units.pop()
+    return _draw_over_time(series, path, "progress", f"committed {unit} against wall time",
+                           f"committed {unit} (steps 0..t)")  # fmt: skip
 
 
 def draw_replicas(series: dict[str, RunSeries], path: Path) -> Path:

@@ -92,7 +92,7 @@ def _throughput(run: Path) -> tuple[float, float, float]:
     metrics = RunPaths(out=run).metrics
     records = list(read_metrics(metrics))
     start, end = wall_span(records)
-    tokens = float(sum(float(s["tokens"]) for s in committed_steps(metrics).values()))
+    tokens = float(sum(float(s.get("tokens", 0)) for s in committed_steps(metrics).values()))
     wall = end - start
     return tokens, wall, (tokens / wall if wall > 0 else math.nan)
 

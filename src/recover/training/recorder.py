@@ -32,6 +32,7 @@ from typing import TextIO
 
 import numpy as np
 
+from recover.dashboards import RecordMirror, TensorBoardBackend, WandbBackend
 from recover.record import MetricsWriter, read_metrics
 from recover.training.checkpoint import (
     CheckpointError,
@@ -44,7 +45,6 @@ from recover.training.checkpoint import (
 )
 from recover.training.config import RunPaths, TrainConfig
 from recover.training.console import format_duration, format_rate, format_step_line
-from recover.training.dashboards import RecordMirror, TensorBoardBackend, WandbBackend
 from recover.training.flops import achieved_flop_per_s, device_peak_tflops, format_flops, mfu
 from recover.training.model import training_flops_per_token
 from recover.training.trainer import CHECKPOINT_ALIASES, CommitStats, ReplicaTrainer

@@ -184,7 +184,7 @@ class RecordMirror:
                 for field, tag in STEP_SCALARS.items():
                     if isinstance(record.get(field), int | float):
                         out.scalar(tag, record[field], step, t)
-                if record.get("step_s"):
+                if record.get("step_s") and isinstance(record.get("tokens"), int | float):
                     out.scalar("train/tokens_per_s", record["tokens"] / record["step_s"], step, t)
             elif kind == "eval":
                 out.scalar("val/loss", record["val_loss"], int(record["step"]), t)
@@ -263,7 +263,7 @@ _CLOSE = object()
 
 class WandbBackend:
     """A W&B run for run folder `run` (project PROJECT or ENTITY/PROJECT), fed to a W&B client in
-    a process of its own (`python -m recover.training.dashboards`: W&B's imports, threads and
+    a process of its own (`python -m recover.dashboards`: W&B's imports, threads and
     service never take the training process's CPU or interpreter lock, and a writer SIGKILLed
     mid-run leaves it to send what it was given: it stops at the end of its input). Scalars of
     one step are logged together; event texts go to an `events` table logged when the mirror
@@ -331,7 +331,7 @@ class WandbBackend:
         """Start the client and write every queued line to it, until close."""
         try:
             self._client = subprocess.Popen(
-                [sys.executable, "-m", "recover.training.dashboards"],
+                [sys.executable, "-m", "recover.dashboards"],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
             )  # fmt: skip
             self._client.stdin.write(json.dumps(self._start_line) + "\n")
