@@ -161,6 +161,39 @@ def test_a_scripts_record_keeps_the_step_whose_writer_died_after_its_commit(
 
 
 @pytest.mark.timeout(240)
+def test_a_script_replica_woken_after_its_eviction_exits_4_and_writes_nothing(
+    custom_token_file, custom_reference, tmp_path
+):
+    """Replica 0, the writer, stops (SIGSTOP) in its optimizer step of step 3, is evicted by its
+    lease and woken 2 s later, while the others still train. It must not act on its stale view
+    nor log its step: it exits 4 with one line and writes nothing. The others end cleanly: no
+    SIGABRT when the evicted replica's exit closes the connections of the group they abandoned
+    (they wait for its teardown before their interpreter ends), every step recorded once."""
+    r = recover_run(
+        tmp_path, "train_custom.py", "--replicas", "3", "--lease", "0.5",
+        "--fault", "hang:replica=0,step=3,phase=optimizer,wake_after=2",
+        script_args=custom_args(custom_token_file),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "waking replica 0" in r.stdout, r.stdout[-3000:]
+    assert "replica 0 was evicted by the coordinator (status 4)" in r.stdout, r.stdout[-3000:]
+    for bad in ("Traceback", "terminate called", "SIGABRT"):
+        assert bad not in r.stdout, r.stdout[-3000:]
+    assert_same_trajectory(custom_reference, tmp_path, steps=STEPS)  # (its own log: once each)
+    job = tmp_path / "job"
+    (dead,) = events(job, "coordinator.member_dead")
+    after = [
+        rec
+        for rec in read_metrics(job / "metrics.jsonl")
+        if rec["t_wall"] > dead["t_wall"] and 0 in (rec.get("writer"), rec.get("replica"))
+        and not rec.get("name", "").startswith(("coordinator.", "launcher."))
+    ]  # fmt: skip
+    assert after == [], "the evicted incarnation wrote to the run folder"
+    steps = [e["step"] for e in read_metrics(job / "metrics.jsonl") if e["kind"] == "step"]
+    assert sorted(steps) == list(range(STEPS))
+
+
+@pytest.mark.timeout(240)
 def test_sigterm_to_a_script_replica_is_a_planned_leave(
     custom_token_file, custom_reference, tmp_path
 ):

@@ -204,8 +204,9 @@ def test_a_hang_to_be_woken_after_the_run_ended_is_not_waited_for(
     reference, tiny_dataset, tmp_path
 ):
     """Replica 1 stops (SIGSTOP) at step 2 with a wake-up due in 10 minutes; evicted by its
-    lease, the others finish the run. The launcher does not wait for the wake-up: it ends with
-    status 0 once they finished, with no resume line, and leaves no process behind."""
+    lease, the others finish the run. The launcher does not wait for the wake-up: once the
+    coordinator says the run finished it kills the stopped process, ends with status 0, no
+    resume line, the death in its verdict, and leaves no process behind."""
     out = tmp_path / "hang"
     r = train(
         tiny_dataset, out, "--replicas", "3", "--lease", "0.5",
@@ -215,6 +216,9 @@ def test_a_hang_to_be_woken_after_the_run_ended_is_not_waited_for(
     assert "waking replica 1" not in r.stdout and "--resume" not in r.stdout, r.stdout[-3000:]
     (dead,) = events(out, "coordinator.member_dead")
     assert (dead["replica_id"], dead["how"]) == (1, "lease")
+    assert "replica 1 is still stopped by its hang fault: killed" in r.stdout, r.stdout[-3000:]
+    (verdict,) = events(out, "launcher.verdict")
+    assert verdict["ok"] and verdict["deaths"] == ["replica 1 killed by SIGKILL"], verdict
 
 
 @pytest.mark.parametrize("phase", ["backward", "reduce"])

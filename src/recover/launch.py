@@ -323,6 +323,9 @@ class LocalLauncher:
         self._standbys: list[str] = []  # names (in self.children) of waiting standbys, oldest first
         self._standbys_started = 0
         self._standbys_lost = 0  # standbys that died while waiting
+        self._killed_hung: list[tuple[int, int]] = []  # (replica, rank) killed after the end
+        self._finished_seen = False  # the record holds this run's coordinator.finished
+        self._record_read = 0  # how far _run_finished has read the record
         self._standby_since: dict[str, float] = {}  # name -> when it was started (monotonic)
         self.standby_coordinators: tuple[tuple[str, int], ...] = ()  # --coordinators N
         self._etcd: LocalEtcd | None = None  # the private etcd of --coordinators N
@@ -705,6 +708,7 @@ class LocalLauncher:
             self.fired_file.unlink(missing_ok=True)
         self._write_token()
         self.writer = MetricsWriter(self.paths.metrics)
+        self._record_read = self.paths.metrics.stat().st_size  # (a resumed job's history)
         self.writer.event("launcher.started", mode=lc.mode, replicas=lc.replicas)
 
         def on_sigterm(signum, frame):  # `kill LAUNCHER` reaps the run just like Ctrl-C
@@ -861,8 +865,8 @@ class LocalLauncher:
                     alive[r] = set(range(lc.ranks))
             if self._standbys:
                 self._check_standbys(finishing)
-            if not respawn_at and self._only_hung_left(alive, codes, wake):
-                break
+            if not respawn_at:
+                self._end_the_hung(alive, codes, wake, stopped_since)
             time.sleep(0.02)
         self._retire_standbys()
         return self._verdict(codes)
@@ -926,17 +930,45 @@ class LocalLauncher:
                 )
         return problems
 
-    def _only_hung_left(self, alive: dict[int, set[int]], codes: list, wake: dict) -> bool:
-        """True when a replica finished and every process still running is one stopped by its
-        hang fault: the run is over, so no fault's wake-up is waited for (the stopped processes
-        are fenced; they are SIGKILLed at the end)."""
-        if not any(c == 0 for _, _, c in codes):
-            return False
-        return all(
-            (r, k) in wake and _is_stopped(self.children[_proc_name(r, k)].pid)
+    def _end_the_hung(
+        self, alive: dict[int, set[int]], codes: list, wake: dict, stopped_since: dict
+    ) -> None:
+        """Once the run is over, no hang fault's wake-up is waited for: a process still stopped
+        by one is SIGKILLed (it is fenced; its exit is then read like any other, so the verdict
+        lists it). The run is over when the coordinator said so (`coordinator.finished`; the
+        survivors may still be exiting: they wait for their groups with the stopped process to
+        close), or when a replica finished and only stopped processes are left."""
+        hung = [
+            (r, k)
             for r, ranks in alive.items()
             for k in ranks
-        )
+            if (r, k) in stopped_since and (r, k) in wake
+            and _is_stopped(self.children[_proc_name(r, k)].pid)
+        ]  # fmt: skip
+        if not hung:
+            return
+        only_hung = sum(len(ranks) for ranks in alive.values()) == len(hung)
+        if not (only_hung and any(c == 0 for _, _, c in codes)) and not self._run_finished():
+            return
+        for r, k in hung:
+            if (r, k) in self._killed_hung:
+                continue
+            who = f"replica {r}" + (f" rank {k}" if self.lcfg.ranks > 1 else "")
+            self.say(f"the run is over and {who} is still stopped by its hang fault: killed")
+            self.children[_proc_name(r, k)].kill()
+            self._killed_hung.append((r, k))
+
+    def _run_finished(self) -> bool:
+        """Whether the run's record holds the coordinator's `coordinator.finished` (read on from
+        where the last call stopped)."""
+        if not self._finished_seen and self.writer.path.exists():
+            with open(self.writer.path, "rb") as f:
+                f.seek(self._record_read)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self._record_read += end
+            self._finished_seen = b"coordinator.finished" in data[:end]
+        return self._finished_seen
 
     def _stop_replicas(self) -> None:
         """Ask every replica process to stop (SIGTERM: at its next step boundary the writer saves

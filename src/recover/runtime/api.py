@@ -40,6 +40,7 @@ machinery is in the step machine.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import logging
@@ -334,12 +335,16 @@ class Replica:
         link = self._link  # its store moves with a coordinator takeover (StoreFollower)
         store = StoreFollower(lambda: link.store_address, 180.0)
         scope = f"position{self.rank}/" if self.intra is not None else ""
+        self._groups = GroupCache(
+            store, config=self.env.spec.collective(self.peer), scope=scope, device="cpu"
+        )
+        # The process must not end while an abandoned group is being torn down (GroupCache.
+        # wait_closed says why); the script's own end is the interpreter's, so it waits there.
+        atexit.register(self._groups_closed)
         self._machine = StepMachine(
             work=self._work,
             link=self._link,
-            groups=GroupCache(
-                store, config=self.env.spec.collective(self.peer), scope=scope, device="cpu"
-            ),
+            groups=self._groups,
             options=StepOptions(
                 replica_id=self.replica_id,
                 check_every=self.check_every,
@@ -378,6 +383,8 @@ class Replica:
             with self._stops():
                 step = self._join(total_steps, start_step)
             while step < total_steps:
+                with self._stops():
+                    self._confirm_member()
                 self.step = step
                 yield step
                 if self._committed != step:
@@ -469,6 +476,17 @@ class Replica:
     def _follow_mirrors(self) -> None:
         for mirror in self._mirrors:
             mirror.follow()
+
+    def _confirm_member(self) -> None:
+        """A process woken after a freeze acts on no stale view (nor lets its script write a log
+        of its own) before the coordinator confirmed it is still a member: it may have been
+        evicted meanwhile (checked by the replica's first rank, which holds the membership)."""
+        client = self._link.client
+        if client is None or client.writes_allowed():
+            return
+        if client.lost is not None:  # no answer at all for the grace: not an eviction
+            raise CoordinatorUnreachable(client.lost)
+        raise Evicted(f"replica {self.replica_id} is not a confirmed member any more")
 
     def microbatches(self) -> Iterator[int]:
         """The microbatch ids of the current step this rank computes: its share of the plan,
@@ -645,6 +663,19 @@ class Replica:
                 f"{self._committed} (save it on the writer, then resume with start_step="
                 f"{self._committed + 1})"
             ) from None
+
+    def _groups_closed(self) -> None:
+        """At the process's exit: wait for the cross-replica groups torn down in the background
+        (at once when their peers are gone; a stopped peer holds one until gloo's timeout)."""
+        groups = self._groups
+        if not groups.wait_closed(0.5):
+            return
+        bound = self.env.spec.collective(self.peer).pg_timeout_s
+        log.info(
+            f"replica {self.replica_id}: waiting for the cross-replica groups to close before "
+            f"exiting (a peer of an abandoned group is silent; at most {bound:g} s)"
+        )
+        groups.wait_closed()
 
     def _say(self, line: str, status: int) -> int:
         log.error(f"replica {self.replica_id}: {line}")

@@ -965,6 +965,24 @@ class GroupCache:
         if self._reach is not None:
             self._reach.close()
 
+    def wait_closed(self, timeout_s: float | None = None) -> list[threading.Thread]:
+        """Abandon the current group and wait for every group torn down in the background to be
+        gone, at most `timeout_s` (default: gloo's own timeout and a second, by which every
+        teardown has ended). Returns the teardown threads still alive.
+
+        Why a process waits for this before it ends: a teardown thread spends its time inside the
+        group's destructor with the GIL released; one that finishes while the interpreter is
+        finalizing cannot take the GIL back, and CPython then aborts the whole process (SIGABRT,
+        "terminate called without an active exception"). A destructor ends when its peers'
+        connections close (a dead or exited peer: milliseconds) or at gloo's timeout (a stopped
+        one)."""
+        self.abandon_all()
+        bound = self._config.pg_timeout_s + 1.0 if timeout_s is None else timeout_s
+        end = time.monotonic() + bound
+        for thread in self.teardown_threads:
+            thread.join(max(0.0, end - time.monotonic()))
+        return [t for t in self.teardown_threads if t.is_alive()]
+
     def abandon_all(self) -> None:
         """Abandon the current group (teardown in the background); never blocks."""
         if self._current is not None:

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 import torch
 
-from recover.coordinator.client import QuorumLost, StepCommitted, StepRedo, Stopped
+from recover.coordinator.client import Evicted, QuorumLost, StepCommitted, StepRedo, Stopped
 from recover.coordinator.protocol import View
 from recover.runtime.collective import CollectiveAborted, GroupCache
 from recover.runtime.links import replica_hash
@@ -582,7 +582,9 @@ def _stop(status: str, reason: str) -> None:
         raise QuorumLost(f"quorum lost: {reason}. Resume from the last checkpoint")
     if status == "diverged":
         raise DivergedError(f"REPLICAS DIVERGED, training stopped: {reason}")
-    raise RuntimeError(f"the run stopped ({status}): {reason}")
+    # Finished while this replica is still in a step: the run went on and ended without it (it
+    # was declared dead while it was frozen, and woke after the end), so it is fenced.
+    raise Evicted(f"the run finished without this replica ({reason})")
 
 
 __all__ = [
