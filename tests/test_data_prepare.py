@@ -226,6 +226,43 @@ def test_failure_while_writing_removes_the_temporary_folder(tmp_path, monkeypatc
     assert list(out_parent.iterdir()) == []
 
 
+def test_a_killed_prepares_temporary_folder_is_removed_by_the_next_prepare(tmp_path) -> None:
+    """A prepare SIGKILLed while it writes cannot remove its temporary folder; the next prepare
+    of the same folder on this host removes it (its process is gone), and publishes."""
+    import signal
+    import subprocess
+    import sys
+
+    src = write_corpus(tmp_path / "src")
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    # A prepare's first step of writing (its temporary folder made, a file in it), then killed.
+    code = (
+        "import sys, time; from pathlib import Path; "
+        "from recover.data.prepare import make_temporary_folder; "
+        "t = make_temporary_folder(Path(sys.argv[1])); (t / 'part').write_bytes(b'x'); "
+        "print(t, flush=True); time.sleep(60)"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(out_parent / "ds")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        left = Path(child.stdout.readline().strip())
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert left.is_dir() and left.parent == out_parent
+    # Another live prepare's temporary folder (this process's) is not touched.
+    from recover.data.prepare import make_temporary_folder
+
+    mine = make_temporary_folder(out_parent / "ds")
+    assert not left.exists(), "the killed prepare's temporary folder was left"
+    assert mine.is_dir()
+    mine.rmdir()
+    prepare_dataset(out_parent / "ds", source=src, shard_tokens=500, show_progress=False)
+    assert [p.name for p in out_parent.iterdir()] == ["ds"]
+
+
 def test_existing_output_with_other_content_is_refused_untouched(tmp_path: Path) -> None:
     src = write_corpus(tmp_path / "src")
     other = tmp_path / "other"

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import assert_invariants as check_invariants
 from conftest import child_env, events, finish, leftover_processes
-from recover.record import committed_steps
+from recover.record import committed_steps, read_metrics
 
 M = 6
 # Steps of a run: long enough that a joiner commits well before the end. Measured at load average
@@ -188,6 +188,12 @@ def test_hand_started_joiners_refused_killed_in_transfer_and_scale_up(
     # Only the good joiner ever loads the state; it may load it twice when it was admitted with
     # the doomed one (the transfer is repeated in the epoch after the doomed one died in it).
     assert {t["replica"] for t in events(out, "state_transfer")} == {5}
+    # The refused joiner left no trace in the run's record (it never was a member); the
+    # coordinator's refusal is the record of it.
+    assert not [
+        e for e in read_metrics(out / "metrics.jsonl")
+        if e.get("replica") == 3 and not e.get("name", "").startswith("coordinator.")
+    ]  # fmt: skip
     finished = {e["replica"]: e["param_hash"] for e in events(out, "replica_finished")}
     assert sorted(finished) == [0, 1, 2, 5] and len(set(finished.values())) == 1
     assert max(s["replicas"] for s in committed_steps(out / "metrics.jsonl").values()) == 4

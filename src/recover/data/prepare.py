@@ -29,7 +29,9 @@ Invariants:
   (or highest) hash moves over. Fewer than two documents is an error.
 * Atomic: everything is written into a hidden temporary sibling folder that is renamed into place
   at the end; on any error (or interrupt) the temporary folder is removed. A reader never sees a
-  half-written dataset.
+  half-written dataset. A prepare killed outright (SIGKILL, a lost machine) cannot remove its
+  folder: it is named after its host and process (`.NAME.tmp-PID-HOST-XXXX`), and the next
+  prepare of the same folder on that host removes it once that process is gone.
 * Idempotent: an existing folder holding the same complete dataset (same content hash and
   settings) is returned unchanged; any other existing content is a DataError naming the path.
 
@@ -45,8 +47,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -78,6 +83,8 @@ from recover.data.tokenizer import (
     train_bpe,
     validate_vocab_size,
 )
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
 READABLE_FORMAT_VERSIONS = (1, 2)  # 1: documents listed inside meta.json, no settings block
@@ -519,10 +526,48 @@ def publish(tmp: Path, out_dir: Path, reuse: Callable[[], dict | None]) -> bool:
 
 
 def make_temporary_folder(out_dir: Path) -> Path:
+    """A new hidden temporary sibling of `out_dir`, named after this host and process; the
+    temporaries of this folder's killed prepares (of this host, their process gone) go first."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    for stale in remove_stale_temporaries(out_dir):
+        log.info(f"removed {stale}: the temporary folder of a prepare that was killed")
+    prefix = f".{out_dir.name}.tmp-{os.getpid()}-{_host()}-"
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out_dir.parent))
     os.chmod(tmp, 0o755)
     return tmp
+
+
+def remove_stale_temporaries(out_dir: Path) -> list[Path]:
+    """Remove the temporary folders of prepares of `out_dir` that ran on this host and whose
+    process is gone (killed before they could remove them); return their paths. Another host's,
+    or a live process's, are kept."""
+    pattern = re.compile(
+        rf"^\.{re.escape(out_dir.name)}\.tmp-(?P<pid>\d+)-(?P<host>.+)-[a-z0-9_]+$"
+    )
+    removed = []
+    for entry in sorted(out_dir.parent.iterdir()) if out_dir.parent.is_dir() else ():
+        m = pattern.match(entry.name)
+        if m is None or m.group("host") != _host() or not entry.is_dir():
+            continue
+        if int(m.group("pid")) == os.getpid() or _process_alive(int(m.group("pid"))):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def _host() -> str:
+    return socket.gethostname().replace("/", "_") or "localhost"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def prepare(

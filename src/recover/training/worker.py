@@ -199,12 +199,6 @@ def run_worker(
         injector(phase, step, index)
 
     trainer.phase_hook = phase_hook
-    writer.event(
-        "rank_started", replica=me, rank=rank, ranks=ranks, layout=layout.name,
-        device=device, pid=os.getpid(),
-        local_values=trainer.numel,  # what this rank holds of ...
-        model_values=trainer.model_values,  # ... the whole model's values
-    )  # fmt: skip
     client = None
     if intra is None or intra.leader:
         client = CoordinatorClient(
@@ -274,6 +268,14 @@ def run_worker(
             next_step=start,
             deadline_s=wcfg.register_timeout_s,
         )
+        # Only a member writes to the run's record: a worker refused at registration (another
+        # token, other settings, an id in use) leaves no trace in it.
+        writer.event(
+            "rank_started", replica=me, rank=rank, ranks=ranks, layout=layout.name,
+            device=device, pid=os.getpid(),
+            local_values=trainer.numel,  # what this rank holds of ...
+            model_values=trainer.model_values,  # ... the whole model's values
+        )  # fmt: skip
         joining = me in view.joined
         if joining:
             writer.event("replica_joining", replica=me, step=view.step, epoch=view.epoch)
