@@ -116,6 +116,36 @@ def test_a_folder_without_its_marker_is_no_checkpoint(tmp_path):
         ckpt.load(path)
 
 
+def test_an_edited_marker_is_refused_and_the_resume_takes_the_older_checkpoint(tmp_path, caplog):
+    """The marker's step is not trusted: a marker edited by hand (step 4 -> 2, so that a resume
+    would silently start off the trajectory) fails its own checksum, and one whose checksum was
+    recomputed too still names another step than its folder. Either way the newest valid
+    checkpoint is the older one."""
+    from recover.training.checkpoint import _marker_crc32
+
+    model, optimizer, scheduler = build()
+    saver = ckpt.Checkpointer(tmp_path, keep=3)
+    for step in range(4):
+        train_step(model, optimizer, scheduler, step)
+        if step in (2, 3):
+            saver.save(step + 1, model, optimizer, block=True)
+    saver.close()
+    marker_path = checkpoint_path(tmp_path, 4) / MARKER
+    marker = json.loads(marker_path.read_text())
+    assert marker["step"] == 4 and marker["marker_crc32"] == _marker_crc32(marker)
+    marker["step"] = 2
+    marker_path.write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match="does not match its own checksum"):
+        ckpt.load(checkpoint_path(tmp_path, 4))
+    marker["marker_crc32"] = _marker_crc32(marker)  # a careful edit: the checksum recomputed
+    marker_path.write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match="says step 2, its folder is named after step 4"):
+        ckpt.load(checkpoint_path(tmp_path, 4))
+    fresh, fresh_opt, _ = build(seed=1)
+    assert ckpt.Checkpointer(tmp_path).restore(fresh, fresh_opt) == 3
+    assert "step_00000004" in caplog.text
+
+
 def test_a_checkpoint_of_another_model_shape_is_refused_by_name(tmp_path):
     model, optimizer, scheduler = build()
     train_step(model, optimizer, scheduler, 0)

@@ -30,9 +30,11 @@ Invariants:
 - A temporary folder whose writer is gone (a process of this host that no longer exists: killed
   mid-save) is removed when the next writer starts (`remove_stale_tmp`). Another host's
   temporaries are left alone: its writer may be alive.
-- A checkpoint is verified before it is used (`verify_checkpoint`): the marker must be there, and
-  every file it lists must have its recorded size (a truncated shard) and CRC-32 (an altered one);
-  a failure raises `CheckpointError` naming the path and the file.
+- A checkpoint is verified before it is used (`verify_checkpoint`): the marker must be there, its
+  own content must match the CRC-32 it carries (`marker_crc32`: an edited step or file list), its
+  step must be the one its folder is named after, and every file it lists must have its recorded
+  size (a truncated shard) and CRC-32 (an altered one); a failure raises `CheckpointError` naming
+  the path and what differs.
 - Resuming (`find_resume_point`) takes the newest *valid* checkpoint: a corrupt newer one is skipped
   with its error reported to the caller; when checkpoints exist and none is valid, it raises,
   never falling back to step 0.
@@ -307,6 +309,12 @@ def _describe_files(folder: Path) -> dict[str, dict[str, int]]:
     }
 
 
+def _marker_crc32(marker: dict) -> int:
+    """CRC-32 of the marker's content without its own checksum, in one canonical JSON form."""
+    content = {k: v for k, v in marker.items() if k != "marker_crc32"}
+    return zlib.crc32(json.dumps(content, sort_keys=True, separators=(",", ":")).encode())
+
+
 def verify_checkpoint(path: Path, *, checksums: bool = True) -> dict:
     """The marker of the checkpoint folder `path`, after checking that every file it lists has
     its size and (with `checksums`) its CRC-32; CheckpointError naming the path otherwise."""
@@ -323,6 +331,25 @@ def verify_checkpoint(path: Path, *, checksums: bool = True) -> dict:
         raise CheckpointError(
             f"checkpoint {path} is not in a format this version reads "
             f"({marker.get('format') if isinstance(marker, dict) else '?'}; expected {FORMAT})"
+        )
+    # (checkpoints written before the marker carried its own checksum have none)
+    if "marker_crc32" in marker and marker["marker_crc32"] != _marker_crc32(marker):
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its {MARKER} does not match its own checksum "
+            "(altered); delete it to resume from an older one"
+        )
+    named = re.fullmatch(r"step_(\d{8})", path.name)
+    if named is not None and marker.get("step") != int(named.group(1)):
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its {MARKER} says step {marker.get('step')!r}, its "
+            f"folder is named after step {int(named.group(1))}; delete it to resume from an "
+            "older one"
+        )
+    meta = marker.get("meta")
+    if isinstance(meta, dict) and "step" in meta and meta["step"] != marker.get("step"):
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its {MARKER} says step {marker.get('step')!r}, its "
+            f"saved metadata step {meta['step']!r}; delete it to resume from an older one"
         )
     for name, want in marker.get("files", {}).items():
         file = path / name
@@ -468,6 +495,7 @@ class CheckpointWriter:
                 "files": files,
                 "saved_at": time.time(),
             }
+            marker["marker_crc32"] = _marker_crc32(marker)
             with open(tmp / MARKER, "w") as f:
                 json.dump(marker, f, indent=1)
                 f.flush()
