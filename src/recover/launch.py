@@ -866,7 +866,7 @@ class LocalLauncher:
             if self._standbys:
                 self._check_standbys(finishing)
             if not respawn_at:
-                self._end_the_hung(alive, codes, wake, stopped_since)
+                self._end_the_hung(alive, codes, wake)
             time.sleep(0.02)
         self._retire_standbys()
         return self._verdict(codes)
@@ -930,9 +930,7 @@ class LocalLauncher:
                 )
         return problems
 
-    def _end_the_hung(
-        self, alive: dict[int, set[int]], codes: list, wake: dict, stopped_since: dict
-    ) -> None:
+    def _end_the_hung(self, alive: dict[int, set[int]], codes: list, wake: dict) -> None:
         """Once the run is over, no hang fault's wake-up is waited for: a process still stopped
         by one is SIGKILLed (it is fenced; its exit is then read like any other, so the verdict
         lists it). The run is over when the coordinator said so (`coordinator.finished`; the
@@ -942,9 +940,8 @@ class LocalLauncher:
             (r, k)
             for r, ranks in alive.items()
             for k in ranks
-            if (r, k) in stopped_since and (r, k) in wake
-            and _is_stopped(self.children[_proc_name(r, k)].pid)
-        ]  # fmt: skip
+            if (r, k) in wake and _is_stopped(self.children[_proc_name(r, k)].pid)
+        ]
         if not hung:
             return
         only_hung = sum(len(ranks) for ranks in alive.values()) == len(hung)
