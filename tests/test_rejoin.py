@@ -114,6 +114,11 @@ def test_a_killed_replica_is_respawned_and_four_replicas_train_again(
     assert all(steps[s]["replicas"] == 4 for s in range(joined_at, STEPS))
 
 
+# Slow (40 s on 2 cores): the same behaviour, a replica of two FSDP2 ranks killed, respawned and
+# each rank given its position's shards, runs by default through the script API
+# (test_api.py::test_the_script_sharded_by_fsdp2_survives_a_rank_kill_and_rejoins), and the
+# trainer's sharded state through test_multirank's resumes across layouts.
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_replica_of_two_sharded_ranks_is_respawned_and_gets_its_halves(
     short_reference, tiny_dataset, tmp_path
