@@ -84,6 +84,46 @@ def test_coordinator_paused_past_its_lease_declares_nobody_dead(tiny_dataset, tm
     assert leftover_processes(str(out)) == []
 
 
+def test_a_coordinator_frozen_past_the_grace_stops_the_run_as_a_lost_one(tiny_dataset, tmp_path):
+    """The coordinator is SIGSTOPped for good: its process lives on, its sockets accept, nothing
+    answers. After --coordinator-grace the replicas stop (status 11, one line each), within the
+    grace and its bounds, and the launcher ends as for a dead coordinator: status 11, the
+    `launcher.coordinator_lost` event, and where the last committed state is with the command to
+    continue. No line claims a checkpoint that is not on disk (a frozen coordinator confirms no
+    membership: the fence keeps the lowest replica from writing)."""
+    out = tmp_path / "frozen"
+    grace = 2.0
+    proc = start_train(
+        tiny_dataset, out, *FLAGS, "--steps", "400", "--coordinator-grace", str(grace)
+    )
+    try:
+        wait_for_step(out, 2, alive=[proc], timeout=120)
+        os.kill(coordinator_pid(out), signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        r = finish(proc, timeout=90)
+        took = time.monotonic() - frozen_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lost = coordinator_lost_lines(r)
+    assert sorted(line.split("]")[0] for line in lost) == ["[replica 0", "[replica 1"], lost
+    (said,) = [line for line in r.stdout.splitlines() if "stopped, the coordinator lost" in line]
+    assert said.startswith("[launcher]") and "its process is alive" in said, said
+    (ended,) = events(out, "launcher.coordinator_lost")
+    assert ended["exit_status"] is None and set(ended["replicas"].values()) == {11}, ended
+    # Bounded by the grace: the rpc timeout (5 s) and the fence window, not minutes.
+    assert took < grace + 20, took
+    saved = [e["step"] for e in events(out, "checkpoint_saved")]
+    for step in saved:
+        assert (out / "checkpoints" / f"step_{step:08d}").is_dir()
+    if saved:
+        assert "--resume" in said, said
+    else:
+        assert "no checkpoint was saved" in said, said
+        assert not [line for line in r.stdout.splitlines() if "checkpointed step" in line]
+    assert leftover_processes(str(out)) == []
+
+
 def test_a_script_that_does_not_catch_coordinator_lost_ends_with_one_line(
     custom_token_file, tmp_path
 ):

@@ -550,6 +550,10 @@ def run_train(args: argparse.Namespace) -> int:
         return launcher.run()
     except (DataError, RunFolderError) as e:
         return _error(str(e))
+    except OSError as e:  # the run folder cannot be written (full, read-only): one line
+        if not _is_unwritable(e):
+            raise
+        return _unwritable(e)
 
 
 def _checked_dashboards(spec):
@@ -613,6 +617,33 @@ def run_script(args: argparse.Namespace) -> int:
         return launcher.run()
     except RunFolderError as e:
         return _error(str(e))
+    except OSError as e:  # the run folder cannot be written (full, read-only): one line
+        if not _is_unwritable(e):
+            raise
+        return _unwritable(e)
+
+
+def _is_unwritable(error: OSError) -> bool:
+    import errno
+
+    from recover.record import RecordUnwritable
+
+    unwritable = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+    return isinstance(error, RecordUnwritable) or error.errno in unwritable
+
+
+def _unwritable(error: OSError) -> int:
+    """A run folder that cannot be written, said in one line: exits.STORAGE."""
+    from recover import exits
+    from recover.record import RecordUnwritable
+
+    what = (
+        str(error)
+        if isinstance(error, RecordUnwritable)
+        else (f"cannot write {error.filename}: {error.strerror}" if error.filename else str(error))
+    )
+    _error(f"{what}: the run stops (free space, or give a writable --out)")
+    return exits.STORAGE
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -20,12 +20,15 @@ STOPPED = 10  # left at a step boundary when asked to stop (SIGTERM or SIGINT)
 COORDINATOR_LOST = 11  # the coordinator could not be reached any more
 ADDRESS = 12  # at start: the address it would advertise cannot be dialled by its peers, or an
 # interface asked for does not exist (recover.addresses); nothing was registered
+STORAGE = 13  # the run folder cannot be written (the disk is full, or read-only): the run stops
+# rather than go on with a record that lacks what it committed (recover.record.RecordUnwritable)
 FAULT_EXIT = 17  # an injected `exit` fault (recover.runtime.faults)
 
 RUN_FAILURES = {
     QUORUM_LOST: "quorum lost",
     DIVERGED: "replicas diverged",
     NONFINITE: "steps not finite",
+    STORAGE: "the run folder cannot be written",
 }
 
 MEANINGS = {
@@ -37,5 +40,6 @@ MEANINGS = {
     STOPPED: f"left at a step boundary when asked to stop (status {STOPPED})",
     COORDINATOR_LOST: f"lost the coordinator and stopped (status {COORDINATOR_LOST})",
     ADDRESS: f"has no address its peers can dial (status {ADDRESS}; see its line)",
+    STORAGE: f"could not write the run folder (status {STORAGE}: full or read-only)",
     FAULT_EXIT: f"exited by an `exit` fault (status {FAULT_EXIT})",
 }

@@ -50,7 +50,7 @@ from recover import exits
 from recover.coordinator.etcd import parse_state_url
 from recover.coordinator.etcd_local import LocalEtcd, find_etcd, start_local_etcd
 from recover.logs import replica_name
-from recover.record import MetricsWriter, committed_steps, read_metrics
+from recover.record import MetricsWriter, RecordUnwritable, committed_steps, read_metrics
 from recover.runtime.env import (
     DEVICE_INDEX_ENV,
     FAULTS_ENV,
@@ -758,7 +758,10 @@ class LocalLauncher:
             # The address of a coordinator that is gone would mislead `recover status`.
             (self.paths.out / COORDINATOR_FILE).unlink(missing_ok=True)
             (self.paths.out / TOKEN_FILE).unlink(missing_ok=True)
-            self.writer.event("launcher.finished", exit_status=code)
+            try:
+                self.writer.event("launcher.finished", exit_status=code)
+            except RecordUnwritable:  # (said already by whoever could not write first)
+                pass
             self.writer.close()
 
     def _write_token(self) -> None:
@@ -869,7 +872,26 @@ class LocalLauncher:
                 self._end_the_hung(alive, codes, wake)
             time.sleep(0.02)
         self._retire_standbys()
+        if not any(c == 0 for _, _, c in codes) and any(
+            c == exits.COORDINATOR_LOST for _, _, c in codes
+        ):
+            return self._silent_coordinator(codes)
         return self._verdict(codes)
+
+    def _silent_coordinator(self, codes: list[tuple[int, int, int]]) -> int:
+        """The replicas stopped on a lost coordinator while its process lives on (frozen, or
+        cut off from them, or its state store gone under --coordinators N): the run stopped as
+        when the coordinator dies, status exits.COORDINATOR_LOST, with where the last committed
+        state is and the command to continue."""
+        ended = {f"replica {r}" + (f" (restart {i})" if i else ""): c for r, i, c in codes}
+        self.writer.event("launcher.coordinator_lost", exit_status=None, replicas=ended)
+        self.say(
+            "stopped, the coordinator lost: the replicas heard nothing from it for "
+            f"--coordinator-grace ({self.lcfg.replica.coordinator_grace_s:g} s) although its "
+            f"process is alive; {self._lost_hint()}",
+            logging.ERROR,
+        )
+        return exits.COORDINATOR_LOST
 
     def _may_respawn(self, r: int, incarnation: int, finishing: bool) -> bool:
         lc = self.lcfg
@@ -986,9 +1008,16 @@ class LocalLauncher:
         the last committed step and every one exits with exits.COORDINATOR_LOST. They get the
         grace and the stop grace (for the save); whoever is left after it is reaped."""
         grace = self.lcfg.replica.coordinator_grace_s
+        storage = status == exits.STORAGE  # it stopped: it could not write the run's record
         self.say(
-            f"the coordinator died (exit {status}): nothing commits; the replicas wait {grace:g} "
-            "s for it (--coordinator-grace), then save the last committed step and stop",
+            (
+                "the coordinator stopped: it cannot write the run's record (the run folder is "
+                "full or read-only; its line says which)"
+                if storage
+                else f"the coordinator died (exit {status})"
+            )
+            + f": nothing commits; the replicas wait {grace:g} s for it (--coordinator-grace), "
+            "then save the last committed step where they can and stop",
             logging.ERROR,
         )
         replicas = {n: p for n, p in self.children.items() if n.startswith("replica ")}
@@ -996,7 +1025,15 @@ class LocalLauncher:
         while time.monotonic() < deadline and any(p.poll() is None for p in replicas.values()):
             time.sleep(0.05)
         ended = {n: p.poll() for n, p in sorted(replicas.items())}  # None: still running (reaped)
-        self.writer.event("launcher.coordinator_lost", exit_status=status, replicas=ended)
+        try:
+            self.writer.event("launcher.coordinator_lost", exit_status=status, replicas=ended)
+        except RecordUnwritable:
+            storage = True
+        if storage:
+            self.say(
+                f"stopped, the run folder cannot be written: {self._lost_hint()}", logging.ERROR
+            )
+            return exits.STORAGE
         self.say(f"stopped, the coordinator lost: {self._lost_hint()}", logging.ERROR)
         return exits.COORDINATOR_LOST
 

@@ -17,6 +17,7 @@ run folder after its eviction (docs/design.md, "Fencing").
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -26,6 +27,20 @@ from pathlib import Path
 from typing import Any
 
 
+class RecordUnwritable(OSError):
+    """The run's record (or another file of the run folder) could not be written: the disk is
+    full, the folder read-only. The run stops (exits.STORAGE) instead of going on with a record
+    that silently lacks what was committed; the message names the path and the reason."""
+
+    def __str__(self) -> str:  # the message alone: it names the path and the reason already
+        return str(self.strerror)
+
+
+def unwritable(path: Path | str, error: OSError) -> RecordUnwritable:
+    """`error` (an OSError writing `path`) as a RecordUnwritable, its errno kept."""
+    return RecordUnwritable(error.errno, f"cannot write {path}: {error.strerror or error}")
+
+
 class MetricsWriter:
     """Appends records to a metrics.jsonl file; each record is one line, one write."""
 
@@ -33,9 +48,12 @@ class MetricsWriter:
         self.path = path
         self.fence = fence  # None: never fenced (a one-replica run, the launcher, the tools)
         self.dropped = 0  # records not written because the fence was closed
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # O_APPEND: every write lands at the current end, atomically for one short line.
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # O_APPEND: every write lands at the current end, atomically for one short line.
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            raise unwritable(path, e) from e
         # Records come from the training thread and the checkpoint thread (checkpoint_saved); the
         # lock keeps a write from racing close() onto a descriptor number reused by another file.
         self._lock = threading.Lock()
@@ -54,7 +72,12 @@ class MetricsWriter:
         with self._lock:
             if self._fd < 0:
                 raise ValueError(f"{self.path}: the metrics writer is closed")
-            os.write(self._fd, line)
+            try:
+                written = os.write(self._fd, line)
+            except OSError as e:
+                raise unwritable(self.path, e) from e
+            if written != len(line):  # a full disk took part of the line: the rest is lost
+                raise unwritable(self.path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
         return record
 
     def step(self, **fields: Any) -> dict | None:

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from recover import exits
 from recover.addresses import (
     GLOO_IFNAME_ENV,
     IFNAME_ENV,
@@ -35,6 +36,7 @@ from recover.coordinator.client import CoordinatorUnreachable, request_once
 from recover.coordinator.protocol import COORDINATOR_ENV, TOKEN_ENV
 from recover.coordinator.state_store import CoordinatorOptions
 from recover.logs import LOG_LEVELS, process_prefix, setup_logging
+from recover.record import RecordUnwritable
 
 __all__ = [
     "add_coordinator_parser",
@@ -421,7 +423,11 @@ def run_coordinator_process(
         options, host=host, port=port, store_port=store_port, token=token,
         events_path=events_path, advertise=advertise,
     )  # fmt: skip
-    server.start()
+    try:
+        server.start()
+    except RecordUnwritable as e:  # a read-only or full run folder: one line, not a traceback
+        log.error("error: %s", e)
+        return exits.STORAGE
     try:
         if address_file is not None:
             store = server.store_address or (None, None)
@@ -437,7 +443,8 @@ def run_coordinator_process(
         finished_at = None
         while not stop.wait(0.2):
             if server.failed is not None:
-                return 1
+                # (a record it could not write: it said so in one line, and stopped the run)
+                return exits.STORAGE if isinstance(server.failed, RecordUnwritable) else 1
             if exit_when_finished and finished_at is None and server.state().status == "finished":
                 finished_at = time.monotonic()  # late requests (a last heartbeat) still answered
             if finished_at is not None and time.monotonic() - finished_at >= FINISHED_LINGER_S:

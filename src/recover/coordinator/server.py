@@ -58,6 +58,7 @@ a crash (etcd) must also hold back the replies that reveal a commit until its re
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import json
 import logging
@@ -111,6 +112,7 @@ from recover.coordinator.state_store import (
     StateStore,
 )
 from recover.coordinator.views import ViewCache, frame
+from recover.record import unwritable
 
 __all__ = ["CoordinatorServer"]
 
@@ -297,7 +299,10 @@ class CoordinatorServer(LoopService):
             self._fixed_loopback = not is_wildcard(fixed) and _resolves_to_loopback(fixed)
         if self._events_path is not None:
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
-            self._events_fd = os.open(self._events_path, flags, 0o644)
+            try:
+                self._events_fd = os.open(self._events_path, flags, 0o644)
+            except OSError as e:  # a read-only or full run folder: one line, status STORAGE
+                raise unwritable(self._events_path, e) from e
         for d in self._pending_records:
             self._record(d)
         self._start_loop()
@@ -602,14 +607,30 @@ class CoordinatorServer(LoopService):
             if self._durable:  # written once durable; never, if this leader is deposed first
                 self._unsaved_events.append((self._state.revision, data))
             else:
-                os.write(self._events_fd, data)  # one whole line
+                self._write_event(data)
+
+    def _write_event(self, data: bytes) -> None:
+        """One whole line to the run's record. When it cannot be written (a full disk, a
+        read-only folder) the coordinator stops: it decides nothing more that it cannot record
+        (the replicas then stop as for a lost coordinator; the process exits exits.STORAGE)."""
+        if self._events_fd is None or self._error is not None:
+            return
+        try:
+            written = os.write(self._events_fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            self._error = unwritable(self._events_path, e)
+            log.critical(f"{self._error}: the coordinator stops (it records every decision)")
+            if self._loop is not None and self._stop_event is not None:
+                self._loop.call_soon_threadsafe(self._stop_event.set)
 
     def _flush_events(self, revision: int) -> None:
         """Write the events of decisions whose state (up to `revision`) is saved."""
         keep = []
         for rev, data in self._unsaved_events:
             if rev <= revision and self._events_fd is not None:
-                os.write(self._events_fd, data)
+                self._write_event(data)
             elif rev > revision:
                 keep.append((rev, data))
         self._unsaved_events = keep

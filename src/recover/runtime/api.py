@@ -67,6 +67,7 @@ from recover.coordinator.client import (
 from recover.coordinator.client import QuorumLost as _QuorumLost
 from recover.logs import process_prefix, replica_name, setup_logging
 from recover.policy import deal_round_robin
+from recover.record import RecordUnwritable
 from recover.runtime.collective import GroupCache, StoreFollower
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.faults import FaultInjector, check_faults_fit
@@ -241,7 +242,8 @@ class Replica:
     def event(self, name: str, **fields) -> None:
         """Record a library event in RECOVER_EVENTS (when the launcher named a file)."""
         if self._writer is not None:
-            self._writer.event(name, **fields)
+            with self._stops():
+                self._writer.event(name, **fields)
 
     def attach(
         self,
@@ -394,7 +396,8 @@ class Replica:
                     )
                 self._check_update(step)
                 # The step's record (and a lost writer's), before the next step is reported.
-                self._records.write_due(self.event)
+                with self._stops():
+                    self._records.write_due(self.event)
                 step += 1
                 # A stop request (SIGTERM/SIGINT to any rank of the replica) is served at a step
                 # boundary: the next step's done report asks to leave, and the coordinator plans
@@ -412,7 +415,8 @@ class Replica:
                     self._say(f"stopped as asked at the boundary of step {step}", 0)
                     break
             if step == total_steps:
-                self._finish(total_steps, start_step)
+                with self._stops():
+                    self._finish(total_steps, start_step)
             with self._stops():
                 self._link.leave(step=step)
         finally:
@@ -632,6 +636,16 @@ class Replica:
         status the launcher understands (evicted 4, diverged 5, refused 6)."""
         try:
             yield
+        except RecordUnwritable as e:
+            # A full disk or a read-only run folder: the run cannot keep its record, so it stops
+            # (the others stop as they hit it, or as for a lost coordinator).
+            raise SystemExit(
+                self._say(
+                    f"{e}: the run stops; the model holds the state after step "
+                    f"{self._committed}, the last committed (save it elsewhere to keep it)",
+                    exits.STORAGE,
+                )
+            ) from None
         except Evicted as e:
             raise SystemExit(
                 self._say(f"evicted by the coordinator ({e})", exits.EVICTED)

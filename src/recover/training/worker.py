@@ -36,7 +36,7 @@ from recover.coordinator.client import (
 )
 from recover.data.addressing import TokenDataset
 from recover.policy import WORKLOADS
-from recover.record import MetricsWriter, read_metrics
+from recover.record import MetricsWriter, RecordUnwritable, read_metrics
 from recover.runtime.collective import GroupCache, StoreFollower
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.faults import FaultInjector, poison_gradient
@@ -417,6 +417,25 @@ def run_worker(
             f"{wcfg.resume_command or 'the same command with --resume'}"
         )
         return exits.COORDINATOR_LOST
+    except RecordUnwritable as e:
+        # The run folder cannot be written (a full disk, a read-only folder): the run cannot keep
+        # its record, so it stops. The lowest replica tries to save the last committed state
+        # (where space allows: a checkpoint folder may fit where a line did not); its line
+        # says whether it could.
+        try:
+            saved = save_last_committed()
+        except Exception as why:  # noqa: BLE001 - the save's own failure is the answer here
+            saved, cause = False, f" ({_why_not_saved(why)})"
+        else:
+            cause = ""
+        step = recorder.last_committed + 1
+        outcome = (
+            f"step {step}, the last committed, is checkpointed in {paths.checkpoints}"
+            if saved
+            else f"the last committed step ({step}) was not saved here{cause}"
+        )
+        log.error(f"replica {me}: {e}: the run stops; {outcome}")
+        return exits.STORAGE
     except NonFiniteError as e:
         # Every replica holds the same last finite state (no skipped step was applied); the
         # writer of the last step saves it, so that a resume starts from it.
@@ -435,6 +454,15 @@ def run_worker(
         writer.close()
 
 
+def _why_not_saved(error: BaseException) -> str:
+    """A save's failure in a few words (DCP wraps each rank's error with its traceback)."""
+    text = str(error)
+    for reason in ("No space left on device", "Read-only file system", "Disk quota exceeded"):
+        if reason in text:
+            return f"the checkpoint could not be written either: {reason}"
+    return text.splitlines()[0][:160] if text else type(error).__name__
+
+
 def _what_was_saved(saved: bool, me: int, link, machine, recorder, paths: RunPaths) -> str:
     """The coordinator-lost line's account of the last committed state (steps from 1 here)."""
     step = recorder.last_committed + 1
@@ -444,14 +472,17 @@ def _what_was_saved(saved: bool, me: int, link, machine, recorder, paths: RunPat
         return "this replica held no committed state of the run yet (a joiner)"
     view = link.step_view()
     lowest = min(view.live) if view is not None and view.live else me
-    if lowest != me:
-        return f"replica {lowest}, the lowest live, checkpoints the last committed step"
+    if lowest != me:  # (it may be fenced and unable to: its own line says whether it saved)
+        return (
+            f"replica {lowest}, the lowest live, is the one to checkpoint the last committed "
+            "step (its line says whether it could)"
+        )
     if recorder.leads:  # the lowest replica could not save: it may have been evicted meanwhile
         return (
             f"step {step}, the last committed, was not saved (no coordinator confirmed this "
             "replica is still a member); the newest checkpoint is the one to resume from"
         )
-    return "rank 0 of this replica checkpoints the last committed step"
+    return "rank 0 of this replica is the one to checkpoint the last committed step"
 
 
 def run_recovery_summary(metrics_path: Path) -> dict:
