@@ -21,12 +21,12 @@ M = 6
 # Steps of a run: long enough that a joiner commits well before the end. Measured at load average
 # 3-6, the replica killed at step 3: a respawned tiny replica of a 4-replica run (25-30 steps/s)
 # committed at steps 26-71, a respawned replica of 2 sharded ranks (2.7-9 steps/s) at steps
-# 13-64, hand-started cold joiners under a 10x pace at step 111 with 27 s of the run left. Only
-# the sharded run and the hand-started joiners' can be shortened: SHORT_STEPS leaves 2.2x the
-# steps of the sharded run's latest join, 1.8x the joiners'. A
-# replica killed at its first commit with a standby waiting: joined at step 3 (load average 10-13).
+# 13-64, hand-started cold joiners under a 10x pace at step 111 with 27 s of the run left.
+# SHORT_STEPS leaves 2.8x the steps of the 4-replica respawn's latest join, 2.2x the sharded
+# run's, 1.8x the joiners'. A replica killed at its first commit with a standby waiting: joined
+# at step 3 (load average 10-13). Every run here is SHORT_STEPS long: one reference for all.
 SHORT_STEPS = 200
-STEPS = 300
+STEPS = SHORT_STEPS
 FLAGS = [
     "--preset", "tiny", "--seq-len", "32", "--microbatch-size", "2", "--microbatches", str(M),
     "--eval-every", "0", "--warmup-steps", "2", "--check-every", "25",
@@ -65,11 +65,6 @@ def send_and_close(proc: subprocess.Popen, text: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_dataset, tmp_path_factory) -> Path:
-    return failure_free(tiny_dataset, tmp_path_factory.mktemp("ref") / "one", STEPS)
-
-
-@pytest.fixture(scope="module")
 def short_reference(tiny_dataset, tmp_path_factory) -> Path:
     return failure_free(tiny_dataset, tmp_path_factory.mktemp("ref") / "one", SHORT_STEPS)
 
@@ -99,12 +94,13 @@ def respawned_run(reference, data: Path, out: Path, replicas: int, steps: int, *
 
 @pytest.mark.timeout(180)
 def test_a_killed_replica_is_respawned_and_four_replicas_train_again(
-    reference, tiny_dataset, tmp_path
+    short_reference, tiny_dataset, tmp_path
 ):
     out = tmp_path / "respawn"
     r, transfers = respawned_run(
-        reference, tiny_dataset, out, 4, STEPS, "--fault", "kill:replica=2,step=3,phase=backward"
-    )
+        short_reference, tiny_dataset, out, 4, STEPS,
+        "--fault", "kill:replica=2,step=3,phase=backward",
+    )  # fmt: skip
     assert "respawning replica 2" in r.stdout
     assert [t["replica"] for t in transfers] == [2] and transfers[0]["bytes"] > 0
     assert sorted(transfers[0]["sources"]) == [0, 1, 3]  # a share from each survivor
