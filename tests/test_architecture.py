@@ -24,7 +24,17 @@ ALLOWED = {
     "tooling": {"runtime", "coordinator", "training", "launch"},
     "data": set(),
 }
-LEAVES = {"policy", "record", "exits", "data", "logs", "checks", "addresses", "dashboards"}
+LEAVES = {
+    "policy",
+    "record",
+    "exits",
+    "data",
+    "logs",
+    "checks",
+    "addresses",
+    "dashboards",
+    "processes",
+}
 
 
 def _module_name(path: Path) -> str:

@@ -51,7 +51,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -83,6 +82,7 @@ from recover.data.tokenizer import (
     train_bpe,
     validate_vocab_size,
 )
+from recover.processes import host_name, process_alive
 
 log = logging.getLogger(__name__)
 
@@ -531,7 +531,7 @@ def make_temporary_folder(out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     for stale in remove_stale_temporaries(out_dir):
         log.info(f"removed {stale}: the temporary folder of a prepare that was killed")
-    prefix = f".{out_dir.name}.tmp-{os.getpid()}-{_host()}-"
+    prefix = f".{out_dir.name}.tmp-{os.getpid()}-{host_name()}-"
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out_dir.parent))
     os.chmod(tmp, 0o755)
     return tmp
@@ -547,26 +547,13 @@ def remove_stale_temporaries(out_dir: Path) -> list[Path]:
     removed = []
     for entry in sorted(out_dir.parent.iterdir()) if out_dir.parent.is_dir() else ():
         m = pattern.match(entry.name)
-        if m is None or m.group("host") != _host() or not entry.is_dir():
+        if m is None or m.group("host") != host_name() or not entry.is_dir():
             continue
-        if int(m.group("pid")) == os.getpid() or _process_alive(int(m.group("pid"))):
+        if int(m.group("pid")) == os.getpid() or process_alive(int(m.group("pid"))):
             continue
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
     return removed
-
-
-def _host() -> str:
-    return socket.gethostname().replace("/", "_") or "localhost"
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
     return True
 
 

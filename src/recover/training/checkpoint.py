@@ -70,7 +70,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import threading
 import time
 import warnings
@@ -95,6 +94,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from recover.processes import host_name, process_alive
 from recover.runtime.update_guard import all_finite, on_every_rank
 from recover.training.dcp_reader import InPlaceReader, UnreadableRecord
 
@@ -147,20 +147,6 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found.items())
 
 
-def _host() -> str:
-    return socket.gethostname().replace("/", "_") or "localhost"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -183,13 +169,13 @@ def remove_stale_tmp(directory: Path) -> list[Path]:
     host, so it is stale. A temporary of another host, or of a live process here, is kept."""
     if not directory.is_dir():
         return []
-    host, removed = _host(), []
+    host, removed = host_name(), []
     for entry in directory.iterdir():
         m = _TMP.match(entry.name)
         if m is None or m.group("host") not in (None, host):
             continue
         pid = int(m.group("pid"))
-        if pid == os.getpid() or _pid_alive(pid):
+        if pid == os.getpid() or process_alive(pid):
             continue
         if not entry.exists():  # another writer starting at the same moment removed it
             continue
@@ -451,7 +437,7 @@ class CheckpointWriter:
                 f"{self.directory} is the last finite state"
             )
         go = self.fence is None or not self.leads or self.fence()
-        go, tmp_name = self._agree(go, f"{path.name}.tmp.{_host()}.{os.getpid()}")
+        go, tmp_name = self._agree(go, f"{path.name}.tmp.{host_name()}.{os.getpid()}")
         if not go:  # evicted: nothing is written, anywhere
             return None
         tmp = self.directory / tmp_name
@@ -522,7 +508,7 @@ class CheckpointWriter:
     def _discard(self, old: Path) -> None:
         """Remove a published checkpoint: renamed to a temporary name first (atomic), so that
         a removal cut short leaves a temporary, never a half checkpoint under a valid name."""
-        trash = old.with_name(f"{old.name.split('.')[0]}.old.tmp.{_host()}.{os.getpid()}")
+        trash = old.with_name(f"{old.name.split('.')[0]}.old.tmp.{host_name()}.{os.getpid()}")
         try:
             os.replace(old, trash)
         except FileNotFoundError:
