@@ -171,6 +171,33 @@ def test_etcd_restart_pauses_then_continues(reference, tiny_dataset, tmp_path):
     assert max(applied) > t_up, "the run did not go on after etcd came back"
 
 
+def test_etcd_killed_for_good_stops_the_run_as_a_lost_coordinator(tiny_dataset, tmp_path):
+    """etcd killed under --coordinators 2 and never back: no coordinator can lead (none can make
+    a decision durable), so the replicas hear nothing for --coordinator-grace and stop (11, one
+    line each), while the coordinators' processes live on. The launcher ends as for a lost
+    coordinator: status 11 and where the last committed state is, not "training failed" and 1."""
+    etcd = start_local_etcd(tmp_path / "etcd")
+    out = tmp_path / "etcd-killed"
+    try:
+        proc = start(
+            tiny_dataset, out, "--replicas", "2", "--coordinators", "2", "--state", etcd.url,
+            "--steps", "400", "--coordinator-grace", "2",
+        )  # fmt: skip
+        try:
+            wait_for_step(out, proc, 4)
+            etcd.stop()
+        finally:
+            r = finish(proc, 90)
+    finally:
+        etcd.stop()
+    assert r.returncode == 11, r.stdout[-3000:]
+    assert "Traceback" not in r.stdout and "training failed" not in r.stdout, r.stdout[-3000:]
+    (said,) = [line for line in r.stdout.splitlines() if "stopped, the coordinator lost" in line]
+    assert said.startswith("[launcher]"), said
+    (ended,) = events(out, "launcher.coordinator_lost")
+    assert set(ended["replicas"].values()) == {11}, ended
+
+
 def read_events(out: Path) -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [e for e in map(json.loads, lines) if e.get("kind") == "event"]
