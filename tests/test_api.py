@@ -219,6 +219,36 @@ def test_sigterm_to_a_script_replica_is_a_planned_leave(
 
 
 @pytest.mark.timeout(120)
+def test_python_in_the_command_is_the_launchers_and_one_without_torch_is_refused(tmp_path):
+    """`recover run -- python SCRIPT` from a shell whose PATH does not hold the venv (it was not
+    activated): the children's `python` is the launcher's interpreter all the same. A command
+    naming a Python that cannot import torch is refused at once, in one line naming it, before
+    any process starts (every replica would fail with the same ImportError)."""
+    import os
+
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys\nopen(sys.argv[1], 'w').write(sys.executable)\n")
+    env = {**child_env(), "PATH": "/usr/bin:/bin"}  # as in a shell without the venv
+    seen = tmp_path / "seen"
+    cmd = [sys.executable, "-m", "recover.cli", "run", "--out", str(tmp_path / "job"), "--"]
+    r = subprocess.run([*cmd, "python", str(probe), str(seen)], env=env, capture_output=True,
+                       text=True, timeout=100)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.path.dirname(seen.read_text()) == os.path.dirname(sys.executable)
+    other = shutil.which("python3", path="/usr/bin:/bin")
+    if (
+        other is None
+        or subprocess.run([other, "-c", "import torch"], capture_output=True).returncode == 0
+    ):
+        pytest.skip("no Python without torch on this machine to refuse")
+    r = subprocess.run([*cmd, other, str(probe), str(seen)], env=env, capture_output=True,
+                       text=True, timeout=100)  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    (said,) = r.stderr.strip().splitlines()
+    assert other in said and "cannot import torch" in said, said
+
+
+@pytest.mark.timeout(120)
 def test_a_replica_with_other_settings_is_refused_with_the_field_named(custom_token_file, tmp_path):
     """The script's `config` is part of the fingerprint: a replica with another learning rate is
     refused at registration, naming the field, instead of silently diverging."""

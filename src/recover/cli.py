@@ -579,7 +579,7 @@ def run_script(args: argparse.Namespace) -> int:
     import os
     from dataclasses import replace
 
-    from recover.launch import LaunchConfig, ScriptLauncher
+    from recover.launch import LaunchConfig, ScriptLauncher, check_command_interpreter
     from recover.runtime.env import TOKEN_ENV
     from recover.runtime.layout import ReplicaLayout
     from recover.runtime.spec import ReplicaSpec
@@ -600,6 +600,7 @@ def run_script(args: argparse.Namespace) -> int:
             warm_start=not args.cold_start,
             **supervision(args),
         )
+        check_command_interpreter(command, os.environ)  # before any process starts
     except ValueError as e:
         return _error(str(e))
     _start_logging(args, "[launcher] ")

@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
@@ -238,13 +239,55 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _forkable(command: list[str]):
+def launcher_path(environ: Mapping[str, str]) -> str:
+    """`environ`'s PATH with this interpreter's folder first: a child's `python` (or `pip`...)
+    is then the launcher's, its virtual environment's, whether or not it was activated."""
+    here = os.path.dirname(sys.executable)
+    rest = [p for p in environ.get("PATH", os.defpath).split(os.pathsep) if p and p != here]
+    return os.pathsep.join([here, *rest])
+
+
+def _same_interpreter(program: str, path: str) -> bool:
+    """Whether `program` (a command's first word, found on `path`) is this interpreter: a
+    `python...` of this interpreter's folder (a venv's python, python3 and python3.X)."""
+    found = shutil.which(program, path=path)
+    if found is None:
+        return False
+    found = os.path.abspath(found)
+    return os.path.dirname(found) == os.path.dirname(sys.executable) and (
+        found == sys.executable or os.path.basename(found).startswith("python")
+    )
+
+
+def check_command_interpreter(command: list[str], environ: Mapping[str, str]) -> None:
+    """ValueError, in one line, when `command` runs a Python that is not the launcher's and
+    cannot import torch and recover (every replica would fail with the same ImportError)."""
+    path = launcher_path(environ)
+    program = shutil.which(command[0], path=path) if command else None
+    if program is None or _same_interpreter(command[0], path):
+        return
+    if not os.path.basename(program).startswith("python"):
+        return  # another program: it may start a Python of its own
+    probe = subprocess.run(
+        [program, "-c", "import torch, recover"], capture_output=True, text=True, timeout=300,
+        env={**environ, "PATH": path},
+    )  # fmt: skip
+    if probe.returncode != 0:
+        why = (probe.stderr.strip().splitlines() or ["it failed"])[-1]
+        raise ValueError(
+            f"the command's {command[0]!r} is {program}, which cannot import torch and recover "
+            f"({why}); run it with the Python that has them, e.g. {sys.executable}"
+        )
+
+
+def _forkable(command: list[str], path: str | None = None):
     """(module, argv, script) for Zygote.spawn when `command` is one the zygote can run as this
     interpreter would: recover's own (`python -m recover.cli ...`), `python SCRIPT ...` or
-    `python -m MODULE ...` with this very interpreter; None otherwise (it is exec'ed)."""
+    `python -m MODULE ...` with this very interpreter (found on the children's `path`); None
+    otherwise (it is exec'ed)."""
     if tuple(command[: len(_RECOVER)]) == _RECOVER:
         return _RECOVER[2], list(command[len(_RECOVER) :]), ""
-    if len(command) < 2 or os.path.abspath(shutil.which(command[0]) or "") != sys.executable:
+    if len(command) < 2 or not _same_interpreter(command[0], path or launcher_path(os.environ)):
         return None
     if command[1] == "-m" and len(command) > 2:
         return command[2], list(command[3:]), "-m"
@@ -363,6 +406,7 @@ class LocalLauncher:
     def _child_env(self, extra_env: dict | None = None) -> dict[str, str]:
         """The environment of every process this launcher starts (the zygote's too)."""
         env = dict(os.environ, **(extra_env or {}))
+        env["PATH"] = launcher_path(env)  # `python` in a command is the launcher's (its venv)
         env["RECOVER_LAUNCHER_PID"] = str(os.getpid())  # children die with the launcher
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
@@ -386,7 +430,7 @@ class LocalLauncher:
         """Start `command` as child `name`; with `stdin`, its stdin is a pipe (proc.stdin)."""
         env = self._child_env(extra_env)
         env[TOKEN_ENV] = self.token  # never on the command line, where `ps` would show it
-        forkable = _forkable(command)
+        forkable = _forkable(command, env["PATH"])
         if self._zygote is not None and forkable is not None:
             try:  # forked, torch already imported: recover's own commands, or a Python script
                 module, argv, script = forkable
