@@ -101,6 +101,8 @@ def test_tensorboard_mirrors_the_record_once(runs):
     ]
     # The failure and the redo, as cumulative counts at the step in flight, and as text.
     assert scalars("events/failures") == scalars("events/redos") == [(2, 1)]
+    # The recovery of that step, once (both survivors record it: a count per survivor said 2).
+    assert scalars("events/recoveries") == [(2, 1)]
     texts = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("events/text_summary")]
     assert any("coordinator.member_dead" in t for t in texts)
     assert any("coordinator.redo" in t and "step=2" in t for t in texts)

@@ -86,6 +86,15 @@ def _split_project(project: str) -> tuple[str | None, str]:
     return (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
 
 
+# marker (recover.record.MARKERS) -> the tag of its cumulative count
+EVENT_TAGS = {
+    "failure": "events/failures",
+    "redo": "events/redos",
+    "recovery": "events/recoveries",  # steps committed after a failure (once, not per survivor)
+    "join": "events/joins",
+    "epoch": "events/epochs",
+}
+
 # step record field -> dashboard tag
 STEP_SCALARS = {
     "loss": "train/loss",
@@ -119,12 +128,19 @@ class RecordMirror:
         self._counts: Counter[str] = Counter()  # marker -> events so far (history included)
         self._last_step = 0
         self._others: list[list[tuple[dict, dict]]] = []  # others' segments since this one wrote
+        self._recovered: set = set()  # steps whose recovery was counted (once, not per survivor)
+        self._recoveries_sent: set = set()  # steps whose recovery count was sent
 
     def follow(self, *, final: bool = False) -> None:
         """Read what the file gained; mirror the segments this replica wrote the step record of
         (`final`: and the records after the last step record, up to the summary)."""
         for record, history in self._read_new():
             counted = marker(record)
+            if counted == "recovery":  # every survivor records it: one recovery per step
+                step = record.get("step")
+                if step in self._recovered:
+                    counted = None
+                self._recovered.add(step)
             if counted is not None:
                 self._counts[counted] += 1
             if history:
@@ -194,8 +210,12 @@ class RecordMirror:
                 step = record.get("step")
                 step = step if isinstance(step, int) else in_flight
                 name = marker(record)
+                if name == "recovery":  # one point per recovered step, whoever recorded it
+                    if record.get("step") in self._recoveries_sent:
+                        name = None
+                    self._recoveries_sent.add(record.get("step"))
                 if name is not None:
-                    out.scalar(f"events/{name}s", counts.get(name, 0), step, t)
+                    out.scalar(EVENT_TAGS[name], counts.get(name, 0), step, t)
                     if name == "epoch" and isinstance(record.get("epoch"), int):
                         out.scalar("replicas/epoch", record["epoch"], step, t)
                 out.text("events", f"**{record['name']}** {_describe(record)}", step, t)
