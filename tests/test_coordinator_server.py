@@ -186,6 +186,11 @@ def test_kill_stop_detection_fencing_and_bad_requests(tmp_path):
         assert res["lease_how"] == "lease" and LEASE_S - 0.15 <= res["lease_s"] < LEASE_S + 1.0
         view = server.state()
         assert view.live == (2, 3) and view.epoch == 3
+        # The deaths are kept among the notable decisions (`recover status` shows them first),
+        # which hold no routine commit or registration.
+        notable = [d["decision"] for d in server.notable_decisions()]
+        assert notable.count("member_dead") == 2, notable
+        assert not {"committed", "registered"} & set(notable), notable
         assert res["rc1"] == 3 and "EVICTED" in res["stderr1"] and "evicted" in res["stderr1"]
 
         # The store address travels in the register reply and the TCPStore answers.
@@ -411,6 +416,26 @@ def _frame_roundtrip_sanity():
     finally:
         a.close()
         b.close()
+
+
+def test_status_shows_a_death_that_commits_pushed_out_of_the_log():
+    """`recover status` lists the last notable decisions first, with their age: a death 14 s
+    old was hidden behind the 10 routine commits that followed it."""
+    import time
+
+    from recover.coordinator.cli import format_status
+
+    view = {"status": "running", "epoch": 2, "step": 40, "committed_step": 39,
+            "attempt_epoch": 2, "live": [0, 2], "reason": "step 39 committed"}  # fmt: skip
+    commits = [{"decision": "committed", "reason": f"step {s} committed"} for s in range(30, 40)]
+    death = {"decision": "member_dead", "reason": "replica 1 lease expired",
+             "t_wall": time.time() - 14}  # fmt: skip
+    text = format_status(
+        {"view": view, "members": [], "decisions": commits, "notable": [death]}, 10
+    )
+    events, decisions = text.split("last 10 decisions:")
+    assert "member_dead" in events and "14 s ago" in events and "lease expired" in events, text
+    assert "member_dead" not in decisions
 
 
 def test_frame_roundtrip():

@@ -256,6 +256,13 @@ def format_status(
             f"  replica {m['replica_id']:>4} {m['state']:<7}{how} | lease age "
             f"{m['lease_age_s']:.3f} s | incarnation {m['incarnation'][:8]}{held}{tp}"
         )
+    notable = reply.get("notable") or []
+    if notable:  # deaths, redos, joins, epochs first: routine commits would hide them
+        now = time.time()
+        lines.append(f"last {min(n_decisions, len(notable))} events (deaths, redos, joins, views):")
+        for d in notable[-n_decisions:]:
+            age = f"{now - d['t_wall']:.0f} s ago" if "t_wall" in d else ""
+            lines.append(f"  {d['decision']:<14} {age:>9}  {d['reason']}")
     lines.append(f"last {n_decisions} decisions:")
     for d in reply["decisions"][-n_decisions:]:
         lines.append(f"  {d['decision']:<14} {d['reason']}")

@@ -155,6 +155,10 @@ def _number(req: dict[str, Any], name: str) -> float:
     return float(v)
 
 
+# Decisions made at every step of a healthy run; the others are worth a person's look.
+ROUTINE_DECISIONS = frozenset({"committed", "registered"})
+
+
 class CoordinatorServer(LoopService):
     """`CoordinatorServer(options).start()`; `.address`, `.store_address`; `.stop()`.
 
@@ -208,6 +212,10 @@ class CoordinatorServer(LoopService):
         self._state_store = state_store if state_store is not None else InMemoryStateStore()
         self._tick_s = tick_s
         self._log: deque[dict[str, Any]] = deque(maxlen=log_size)
+        # The decisions that are not routine (not a commit or a registration): deaths, redos,
+        # epochs, joins, stops. Kept apart, so that a death is still shown (`recover status`)
+        # after thousands of commits have pushed it out of the log.
+        self._notable: deque[dict[str, Any]] = deque(maxlen=log_size)
         self._log_lock = threading.Lock()
         self._state: CoordinatorState | None = None
         self._store_address: tuple[str, int] | None = None
@@ -366,6 +374,11 @@ class CoordinatorServer(LoopService):
     def decisions(self) -> list[dict[str, Any]]:
         with self._log_lock:
             return list(self._log)
+
+    def notable_decisions(self) -> list[dict[str, Any]]:
+        """The last decisions that are not routine (ROUTINE_DECISIONS), oldest first."""
+        with self._log_lock:
+            return list(self._notable)
 
     # ------------------------------------------------------------ the event loop
 
@@ -584,6 +597,8 @@ class CoordinatorServer(LoopService):
         entry = {"t_wall": time.time(), "t_mono": time.monotonic(), **record}
         with self._log_lock:
             self._log.append(entry)
+            if d.name not in ROUTINE_DECISIONS:
+                self._notable.append(entry)
         # Commits happen every step: the replicas' step lines already show them.
         level = logging.DEBUG if d.name in ("registered", "committed") else logging.INFO
         log.log(level, "%s: %s", d.name, d.reason)
@@ -961,6 +976,7 @@ class CoordinatorServer(LoopService):
             "view": view_of(s).to_dict(),  # fresh: `pending` moves without a new version
             "members": members,
             "decisions": self.decisions(),
+            "notable": self.notable_decisions(),
             "store": self._store_for(conn),
             "options": vars(s.options),
         }
