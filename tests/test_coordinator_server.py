@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import signal
 import socket
@@ -176,7 +177,8 @@ def _frame(obj) -> bytes:
 
 
 @pytest.mark.timeout(90)
-def test_kill_stop_detection_fencing_and_bad_requests(tmp_path):
+def test_kill_stop_detection_fencing_and_bad_requests(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="recover.coordinator.server")
     res = run_failure_scenario(tmp_path)
     server, procs = res["server"], res["procs"]
     try:
@@ -191,6 +193,9 @@ def test_kill_stop_detection_fencing_and_bad_requests(tmp_path):
         notable = [d["decision"] for d in server.notable_decisions()]
         assert notable.count("member_dead") == 2, notable
         assert not {"committed", "registered"} & set(notable), notable
+        # Shown at --log-level warning too: a death is not routine.
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert sum(m.startswith("member_dead") for m in warned) == 2, warned
         assert res["rc1"] == 3 and "EVICTED" in res["stderr1"] and "evicted" in res["stderr1"]
 
         # The store address travels in the register reply and the TCPStore answers.

@@ -157,6 +157,8 @@ def _number(req: dict[str, Any], name: str) -> float:
 
 # Decisions made at every step of a healthy run; the others are worth a person's look.
 ROUTINE_DECISIONS = frozenset({"committed", "registered"})
+# Decisions that lose a member or stop the run: logged as warnings.
+WARNING_DECISIONS = frozenset({"member_dead", "quorum_lost", "diverged"})
 
 
 class CoordinatorServer(LoopService):
@@ -599,8 +601,12 @@ class CoordinatorServer(LoopService):
             self._log.append(entry)
             if d.name not in ROUTINE_DECISIONS:
                 self._notable.append(entry)
-        # Commits happen every step: the replicas' step lines already show them.
-        level = logging.DEBUG if d.name in ("registered", "committed") else logging.INFO
+        # Commits happen every step: the replicas' step lines already show them. A death or a
+        # stopped run is shown at --log-level warning too.
+        level = (
+            logging.DEBUG if d.name in ROUTINE_DECISIONS
+            else logging.WARNING if d.name in WARNING_DECISIONS else logging.INFO
+        )  # fmt: skip
         log.log(level, "%s: %s", d.name, d.reason)
         if self._events_fd is not None:
             fields = {k: v for k, v in record.items() if k not in ("decision", "reason")}
