@@ -60,3 +60,15 @@ def test_coordinator_serve_balances_like_train():
     serve = parser.parse_args(["coordinator", "serve", "--replicas", "2"])
     train = parser.parse_args(["train"])
     assert serve.balance == train.balance == "throughput"
+
+
+def test_recover_help_names_every_benchmark():
+    """`recover --help` lists every `recover bench` subcommand (it once named 4 of the 7)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = " ".join(out.getvalue().split())  # (argparse wraps the line)
+    benchmarks = [p for p, _ in COMMANDS if len(p) == 2 and p[0] == "bench"]
+    assert len(benchmarks) >= 7
+    for _, name in benchmarks:
+        assert name in text.split("bench benchmarks (", 1)[1].split(")", 1)[0], (name, text)
