@@ -263,6 +263,27 @@ def test_a_killed_prepares_temporary_folder_is_removed_by_the_next_prepare(tmp_p
     assert [p.name for p in out_parent.iterdir()] == ["ds"]
 
 
+def test_only_a_bpe_prepare_shows_a_training_bar(tmp_path, monkeypatch) -> None:
+    """The progress bars a prepare shows: a byte tokenizer trains nothing, so no `training bpe`
+    bar (it showed one that never moved)."""
+    from recover.data import prepare as prepare_module
+
+    shown = []
+
+    def task(self, description, total):
+        shown.append(description)
+        return lambda n=1: None
+
+    monkeypatch.setattr(prepare_module._Progress, "task", task)
+    src = write_corpus(tmp_path / "src")
+    prepare_dataset(tmp_path / "byte", source=src, show_progress=False)
+    assert "training bpe" not in shown and "tokenizing" in shown, shown
+    shown.clear()
+    prepare_dataset(tmp_path / "bpe", source=src, tokenizer="bpe", vocab_size=300,
+                    show_progress=False)  # fmt: skip
+    assert "training bpe" in shown, shown
+
+
 def test_existing_output_with_other_content_is_refused_untouched(tmp_path: Path) -> None:
     src = write_corpus(tmp_path / "src")
     other = tmp_path / "other"

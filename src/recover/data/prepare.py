@@ -576,7 +576,9 @@ def prepare(
         meta = reuse_existing(out_dir, settings, scan.content_hash)
         if meta is not None:
             return result_of(out_dir, meta, reused=True, source_bytes=scan.source_bytes, t0=t0)
-        advance = progress.task("training bpe", listing.total_bytes)
+        # A bar only for the pass that reads the corpus (a byte or given tokenizer has none).
+        training = config.tokenizer == "bpe"
+        advance = progress.task("training bpe", listing.total_bytes) if training else None
         tok = _build_tokenizer(config, listing, scan, advance)
         if config.tokenizer == "bpe":
             tokenizer_json = tok.to_json().encode("utf-8")  # type: ignore[union-attr]
