@@ -407,3 +407,14 @@ def test_cli_prepare_summary_and_errors(tmp_path: Path, capsys) -> None:
     assert run_prepare(args) == 2
     assert capsys.readouterr().err.startswith(f"error: source {missing}")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_default_dataset_names_keep_sources_of_two_formats_apart() -> None:
+    """`docs.jsonl` and `docs.parquet` prepared with one tokenizer default to folders of their
+    own (both were `docs-byte`, and the second prepare was refused)."""
+    from recover.data.prepare import default_dataset_name
+
+    assert default_dataset_name("data/docs.jsonl") == "docs-jsonl-byte"
+    assert default_dataset_name("data/docs.parquet", "bpe", 4096) == "docs-parquet-bpe4096"
+    assert default_dataset_name("data/corpus") == "corpus-byte"  # a folder
+    assert default_dataset_name() == "stdlib-byte"

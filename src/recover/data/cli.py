@@ -89,7 +89,8 @@ def add_prepare_parser(subparsers: argparse._SubParsersAction) -> None:
         "--out",
         type=Path,
         default=None,
-        help="dataset folder (default: data/stdlib-byte, data/stdlib-bpe<N>, data/<source>-...)",
+        help="dataset folder (default: data/stdlib-byte, data/stdlib-bpe<N>, data/<folder>-byte "
+        "for a folder, data/<name>-<format>-byte for a file, e.g. data/docs-jsonl-byte)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_prepare)

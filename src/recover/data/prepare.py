@@ -658,8 +658,14 @@ def read_documents(dataset_dir: Path | str) -> list[dict[str, Any]]:
 def default_dataset_name(
     source: Path | str | None = None, tokenizer: str | Path = "byte", vocab_size: int | None = None
 ) -> str:
-    """Folder name like ``stdlib-byte``, ``stdlib-bpe4096``, ``<source stem>-byte`` or ``-hf``."""
-    stem = "stdlib" if source is None else (Path(source).stem or "corpus")
+    """Folder name like ``stdlib-byte``, ``stdlib-bpe4096``, ``corpus-byte`` (a folder),
+    ``docs-jsonl-byte`` (a file: its format in the name, so that ``docs.jsonl`` and
+    ``docs.parquet`` get folders of their own) or ``...-hf``."""
+    if source is None:
+        stem = "stdlib"
+    else:
+        path = Path(source)
+        stem = (path.stem or "corpus") + (f"-{path.suffix[1:]}" if path.suffix[1:] else "")
     kind, _ = resolve_tokenizer(tokenizer)
     if kind == "hf":
         return f"{stem}-hf"
