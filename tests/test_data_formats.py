@@ -254,7 +254,10 @@ def test_cli_from_bin_then_train_reads_it(tmp_path: Path, capsys) -> None:
     )  # fmt: skip
     assert run_prepare(args) == 0
     printed = capsys.readouterr().out
-    assert "20,000 tokens" in printed and "prepared" in printed and "shards" in printed
+    assert "20,000 tokens" in printed and "adopted" in printed and "shards" in printed
+    # Adopted token ids have no documents and no tokenizer: said so, not "0 documents", "none".
+    assert "documents" not in printed and "none tokens" not in printed, printed
+    assert "token ids as given, no tokenizer" in printed, printed
     assert run_prepare(_parse(["prepare", "--from-bin", str(tmp_path / "train.bin")])) == 2
     assert "--vocab-size" in capsys.readouterr().err
 

@@ -169,7 +169,8 @@ def run_prepare(args: argparse.Namespace) -> int:
     tok = meta["tokenizer"]
     docs = {s: meta[s]["documents"] for s in ("train", "val")}
     print(f"dataset   {result.path}")
-    print(f"source    {meta['source']}  ({tok['kind']} tokens, vocab {tok['vocab_size']})")
+    kind = "token ids as given, no tokenizer" if tok["kind"] == "none" else f"{tok['kind']} tokens"
+    print(f"source    {meta['source']}  ({kind}, vocab {tok['vocab_size']})")
     for split in ("train", "val"):
         what = "" if docs[split] is None else f"  {docs[split]} documents"
         print(f"{split:<9} {meta[split]['tokens']:,} tokens{what}")

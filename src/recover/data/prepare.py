@@ -140,6 +140,7 @@ class PrepareResult:
     shards: int
     source_bytes: int
     seconds: float
+    adopted: bool = False  # token files taken as they are (--from-bin): no documents, no tokenizer
 
     def summary(self) -> str:
         """One line for people: documents, tokens, shards and throughput."""
@@ -149,6 +150,11 @@ class PrepareResult:
                 f"{self.tokens:,} tokens, {self.shards} shards; checked in {self.seconds:.1f} s)"
             )
         secs = max(self.seconds, 1e-9)
+        if self.adopted:
+            return (
+                f"adopted   {self.tokens:,} tokens ({self.source_bytes / 1e6:,.1f} MB) in "
+                f"{self.shards} shards in {self.seconds:.1f} s"
+            )
         return (
             f"prepared  {self.documents:,} documents ({self.source_bytes / 1e6:,.1f} MB) -> "
             f"{self.tokens:,} tokens in {self.shards} shards in {self.seconds:.1f} s "
@@ -509,6 +515,7 @@ def result_of(
         shards=len({s["file"] for split in SPLITS for s in meta["shards"][split]}),
         source_bytes=source_bytes,
         seconds=time.perf_counter() - t0,
+        adopted=meta.get("tokenizer", {}).get("kind") == "none",
     )
 
 
