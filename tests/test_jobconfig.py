@@ -70,6 +70,10 @@ def test_a_job_file_sets_every_group_and_flags_override_it(tmp_path):
             "[train] unknown key 'warmup_step'; did you mean 'warmup_steps'?",
         ),
         ("[trian]\nsteps = 3\n", "unknown table [trian]; did you mean 'train'?"),
+        (  # a key of another table: the table it belongs to is named
+            "[train]\ntensorboard = 'tb'\n",
+            "[train] has no key 'tensorboard': it belongs to [replica]; move it there",
+        ),
         ("[replica]\nstall_timeot = 3\n", "did you mean 'stall_timeout'?"),
         ("[train]\nsteps = 'ten'\n", "[train] steps must be a number, got 'ten'"),
         ("[train]\nsteps = 2.5\n", "[train] steps must be an integer"),

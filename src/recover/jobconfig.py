@@ -140,6 +140,12 @@ def job_defaults(
             key = raw_key.replace("-", "_")
             action = known[section].get(key)
             if action is None:
+                home = [other for other, keys in known.items() if key in keys]
+                if home:  # a key of another table: name the table it belongs to
+                    raise ValueError(
+                        f"{source}: [{section}] has no key {raw_key!r}: it belongs to "
+                        f"[{home[0]}]; move it there"
+                    )
                 raise ValueError(
                     f"{source}: [{section}] unknown key {raw_key!r}{_nearest(key, known[section])}"
                 )
