@@ -269,6 +269,11 @@ def test_cli_from_bin_then_train_reads_it(tmp_path: Path, capsys) -> None:
     assert config["data"]["content_hash"] == meta["content_hash"]
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert sum(1 for s in steps if s.get("kind") == "step") == 3
+    # Adopted token ids have no tokenizer: sampling says to name one, and works with it.
+    r = run_cli(["sample", str(run), "--prompt", "ab", "--tokens", "4"])
+    assert r.returncode == 2 and "--tokenizer" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run_cli(["sample", str(run), "--prompt", "ab", "--tokens", "4", "--tokenizer", "byte"])
+    assert r.returncode == 0 and r.stdout.startswith("ab"), r.stdout + r.stderr
 
 
 def test_cli_summary_line_counts_documents_tokens_and_shards(tmp_path: Path, capsys) -> None:

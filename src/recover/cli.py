@@ -410,6 +410,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --temperature: sample among the K likeliest tokens only (default: all)",
     )
     smp.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    smp.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="byte|FILE",
+        help="read the prompt and write the text with this tokenizer (byte, or a "
+        "tokenizer.json) instead of the run's: needed for a run on token files adopted with "
+        "prepare --from-bin, which have none (default: the run's)",
+    )
 
     cmp = sub.add_parser("compare", help="compare two run folders' trajectories")
     cmp.add_argument("run_a", type=Path, metavar="RUN_A", help="a run folder (--out of train)")
@@ -662,6 +670,7 @@ def run_export(args: argparse.Namespace) -> int:
 def run_sample(args: argparse.Namespace) -> int:
     import torch
 
+    from recover.data import DataError
     from recover.tooling.export import ExportError, sample
     from recover.training.checkpoint import CheckpointError
 
@@ -669,9 +678,9 @@ def run_sample(args: argparse.Namespace) -> int:
     try:
         text = sample(
             args.run, args.prompt, tokens=args.tokens, temperature=args.temperature,
-            top_k=args.top_k, seed=args.seed,
+            top_k=args.top_k, seed=args.seed, tokenizer=args.tokenizer,
         )  # fmt: skip
-    except (ExportError, CheckpointError, ValueError) as e:
+    except (ExportError, CheckpointError, ValueError, DataError) as e:
         return _error(str(e))
     print(text)
     return 0

@@ -155,21 +155,29 @@ def export_hf(run: Path, out: Path) -> Path:
     return out
 
 
-def _encode(config: dict, text: str) -> list[int]:
-    from recover.data.tokenizer import load_tokenizer
+def _codec(config: dict, tokenizer: str | Path | None = None):
+    """(encode, decode) between text and the run's token ids: the tokenizer its dataset was
+    prepared with, or `tokenizer` ("byte", or a tokenizer.json) when given. A dataset adopted
+    from token files (`prepare --from-bin`) has none: then `tokenizer` is needed."""
+    from recover.data.tokenizer import load_tokenizer, load_tokenizer_file
 
-    data_path = Path(config["data"].get("path", ""))
-    if (config["data"].get("tokenizer") or {}).get("kind", "byte") == "byte":
-        return list(text.encode())
-    return load_tokenizer(data_path).encode(text)
-
-
-def _decode(config: dict, ids: list[int]) -> str:
-    from recover.data.tokenizer import load_tokenizer
-
-    if (config["data"].get("tokenizer") or {}).get("kind", "byte") == "byte":
-        return bytes(i for i in ids if i != 0).decode(errors="replace")
-    return load_tokenizer(Path(config["data"]["path"])).decode(ids)
+    kind = (config["data"].get("tokenizer") or {}).get("kind", "byte")
+    if tokenizer is None and kind == "none":
+        raise ExportError(
+            "this run's data was adopted from token files (prepare --from-bin), with no "
+            "tokenizer to read or write text: give --tokenizer byte, or the tokenizer.json the "
+            "token ids came from"
+        )
+    if str(tokenizer) == "byte" or (tokenizer is None and kind == "byte"):
+        return (
+            lambda text: list(text.encode()),
+            lambda ids: bytes(i for i in ids if 0 < i < 256).decode(errors="replace"),
+        )
+    if tokenizer is not None:
+        tok = load_tokenizer_file(Path(tokenizer))
+    else:
+        tok = load_tokenizer(Path(config["data"]["path"]))
+    return tok.encode, tok.decode
 
 
 @torch.no_grad()
@@ -181,13 +189,16 @@ def sample(
     temperature: float = 0.0,
     top_k: int | None = None,
     seed: int = 0,
+    tokenizer: str | Path | None = None,
 ) -> str:
     """Continue `prompt` by `tokens` tokens from the run's model: greedy when temperature is 0,
-    else sampled from softmax(logits / temperature) over the `top_k` likeliest (all if None)."""
+    else sampled from softmax(logits / temperature) over the `top_k` likeliest (all if None).
+    `tokenizer` ("byte" or a tokenizer.json) replaces the run's (see `_codec`)."""
     if tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
         raise ValueError("--tokens and --temperature must be >= 0, --top-k >= 1")
     model, config = load_run_model(run)
-    ids = _encode(config, prompt) or [0]
+    encode, decode = _codec(config, tokenizer)
+    ids = encode(prompt) or [0]
     x = torch.tensor([ids], dtype=torch.long)
     g = torch.Generator().manual_seed(seed)
     for _ in range(tokens):
@@ -203,4 +214,4 @@ def sample(
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g)
         x = torch.cat([x, nxt], dim=1)
-    return _decode(config, x[0].tolist())
+    return decode(x[0].tolist())
