@@ -72,3 +72,20 @@ def test_recover_help_names_every_benchmark():
     assert len(benchmarks) >= 7
     for _, name in benchmarks:
         assert name in text.split("bench benchmarks (", 1)[1].split(")", 1)[0], (name, text)
+
+
+def test_the_readme_installs_a_pinned_torch_from_the_right_index():
+    """The README's install lines (they cannot run here: no other index is reachable): the CPU
+    line takes the pinned torch from PyTorch's CPU wheel index, the GPU line the same pin from
+    the default index, and the Quickstart's commands pin it too."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    pins = set(re.findall(r"pip install torch==([0-9.]+)", readme))
+    assert len(pins) == 1, pins  # one torch version everywhere
+    cpu = [line for line in readme.splitlines() if "download.pytorch.org/whl/cpu" in line]
+    assert cpu and all("--index-url https://download.pytorch.org/whl/cpu" in c for c in cpu), cpu
+    assert all(f"torch=={pins.pop()}" in c for c in cpu)
+    commands = [line for line in readme.splitlines() if line.startswith("python3 -m venv")]
+    assert len(commands) >= 4 and all("torch==" in c for c in commands), commands
