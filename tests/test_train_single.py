@@ -181,3 +181,32 @@ def test_version_and_a_warmup_longer_than_the_run_is_warned(tiny_dataset, tmp_pa
                  "--data", str(tiny_dataset), "--out", str(tmp_path / "run")])  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "--warmup-steps 5 >= --steps 2: the learning rate never reaches its peak" in r.stderr
+
+
+def test_a_new_run_starts_from_another_runs_checkpoint(tiny_dataset, tmp_path):
+    """--init-from: run B (two replicas, a new run folder) starts from the weights of run A's
+    newest checkpoint, with a fresh optimizer at step 0: its first committed loss is that of
+    A's trained weights (well below a fresh model's on the same microbatches, A's own step 0),
+    the replicas agree (--init-from is part of what they must share), and it is recorded. A
+    path with no checkpoint is refused in one line."""
+    a, b = tmp_path / "A", tmp_path / "B"
+    r = run_cli(train_args(tiny_dataset, a, "--steps", "6", "--ckpt-every", "4"))
+    assert r.returncode == 0, r.stderr
+    r = run_cli(
+        train_args(tiny_dataset, b, "--steps", "2", "--replicas", "2", "--init-from", str(a))
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    fresh, started = (
+        committed_steps(a / "metrics.jsonl")[0],
+        committed_steps(b / "metrics.jsonl")[0],
+    )
+    assert started["loss"] < fresh["loss"] - 0.3, (started["loss"], fresh["loss"])
+    events = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
+    inits = [e["path"] for e in events if e.get("name") == "initialized_from"]  # (per replica)
+    assert inits == [str(a / "checkpoints" / "step_00000004")] * 2, inits
+    assert json.loads((b / "config.json").read_text())["train"]["init_from"] == str(a)
+    r = run_cli(
+        train_args(tiny_dataset, tmp_path / "C", "--steps", "2", "--init-from", str(b / "x"))
+    )
+    assert r.returncode == 2 and "no checkpoint there" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -41,6 +41,9 @@ TRAIN_HELP = {
     "eval_batches": "validation microbatches per evaluation",
     "ckpt_every": "checkpoint every N steps (0: no periodic checkpoints)",
     "keep_ckpts": "keep the last K checkpoints",
+    "init_from": "start a new run's model from the weights of another run's checkpoint (a "
+    "step_N folder, or a run folder: its newest valid checkpoint); the optimizer and the schedule "
+    "start fresh at step 0. A resumed run continues from its own checkpoints (default: none)",
     "max_nonfinite": "a step whose summed gradient or loss is not finite, or whose update makes "
     "any parameter or optimizer state non-finite, is skipped (never applied, or undone); stop "
     "the run after N such steps in a row (0: never stop)",
@@ -493,7 +496,7 @@ def run_train(args: argparse.Namespace) -> int:
     from recover.training.runfolder import RunFolderError, read_dataset_info
 
     try:
-        cfg = train_config_from_args(args)
+        cfg = _checked_init_from(train_config_from_args(args))
         spec = _checked_dashboards(ReplicaSpec.from_args(args))
         lcfg = LaunchConfig(
             replicas=args.replicas,
@@ -562,6 +565,25 @@ def run_train(args: argparse.Namespace) -> int:
         if not _is_unwritable(e):
             raise
         return _unwritable(e)
+
+
+def _checked_init_from(cfg):
+    """`cfg` with --init-from made absolute, after a first look that a checkpoint is there (the
+    replicas verify it in full as they load it; this keeps the launcher torch-free)."""
+    from dataclasses import replace
+
+    if not cfg.init_from:
+        return cfg
+    path = Path(cfg.init_from).resolve()
+    folders = (path, path / "checkpoints")
+    if not (path / "recover.json").exists() and not any(
+        f.is_dir() and any(f.glob("step_*")) for f in folders
+    ):
+        raise ValueError(
+            f"--init-from {path}: no checkpoint there (a step_N folder, a run folder or its "
+            "checkpoints folder)"
+        )
+    return replace(cfg, init_from=str(path))
 
 
 def _checked_dashboards(spec):

@@ -47,6 +47,9 @@ class TrainConfig:
     ckpt_every: int = 100  # checkpoint every N steps; 0 disables periodic checkpoints
     keep_ckpts: int = 2  # keep the last K checkpoints
     max_nonfinite: int = 3  # stop after N consecutive steps skipped as non-finite (0: never)
+    # A new run whose model starts from another run's checkpoint (its weights only; the optimizer
+    # and schedule start fresh at step 0): a checkpoint folder, or a run folder (its newest).
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -81,6 +84,8 @@ class TrainConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be fp32 or bf16, got {self.precision!r}")
+        if not isinstance(self.init_from, str):
+            raise ValueError(f"--init-from must be a path, got {self.init_from!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

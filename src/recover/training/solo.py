@@ -16,7 +16,14 @@ from typing import TextIO
 
 from recover.data.addressing import TokenDataset
 from recover.record import MetricsWriter
-from recover.training.checkpoint import CheckpointError, ResumePoint
+from recover.training.checkpoint import (
+    MARKER,
+    CheckpointError,
+    ResumePoint,
+    find_resume_point,
+    load_dcp_state,
+    verify_checkpoint,
+)
 from recover.training.config import RunPaths, TrainConfig
 from recover.training.recorder import (
     RunRecorder,
@@ -25,7 +32,12 @@ from recover.training.recorder import (
     unigram_loss,
 )
 from recover.training.runfolder import open_run_folder, read_dataset_info
-from recover.training.trainer import NonFiniteError, ReplicaTrainer, pick_device
+from recover.training.trainer import (
+    CHECKPOINT_ALIASES,
+    NonFiniteError,
+    ReplicaTrainer,
+    pick_device,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +92,7 @@ def build_trainer_for_run(
 
         trainer = trainer_class(intra.layout)(cfg, dataset, intra=intra, device=device)
     start = 0
+    point = None
     if resume:
         point = load_resume_state(paths)
         if point is not None:
@@ -99,7 +112,46 @@ def build_trainer_for_run(
                     announce_resume(point, start, emit=writer.event, console=console)
                 finally:
                     writer.close()
+    if point is None and cfg.init_from:  # a fresh start (a resumed run's own state wins)
+        source = init_checkpoint(Path(cfg.init_from))
+        load_dcp_state(
+            source, trainer.model, None, aliases=CHECKPOINT_ALIASES,
+            process_group=trainer.checkpoint_group,
+        )  # fmt: skip
+        if intra is None or intra.rank == 0:
+            (emit or _event_once(paths))("initialized_from", path=str(source))
+            if console is not None:
+                log.info(f"model initialized from {source} (the optimizer starts fresh, at step 1)")
     return trainer, start
+
+
+def init_checkpoint(path: Path) -> Path:
+    """The checkpoint folder that --init-from names: `path` itself (a step_N folder), or the
+    newest valid one of a run folder or of a checkpoints folder. CheckpointError naming the
+    path when there is none."""
+    if (path / MARKER).exists():
+        verify_checkpoint(path)
+        return path
+    for folder in (path / "checkpoints", path):
+        if folder.is_dir():
+            point = find_resume_point(folder)
+            if point is not None and point.legacy_state is None:
+                return point.path
+    raise CheckpointError(
+        f"--init-from {path}: no checkpoint there (a step_N folder, a run folder or its "
+        "checkpoints folder)"
+    )
+
+
+def _event_once(paths: RunPaths) -> Callable[..., object]:
+    def emit(name: str, **fields) -> None:
+        writer = MetricsWriter(paths.metrics)
+        try:
+            writer.event(name, **fields)
+        finally:
+            writer.close()
+
+    return emit
 
 
 def train_single(
