@@ -89,3 +89,17 @@ def test_the_readme_installs_a_pinned_torch_from_the_right_index():
     assert all(f"torch=={pins.pop()}" in c for c in cpu)
     commands = [line for line in readme.splitlines() if line.startswith("python3 -m venv")]
     assert len(commands) >= 4 and all("torch==" in c for c in commands), commands
+
+
+def test_docs_cli_md_is_what_the_parsers_generate():
+    """docs/cli.md, the command reference, is generated from the parsers: a flag added, renamed
+    or re-described without regenerating it fails here (regenerate: python -m
+    recover.tooling.clidoc > docs/cli.md)."""
+    from pathlib import Path
+
+    from recover.tooling.clidoc import render
+
+    written = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    assert written == render(build_parser()), (
+        "docs/cli.md is stale: python -m recover.tooling.clidoc > docs/cli.md"
+    )
