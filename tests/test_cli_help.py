@@ -94,12 +94,12 @@ def test_the_readme_installs_a_pinned_torch_from_the_right_index():
 def test_docs_cli_md_is_what_the_parsers_generate():
     """docs/cli.md, the command reference, is generated from the parsers: a flag added, renamed
     or re-described without regenerating it fails here (regenerate: python -m
-    recover.tooling.clidoc > docs/cli.md)."""
+    recover.clidoc > docs/cli.md)."""
     from pathlib import Path
 
-    from recover.tooling.clidoc import render
+    from recover.clidoc import render
 
     written = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
     assert written == render(build_parser()), (
-        "docs/cli.md is stale: python -m recover.tooling.clidoc > docs/cli.md"
+        "docs/cli.md is stale: python -m recover.clidoc > docs/cli.md"
     )

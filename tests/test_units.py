@@ -172,7 +172,7 @@ def test_the_join_fingerprint_covers_every_setting_of_the_update(tiny_dataset):
         "preset": "small", "precision": "bf16", "steps": 301, "microbatches": 9,
         "microbatch_size": 9, "seq_len": 64, "seed": 1, "warmup_steps": 31, "eval_every": 101,
         "eval_batches": 9, "ckpt_every": 101, "keep_ckpts": 3, "beta1": 0.8, "beta2": 0.9,
-        "dropout": 0.1,
+        "dropout": 0.1, "init_from": "runs/other",
     }  # fmt: skip
     for f in fields(TrainConfig):
         value = changed.get(f.name, getattr(base, f.name) * 2)  # lr, min_lr, weight_decay, clip

@@ -3,8 +3,9 @@
 Job: walk `recover`'s argparse parsers (every command and subcommand) and render each as a
 Markdown section: its description, its usage line, and a table of its arguments with their help
 (defaults included, as the help texts state them). The file is generated, so it cannot drift from
-the code: `python -m recover.tooling.clidoc > docs/cli.md` writes it, and a test checks that the
-file equals what this module renders.
+the code: `python -m recover.clidoc > docs/cli.md` writes it, and a test checks that the
+file equals what this module renders. (An entry point beside `recover.cli`, whose parsers it
+reads.)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 HEADER = """# Command reference
 
 Every `recover` command and its arguments, as `recover COMMAND --help` prints them. This file is
-generated from the parsers (`python -m recover.tooling.clidoc > docs/cli.md`; a test checks that
+generated from the parsers (`python -m recover.clidoc > docs/cli.md`; a test checks that
 it is current). The README shows the commands in use; docs/api.md, docs/multinode.md and
 docs/checkpoints.md explain them.
 """
