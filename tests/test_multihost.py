@@ -2,7 +2,7 @@
 
 Each test builds its hosts with tests/hosts.py (a bridge, one address per host, each host its own
 hostname and /etc/hosts) and runs the coordinator on host 0 and one replica per other host, as
-README "Multi-node" and docs/multinode.md say: `recover coordinator serve --host 0.0.0.0`, then
+docs/running.md "Multi-node" and docs/multinode.md say: `recover coordinator serve --host 0.0.0.0`, then
 `recover worker` (under torchrun, as written there) with the coordinator's address. Then the
 invariants: every step committed once with all M microbatches, the trajectory of a one-replica
 run, identical survivors, and nothing left behind (processes, namespaces).
@@ -69,7 +69,7 @@ def _env(**extra: str) -> dict[str, str]:
 def start_coordinator(
     host: hosts.Host, run: Path, *args: str, lease: float = 1.0, replicas: int = 2
 ) -> subprocess.Popen:
-    """The README's coordinator command on `host`, bound to every interface."""
+    """The coordinator command of docs/running.md ("Multi-node") on `host`, bound to every interface."""
     run.mkdir(parents=True, exist_ok=True)
     return host.popen(
         [sys.executable, "-m", "recover.cli", "coordinator", "serve", "--host", "0.0.0.0",
@@ -126,7 +126,7 @@ def completed(code: int, outputs: list[str]) -> subprocess.CompletedProcess:
 def test_the_documented_recipe_trains_across_hosts_through_a_kill(
     reference, tiny_dataset, tmp_path
 ):
-    """README's Multi-node commands as written (coordinator bound to 0.0.0.0, one torchrun per
+    """The Multi-node commands of docs/running.md as written (coordinator bound to 0.0.0.0, one torchrun per
     replica on its own host): replica 1 SIGKILLed mid-step; the survivor commits every step
     with all M microbatches on the one-replica trajectory."""
     run = tmp_path / "run"

@@ -17,7 +17,7 @@ HEADER = """# Command reference
 
 Every `recover` command and its arguments, as `recover COMMAND --help` prints them. This file is
 generated from the parsers (`python -m recover.clidoc > docs/cli.md`; a test checks that
-it is current). The README shows the commands in use; docs/api.md, docs/multinode.md and
+it is current). docs/running.md shows the commands in use; docs/api.md, docs/multinode.md and
 docs/checkpoints.md explain them.
 """
 

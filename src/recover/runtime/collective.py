@@ -46,7 +46,7 @@ the poll interval grows with the op's age from ``poll_interval_s`` to ``poll_int
 ``should_abort`` must be cheap (a flag or one store round trip). The peer named in
 an ``error`` abort is the socket address gloo printed, not a rank. gloo has no shrink for this, so
 every membership change costs a fresh rendezvous (milliseconds on loopback). NCCL groups are
-built fresh per epoch too (see README on communicator shrink); their path has not run on GPUs.
+built fresh per epoch too (docs/running.md, "Replicas of several ranks"); their path has not run on GPUs.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def _nccl(
     dies (TORCH_NCCL_ASYNC_ERROR_HANDLING, default 3: abort and crash): for these groups it is
     off (0, read by the constructor), so an error only marks the op failed and this module's
     polling, abandon and ncclCommAbort (the group's ``abort()``) handle it like gloo's errors.
-    Not yet run on GPUs in this project (see README, "Replicas of several ranks").
+    Not yet run on GPUs in this project (see docs/running.md, "Replicas of several ranks").
     """
     if not dist.is_nccl_available():
         raise RuntimeError("the cross-replica reduce over NCCL needs a torch built with NCCL")
