@@ -223,6 +223,23 @@ def finish(proc: subprocess.Popen, timeout: float = 120) -> subprocess.Completed
     return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
 
 
+def finish_after(
+    proc: subprocess.Popen, fault: Callable[[], object], timeout: float
+) -> tuple[subprocess.CompletedProcess, float]:
+    """Inflict `fault()` on the running job of `proc`, then `finish` it (killed if it runs past
+    `timeout`, or if the fault raises): what it printed, and the seconds it took to end after
+    the fault."""
+    try:
+        fault()
+    except BaseException:
+        proc.kill()  # (the launcher's children die with it)
+        proc.wait()
+        raise
+    at = time.monotonic()
+    r = finish(proc, timeout=timeout)
+    return r, time.monotonic() - at
+
+
 def leftover_processes(marker: str) -> list[str]:
     """Command lines of live processes that mention `marker` (the run folder)."""
     found = []

@@ -9,18 +9,9 @@ import io
 import pytest
 
 from recover.cli import build_parser
+from recover.clidoc import commands
 
-
-def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
-    """(command path, parser) for the top level and every subcommand, depth first."""
-    yield path, parser
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                yield from _commands(sub, (*path, name))
-
-
-COMMANDS = list(_commands(build_parser()))
+COMMANDS = list(commands(build_parser()))
 
 
 def test_every_option_of_every_command_has_help():

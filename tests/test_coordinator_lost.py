@@ -28,6 +28,7 @@ from conftest import (
     coordinator_pid,
     events,
     finish,
+    finish_after,
     last_recorded_step,
     leftover_processes,
     start_cli,
@@ -98,13 +99,11 @@ def test_a_coordinator_frozen_past_the_grace_stops_the_run_as_a_lost_one(tiny_da
     )
     try:
         wait_for_step(out, 2, alive=[proc], timeout=120)
-        os.kill(coordinator_pid(out), signal.SIGSTOP)
-        frozen_at = time.monotonic()
-        r = finish(proc, timeout=90)
-        took = time.monotonic() - frozen_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    except BaseException:
+        proc.kill()  # (the launcher's children die with it)
+        proc.wait()
+        raise
+    r, took = finish_after(proc, lambda: os.kill(coordinator_pid(out), signal.SIGSTOP), 90)
     lost = coordinator_lost_lines(r)
     assert sorted(line.split("]")[0] for line in lost) == ["[replica 0", "[replica 1"], lost
     (said,) = [line for line in r.stdout.splitlines() if "stopped, the coordinator lost" in line]

@@ -12,12 +12,18 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import TINY_TRAIN_FLAGS, finish, leftover_processes, start_cli, wait_until
+from conftest import (
+    TINY_TRAIN_FLAGS,
+    finish,
+    finish_after,
+    leftover_processes,
+    start_cli,
+    wait_until,
+)
 from recover import exits
 from recover.record import committed_steps, read_metrics
 
@@ -78,14 +84,11 @@ def test_a_disk_that_fills_mid_run_stops_the_run_in_one_line(tiny_dataset, tmp_p
                 and len(committed_steps(out / "metrics.jsonl")) >= 3,
                 "3 committed steps", alive=[proc], timeout=90,
             )  # fmt: skip
-            fill(disk)
-            filled_at = time.monotonic()
-            r = finish(proc, timeout=60)
-            took = time.monotonic() - filled_at
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        except BaseException:
+            proc.kill()  # (the launcher's children die with it)
+            proc.wait()
+            raise
+        r, took = finish_after(proc, lambda: fill(disk), 60)
         assert r.returncode == exits.STORAGE, r.stdout[-3000:]
         assert "Traceback" not in r.stdout, r.stdout[-3000:]
         assert "No space left on device" in r.stdout, r.stdout[-3000:]

@@ -22,13 +22,13 @@ docs/checkpoints.md explain them.
 """
 
 
-def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
     """(command path, parser) for the top level and every subcommand, depth first."""
     yield path, parser
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
-                yield from _commands(sub, (*path, name))
+                yield from commands(sub, (*path, name))
 
 
 def _cell(text: str) -> str:
@@ -44,7 +44,7 @@ def _usage(parser: argparse.ArgumentParser) -> str:
 def render(parser: argparse.ArgumentParser) -> str:
     """The Markdown reference of `parser` and every subcommand under it."""
     out = [HEADER]
-    for path, sub in _commands(parser):
+    for path, sub in commands(parser):
         name = " ".join(("recover", *path))
         out.append(f"## `{name}`\n")
         if sub.description:
