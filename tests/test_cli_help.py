@@ -94,3 +94,57 @@ def test_docs_cli_md_is_what_the_parsers_generate():
     assert written == render(build_parser()), (
         "docs/cli.md is stale: python -m recover.clidoc > docs/cli.md"
     )
+
+
+def test_the_wheel_and_the_sdist_hold_the_package_and_the_wheel_runs(tmp_path):
+    """The two artefacts of a release, built offline by setuptools (what `python -m build` runs)
+    from a copy of the tracked files: the wheel holds every module of src/recover and the
+    license, and installed into a folder of its own it runs (the package imported from there,
+    `recover --help`); the sdist holds the sources with their tests, docs and examples."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tarfile
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    tree = tmp_path / "tree"
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        if (root / name).is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / name, tree / name)
+    build = "from setuptools import build_meta as b; b.build_wheel('dist'); b.build_sdist('dist')"
+    r = subprocess.run([sys.executable, "-c", build], cwd=tree, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (wheel,) = (tree / "dist").glob("*.whl")
+    (sdist,) = (tree / "dist").glob("*.tar.gz")
+    modules = {p.relative_to(root / "src").as_posix() for p in (root / "src").rglob("*.py")}
+    inside = set(zipfile.ZipFile(wheel).namelist())
+    assert modules <= inside, sorted(modules - inside)
+    assert any(n.endswith("licenses/LICENSE") for n in inside)
+    top = sdist.name.removesuffix(".tar.gz")
+    held = set(tarfile.open(sdist).getnames())
+    for needed in ("LICENSE", "README.md", "src/recover/cli.py", "tests/conftest.py",
+                   "tests/hosts.py", "docs/cli.md", "examples/train_custom.py"):  # fmt: skip
+        assert f"{top}/{needed}" in held, needed
+    site = tmp_path / "site"
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+         str(site), str(wheel)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    r = subprocess.run(
+        [sys.executable, "-c", "import recover, recover.cli; print(recover.__file__)"],
+        env=env, capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout.startswith(str(site)), r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "recover.cli", "--help"], env=env,
+                       capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0 and "usage: recover" in r.stdout, r.stderr[-2000:]
