@@ -348,6 +348,17 @@ class CoordinatorClient:
             return None
         return self._unreachable or self._lost_reason(RuntimeError("no answer"))
 
+    def confirm_member(self) -> None:
+        """Return once the coordinator confirmed this incarnation is still a member (the fence,
+        `writes_allowed`); a process woken after a freeze acts on no stale view before that.
+        CoordinatorUnreachable when none answered for the grace (not an eviction), else
+        Evicted."""
+        if self.writes_allowed():
+            return
+        if self.lost is not None:
+            raise CoordinatorUnreachable(self.lost)
+        raise Evicted(f"replica {self.replica_id} is not a confirmed member any more")
+
     def writes_allowed(self, *, wait_s: float | None = None) -> bool:
         """Whether this incarnation may write to the run folder now (the fence; see the module
         docstring). Without a fresh confirmation it waits for the next heartbeat round, at most

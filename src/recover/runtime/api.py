@@ -385,8 +385,13 @@ class Replica:
             with self._stops():
                 step = self._join(total_steps, start_step)
             while step < total_steps:
+                # A process woken after a freeze acts on no stale view (nor lets its script write
+                # a log of its own) before the coordinator confirmed it is still a member; the
+                # replica's first rank holds the membership.
+                client = self._link.client
                 with self._stops():
-                    self._confirm_member()
+                    if client is not None:
+                        client.confirm_member()
                 self.step = step
                 yield step
                 if self._committed != step:
@@ -480,17 +485,6 @@ class Replica:
     def _follow_mirrors(self) -> None:
         for mirror in self._mirrors:
             mirror.follow()
-
-    def _confirm_member(self) -> None:
-        """A process woken after a freeze acts on no stale view (nor lets its script write a log
-        of its own) before the coordinator confirmed it is still a member: it may have been
-        evicted meanwhile (checked by the replica's first rank, which holds the membership)."""
-        client = self._link.client
-        if client is None or client.writes_allowed():
-            return
-        if client.lost is not None:  # no answer at all for the grace: not an eviction
-            raise CoordinatorUnreachable(client.lost)
-        raise Evicted(f"replica {self.replica_id} is not a confirmed member any more")
 
     def microbatches(self) -> Iterator[int]:
         """The microbatch ids of the current step this rank computes: its share of the plan,
@@ -684,7 +678,7 @@ class Replica:
         groups = self._groups
         if not groups.wait_closed(0.5):
             return
-        bound = self.env.spec.collective(self.peer).pg_timeout_s
+        bound = groups.config.pg_timeout_s
         log.info(
             f"replica {self.replica_id}: waiting for the cross-replica groups to close before "
             f"exiting (a peer of an abandoned group is silent; at most {bound:g} s)"
@@ -764,17 +758,14 @@ def _end_quietly_on(kind: type[BaseException], status: int) -> None:
 def _dashboards(spec, metrics, replica: int, config: Mapping[str, Any] | None) -> list:
     """The mirrors of the record asked for (`--tensorboard`, `--wandb`), held by a replica's
     first rank; each follows only the steps its replica wrote (recover.dashboards)."""
-    mirrors = []
-    if spec.tensorboard or spec.wandb:
-        from recover.dashboards import RecordMirror, TensorBoardBackend, WandbBackend
+    if not (spec.tensorboard or spec.wandb):
+        return []
+    from recover.dashboards import RecordMirror, TensorBoardBackend, WandbBackend
 
-        if spec.tensorboard:
-            backend = TensorBoardBackend(Path(spec.tensorboard))
-            mirrors.append(RecordMirror(metrics, replica=replica, backend=backend))
-        if spec.wandb:
-            backend = WandbBackend(spec.wandb, metrics.parent, config=dict(config or {}))
-            mirrors.append(RecordMirror(metrics, replica=replica, backend=backend))
-    return mirrors
+    backends = [TensorBoardBackend(Path(spec.tensorboard))] if spec.tensorboard else []
+    if spec.wandb:
+        backends.append(WandbBackend(spec.wandb, metrics.parent, config=dict(config or {})))
+    return [RecordMirror(metrics, replica=replica, backend=b) for b in backends]
 
 
 def _whole_state(model: torch.nn.Module, intra) -> dict[str, torch.Tensor]:

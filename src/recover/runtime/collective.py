@@ -917,6 +917,10 @@ class GroupCache:
     def current(self) -> EpochGroup | None:
         return self._current
 
+    @property
+    def config(self) -> CollectiveConfig:
+        return self._config
+
     def get(
         self, *, epoch: int, rank: int, world_size: int, should_abort: ShouldAbort | None = None
     ) -> EpochGroup:

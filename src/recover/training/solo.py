@@ -91,6 +91,7 @@ def build_trainer_for_run(
         from recover.training.parallel import trainer_class
 
         trainer = trainer_class(intra.layout)(cfg, dataset, intra=intra, device=device)
+    emit = emit or _event_once(paths)
     start = 0
     point = None
     if resume:
@@ -104,14 +105,7 @@ def build_trainer_for_run(
             except ValueError as e:  # an older single-file checkpoint of another layout
                 raise CheckpointError(f"{point.path}: {e}") from None
         if intra is None or intra.rank == 0:
-            if emit is not None:
-                announce_resume(point, start, emit=emit, console=console)
-            else:
-                writer = MetricsWriter(paths.metrics)
-                try:
-                    announce_resume(point, start, emit=writer.event, console=console)
-                finally:
-                    writer.close()
+            announce_resume(point, start, emit=emit, console=console)
     if point is None and cfg.init_from:  # a fresh start (a resumed run's own state wins)
         source = init_checkpoint(Path(cfg.init_from))
         load_dcp_state(
@@ -119,7 +113,7 @@ def build_trainer_for_run(
             process_group=trainer.checkpoint_group,
         )  # fmt: skip
         if intra is None or intra.rank == 0:
-            (emit or _event_once(paths))("initialized_from", path=str(source))
+            emit("initialized_from", path=str(source))
             if console is not None:
                 log.info(f"model initialized from {source} (the optimizer starts fresh, at step 1)")
     return trainer, start
@@ -144,6 +138,9 @@ def init_checkpoint(path: Path) -> Path:
 
 
 def _event_once(paths: RunPaths) -> Callable[..., object]:
+    """An event writer for a caller that holds none: each event through a writer of the run's
+    metrics.jsonl opened for it."""
+
     def emit(name: str, **fields) -> None:
         writer = MetricsWriter(paths.metrics)
         try:
