@@ -36,13 +36,9 @@ import secrets
 import shlex
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
@@ -56,18 +52,26 @@ from recover.runtime.env import (
     DEVICE_INDEX_ENV,
     FAULTS_ENV,
     REPLICA_ENV,
-    TOKEN_ENV,
     ReplicaEnv,
 )
 from recover.runtime.faults import FaultSpec, fault_flag, faults_for, read_fired
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.spec import ReplicaSpec
+from recover.supervisor import (
+    RECOVER as _RECOVER,
+)
+from recover.supervisor import (
+    ProcessHost,
+    ReplicaSupervisor,
+    describe_exit,
+    end_politely,
+    free_ports,
+    is_stopped,
+    proc_name,
+)
 from recover.training.config import TRAIN_CONFIG_ENV, RunPaths, TrainConfig
 from recover.training.runfolder import LOCK_FILE, RunFolderError, lock_run_folder, open_run_folder
-from recover.zygote import Zygote
 
-# How the launcher starts its own commands (coordinator, built-in worker): this Python, this package.
-_RECOVER = (sys.executable, "-m", "recover.cli")
 # In the run folder while a multi-replica run goes on: the coordinator's address (host, port, pid;
 # written by the coordinator once it listens), and the run's token, readable by its owner only.
 # `recover status RUN` reads both; the launcher removes them at the end.
@@ -218,127 +222,12 @@ def check_gpu_placement(lc: LaunchConfig, gpus: int | None = None) -> None:
         )
 
 
-def _pump(stream, prefix: list[str], console: TextIO | None) -> None:
-    """Echo a child's lines with `prefix[0]` (a promoted standby's label changes)."""
-    for line in iter(stream.readline, ""):
-        if console is not None:
-            console.write(prefix[0] + line)
-            console.flush()
-    stream.close()
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct loopback ports that were free a moment ago (held open together while drawn)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def launcher_path(environ: Mapping[str, str]) -> str:
-    """`environ`'s PATH with this interpreter's folder first: a child's `python` (or `pip`...)
-    is then the launcher's, its virtual environment's, whether or not it was activated."""
-    here = os.path.dirname(sys.executable)
-    rest = [p for p in environ.get("PATH", os.defpath).split(os.pathsep) if p and p != here]
-    return os.pathsep.join([here, *rest])
-
-
-def _same_interpreter(program: str, path: str) -> bool:
-    """Whether `program` (a command's first word, found on `path`) is this interpreter: a
-    `python...` of this interpreter's folder (a venv's python, python3 and python3.X)."""
-    found = shutil.which(program, path=path)
-    if found is None:
-        return False
-    found = os.path.abspath(found)
-    return os.path.dirname(found) == os.path.dirname(sys.executable) and (
-        found == sys.executable or os.path.basename(found).startswith("python")
-    )
-
-
-def check_command_interpreter(command: list[str], environ: Mapping[str, str]) -> None:
-    """ValueError, in one line, when `command` runs a Python that is not the launcher's and
-    cannot import torch and recover (every replica would fail with the same ImportError)."""
-    path = launcher_path(environ)
-    program = shutil.which(command[0], path=path) if command else None
-    if program is None or _same_interpreter(command[0], path):
-        return
-    if not os.path.basename(program).startswith("python"):
-        return  # another program: it may start a Python of its own
-    probe = subprocess.run(
-        [program, "-c", "import torch, recover"], capture_output=True, text=True, timeout=300,
-        env={**environ, "PATH": path},
-    )  # fmt: skip
-    if probe.returncode != 0:
-        why = (probe.stderr.strip().splitlines() or ["it failed"])[-1]
-        raise ValueError(
-            f"the command's {command[0]!r} is {program}, which cannot import torch and recover "
-            f"({why}); run it with the Python that has them, e.g. {sys.executable}"
-        )
-
-
-def _forkable(command: list[str], path: str | None = None):
-    """(module, argv, script) for Zygote.spawn when `command` is one the zygote can run as this
-    interpreter would: recover's own (`python -m recover.cli ...`), `python SCRIPT ...` or
-    `python -m MODULE ...` with this very interpreter (found on the children's `path`); None
-    otherwise (it is exec'ed)."""
-    if tuple(command[: len(_RECOVER)]) == _RECOVER:
-        return _RECOVER[2], list(command[len(_RECOVER) :]), ""
-    if len(command) < 2 or not _same_interpreter(command[0], path or launcher_path(os.environ)):
-        return None
-    if command[1] == "-m" and len(command) > 2:
-        return command[2], list(command[3:]), "-m"
-    if not command[1].startswith("-") and command[1].endswith(".py"):
-        return None, list(command[2:]), command[1]
-    return None
-
-
-def _proc_name(replica: int, rank: int) -> str:
-    return f"replica {replica}" if rank == 0 else f"replica {replica}.{rank}"
-
-
-def _is_stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    except (OSError, IndexError):
-        return False
-
-
-def _end_politely(proc: subprocess.Popen) -> None:
-    """SIGTERM a child (it then stops at its next step boundary), but SIGKILL one that is stopped
-    (SIGSTOP: a hung replica, fenced meanwhile): woken, it would act as a member it no longer is."""
-    try:
-        if _is_stopped(proc.pid):
-            proc.kill()
-        else:
-            proc.terminate()
-    except ProcessLookupError:
-        pass
-
-
-def _describe_exit(replica: int, incarnation: int, code: int) -> str:
-    """One death of a replica process, for the launcher's summary line."""
-    who = f"replica {replica}" + (f" (restart {incarnation})" if incarnation else "")
-    if code < 0:
-        try:
-            how = f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            how = f"killed by signal {-code}"
-    else:
-        how = exits.MEANINGS.get(code, f"exited with status {code}")
-    return f"{who} {how}"
-
-
 def _steps_text(steps: list[int]) -> str:
     shown = ", ".join(str(s) for s in steps[:10])
     return shown + (f" (and {len(steps) - 10} more)" if len(steps) > 10 else "")
 
 
-class LocalLauncher:
+class LocalLauncher(ProcessHost):
     def __init__(
         self,
         cfg: TrainConfig,
@@ -351,18 +240,13 @@ class LocalLauncher:
         console: TextIO | None = sys.stdout,
         token: str | None = None,
     ) -> None:
+        # The shared token: the caller's (RECOVER_TOKEN, read by the CLI), so that hand-started
+        # workers can join; else a fresh random one for this run.
+        super().__init__(console=console, token=token or secrets.token_hex(16))
         self.cfg, self.lcfg = cfg, lcfg
         self.data, self.paths, self.resume = data, RunPaths(out=out), resume
         self.data_info = data_info
-        self.console = console
-        # The shared token: the caller's (RECOVER_TOKEN, read by the CLI), so that hand-started
-        # workers can join; else a fresh random one for this run.
-        self.token = token or secrets.token_hex(16)
-        self.children: dict[str, subprocess.Popen] = {}
         self._ports: list[int] = []  # drawn for the job's processes, handed out as they start
-        self._pumps: list[threading.Thread] = []
-        self._zygote: Zygote | None = None  # recover train's replica processes fork from it
-        self._prefixes: dict[int, list[str]] = {}  # id(process) -> its output prefix
         self._standbys: list[str] = []  # names (in self.children) of waiting standbys, oldest first
         self._standbys_started = 0
         self._standbys_lost = 0  # standbys that died while waiting
@@ -395,73 +279,10 @@ class LocalLauncher:
     )
 
     def _start_zygote(self) -> None:
-        """Start the zygote (recover.zygote) now, so that its import overlaps the coordinator's
-        start; the first replica waits for it. It runs with the run folder on its command line,
-        as its children do (they share its command line), so every process of the run names it."""
-        if not self.lcfg.warm_start or not self.WARM_MODULES:
-            return
-        env = self._child_env()
-        self._zygote = Zygote(list(self.WARM_MODULES), env, tag=str(self.paths.out))
-
-    def _child_env(self, extra_env: dict | None = None) -> dict[str, str]:
-        """The environment of every process this launcher starts (the zygote's too)."""
-        env = dict(os.environ, **(extra_env or {}))
-        env["PATH"] = launcher_path(env)  # `python` in a command is the launcher's (its venv)
-        env["RECOVER_LAUNCHER_PID"] = str(os.getpid())  # children die with the launcher
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env["PYTHONUNBUFFERED"] = "1"
-        return env
-
-    def say(self, line: str, level: int = logging.INFO) -> None:
-        """A launcher line (the process's log prefix says `[launcher]`); with --quiet (no
-        console), only warnings and errors."""
-        if self.console is not None or level >= logging.WARNING:
-            log.log(level, line)
-
-    def _spawn(
-        self,
-        name: str,
-        command: list[str],
-        prefix: str,
-        extra_env: dict | None = None,
-        *,
-        stdin: bool = False,
-    ) -> subprocess.Popen:
-        """Start `command` as child `name`; with `stdin`, its stdin is a pipe (proc.stdin)."""
-        env = self._child_env(extra_env)
-        env[TOKEN_ENV] = self.token  # never on the command line, where `ps` would show it
-        forkable = _forkable(command, env["PATH"])
-        if self._zygote is not None and forkable is not None:
-            try:  # forked, torch already imported: recover's own commands, or a Python script
-                module, argv, script = forkable
-                proc = self._zygote.spawn(module, argv, env, script=script, stdin=stdin)
-            except RuntimeError as e:  # start afresh from now on (slower, same result)
-                self.say(f"warm start off: {e}", logging.WARNING)
-                self._zygote = None
-            else:
-                return self._adopt(name, proc, prefix)
-        proc = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            text=True,
-            bufsize=1,
-            env=env,
-            # Its own session: a terminal's Ctrl-C reaches the launcher only, which then stops the
-            # replicas in order (they die with the launcher anyway: recover.runtime.env.die_with_launcher).
-            start_new_session=True,
-        )
-        return self._adopt(name, proc, prefix)
-
-    def _adopt(self, name: str, proc, prefix: str):
-        """Supervise `proc` as `name` and echo its output with `prefix`."""
-        self.children[name] = proc
-        self._prefixes[id(proc)] = box = [prefix]
-        pump = threading.Thread(target=_pump, args=(proc.stdout, box, self.console), daemon=True)
-        pump.start()
-        self._pumps.append(pump)
-        return proc
+        """The zygote's import overlaps the coordinator's start; it runs with the run folder on
+        its command line, as its children do (they share its command line)."""
+        if self.lcfg.warm_start:
+            self.start_zygote(str(self.paths.out))
 
     def _start_coordinator(self) -> tuple[str, int]:
         """Start the coordinator on a free loopback port; return its address at once.
@@ -531,7 +352,7 @@ class LocalLauncher:
         self, name: str, port: int, address_file: Path, ha: list[str] | None
     ) -> None:
         lc = self.lcfg
-        self._spawn(
+        self.spawn(
             name,
             [
                 *_RECOVER, "coordinator", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -582,13 +403,13 @@ class LocalLauncher:
         replica that have not fired yet (a schedule of several failures outlives a restart)."""
         if fresh:  # reaped already; the slots get the new processes
             for k in range(self.lcfg.ranks):
-                self.children.pop(_proc_name(r, k))
+                self.children.pop(proc_name(r, k))
         command = self._replica_command(r, host, port, fresh=fresh)
         base = self._replica_env(r, host, port)
         ranks = self.lcfg.ranks
         if ranks == 1:  # (on GPUs: replica r takes GPU r, modulo the GPUs there are)
             env = {**base, "RECOVER_DEVICE_INDEX": str(r)}
-            self._spawn(f"replica {r}", command, f"[replica {r}] ", env)
+            self.spawn(f"replica {r}", command, f"[replica {r}] ", env)
             return
         # A replica of several ranks: one process per rank, with the variables torchrun would
         # give them; rank 0 hosts the replica's own store on a fresh port.
@@ -600,7 +421,7 @@ class LocalLauncher:
                 "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(master_port), "RECOVER_DEVICE_INDEX": str(r * ranks + k),
             }  # fmt: skip
-            self._spawn(_proc_name(r, k), command, f"[{replica_name(r, k, ranks)}] ", env)
+            self.spawn(proc_name(r, k), command, f"[{replica_name(r, k, ranks)}] ", env)
 
     # ---- standbys (--standby N) ----------------------------------------------------------------
 
@@ -626,7 +447,7 @@ class LocalLauncher:
         }
         # (on GPUs it builds on the device after the replicas', modulo those there are)
         env[DEVICE_INDEX_ENV] = str(self.lcfg.replicas)
-        proc = self._spawn(name, command, f"[{name}] ", env, stdin=True)
+        proc = self.spawn(name, command, f"[{name}] ", env, stdin=True)
         self._standbys.append(name)
         self._standby_since[name] = time.monotonic()
         self.writer.event("launcher.standby_started", standby=name, pid=proc.pid)
@@ -652,7 +473,7 @@ class LocalLauncher:
                 "launcher.standby_retired", standby=name, pid=proc.pid, age_s=round(age, 3),
                 **{k: round(v, 3) for k, v in cost.items()},
             )  # fmt: skip
-            _end_politely(proc)
+            end_politely(proc)
         self._standbys.clear()
 
     def _check_standbys(self, finishing: bool) -> None:
@@ -698,8 +519,8 @@ class LocalLauncher:
             except (BrokenPipeError, OSError, ValueError):  # it died meanwhile: the next one
                 self.children[name] = proc  # (reaped with the others at the end)
                 continue
-            self.children.pop(_proc_name(r, 0), None)
-            self.children[_proc_name(r, 0)] = proc
+            self.children.pop(proc_name(r, 0), None)
+            self.children[proc_name(r, 0)] = proc
             self._prefixes[id(proc)][0] = f"[replica {r}] "
             self.say(f"{name} (pid {proc.pid}) takes the slot of replica {r}", logging.DEBUG)
             return True
@@ -769,7 +590,7 @@ class LocalLauncher:
                     return code
                 # checkpoint-restart: what TorchElastic does on a failure. Every process goes,
                 # a fresh job starts from the last checkpoint with all R replicas.
-                self._reap_all()
+                self.reap_all()
                 restarts += 1
                 if restarts > lc.max_restarts:
                     self.say(
@@ -793,12 +614,9 @@ class LocalLauncher:
             return code
         finally:
             signal.signal(signal.SIGTERM, previous)
-            self._reap_all()
+            self.reap_all()
             self._stop_etcd()
-            if self._zygote is not None:
-                self._zygote.close()
-            for pump in self._pumps:  # every pipe is closed now: the pumps end at once
-                pump.join(timeout=2.0)
+            self.close_host()
             # The address of a coordinator that is gone would mislead `recover status`.
             (self.paths.out / COORDINATOR_FILE).unlink(missing_ok=True)
             (self.paths.out / TOKEN_FILE).unlink(missing_ok=True)
@@ -837,20 +655,21 @@ class LocalLauncher:
         return self._supervise()
 
     def _supervise(self) -> int:
-        """Watch the replicas until every one has ended; respawn the dead if asked to.
-
-        A replica of several ranks has ended when all its processes have; its first non-zero
-        exit counts as its death (its other ranks stop on their own: their watchdog)."""
+        """Watch the replicas until every one has ended; respawn the dead if asked to (the
+        restart rule is recover.supervisor's, shared with the node agent)."""
         lc = self.lcfg
-        codes: list[tuple[int, int, int]] = []  # (replica, incarnation, exit status) per process
-        incarnation = dict.fromkeys(range(lc.replicas), 0)
-        alive = {r: set(range(lc.ranks)) for r in range(lc.replicas)}  # ranks still running
-        dead = set()  # replicas whose death (a non-zero exit) was handled in this incarnation
-        respawn_at: dict[int, float] = {}
+        sup = ReplicaSupervisor(
+            lc.ranks,
+            lc.respawn_delay_s,
+            lc.max_restarts,
+            lambda r, k: self.children[proc_name(r, k)],
+        )
+        for r in range(lc.replicas):
+            sup.hosting(r)
         stopped_since: dict[tuple[int, int], float] = {}
         wake = {(f.replica, f.rank): f.wake_after for f in lc.faults if f.kind == "hang"}
         finishing = False  # a replica finished: the run is ending, nobody is respawned
-        while any(alive.values()) or respawn_at:
+        while sup.running():
             coordinator = self.children["coordinator"]
             if all(  # with standbys (--coordinators N), the run goes on while one is left
                 p.poll() is not None for n, p in self.children.items() if n.startswith("coord")
@@ -858,64 +677,55 @@ class LocalLauncher:
                 return self._coordinator_lost(coordinator.returncode)
             self._restart_coordinators(finishing)
             now = time.monotonic()
-            for r, k in sorted((r, k) for r, ranks in alive.items() for k in ranks):
-                who = f"replica {r}" + (f" rank {k}" if lc.ranks > 1 else "")
-                proc = self.children[_proc_name(r, k)]
-                code = proc.poll()
-                if code is not None:
-                    alive[r].discard(k)
-                    codes.append((r, incarnation[r], code))
-                    # A finished replica, or a run stopped for good (quorum lost, divergence):
-                    # nobody is respawned any more. But under checkpoint-restart every death ends
-                    # the job as quorum lost (min_replicas = R): that is the job to restart, seen
-                    # before the death itself when the survivors' exits are read first.
-                    job_lost = lc.mode == "checkpoint-restart" and code == exits.QUORUM_LOST
-                    finishing = (
-                        finishing or code == 0 or (code in exits.RUN_FAILURES and not job_lost)
-                    )
-                    if code != 0:
-                        self.say(f"{who} exited with status {code}", logging.WARNING)
-                        if r in dead:
-                            continue
-                        dead.add(r)
-                        if lc.mode == "checkpoint-restart" and not finishing:
-                            return RESTART
-                        if self._may_respawn(r, incarnation[r], finishing):
-                            respawn_at[r] = now + lc.respawn_delay_s
+            for d in sup.reap():
+                # A finished replica, or a run stopped for good (quorum lost, divergence):
+                # nobody is respawned any more. But under checkpoint-restart every death ends
+                # the job as quorum lost (min_replicas = R): that is the job to restart, seen
+                # before the death itself when the survivors' exits are read first.
+                job_lost = lc.mode == "checkpoint-restart" and d.code == exits.QUORUM_LOST
+                finishing = (
+                    finishing or d.code == 0 or (d.code in exits.RUN_FAILURES and not job_lost)
+                )
+                if d.code == 0:
                     continue
+                who = f"replica {d.replica}" + (f" rank {d.rank}" if lc.ranks > 1 else "")
+                self.say(f"{who} exited with status {d.code}", logging.WARNING)
+                if not d.first:
+                    continue
+                if lc.mode == "checkpoint-restart" and not finishing:
+                    return RESTART
+                sup.schedule(d.replica, now, finishing=finishing)
+            for r, k in sup.running_ranks():
                 key = (r, k)
-                if incarnation[r] == 0 and wake.get(key) is not None and _is_stopped(proc.pid):
+                proc = self.children[proc_name(r, k)]
+                if sup.incarnation[r] == 0 and wake.get(key) is not None and is_stopped(proc.pid):
                     since = stopped_since.setdefault(key, now)
                     if now - since >= wake[key]:
+                        who = f"replica {r}" + (f" rank {k}" if lc.ranks > 1 else "")
                         self.say(f"waking {who} (SIGCONT) after {wake[key]:g} s stopped")
                         proc.send_signal(signal.SIGCONT)
                         wake[key] = None
-            for r, at in sorted(respawn_at.items()):
-                if finishing:
-                    del respawn_at[r]
-                elif now >= at and not alive[r]:  # every rank of the old incarnation is gone
-                    del respawn_at[r]
-                    incarnation[r] += 1
-                    dead.discard(r)
-                    if self._promote(r):
-                        how = "standby"
-                        self.say(f"replica {r} (restart {incarnation[r]}) from a standby")
-                    else:
-                        how = "spawn"
-                        self.say(f"respawning replica {r} (restart {incarnation[r]})")
-                        self._start_replica(r, *self.coordinator_address, fresh=True)
-                    self.writer.event(
-                        "launcher.respawned", replica=r, restart=incarnation[r], how=how
-                    )
-                    if how == "standby":  # a new standby behind the promoted one
-                        self._start_standby(*self.coordinator_address)
-                    alive[r] = set(range(lc.ranks))
+            if finishing:
+                sup.cancel_restarts()
+            for r in sup.due(now):
+                restart = sup.incarnation[r]
+                if self._promote(r):
+                    how = "standby"
+                    self.say(f"replica {r} (restart {restart}) from a standby")
+                else:
+                    how = "spawn"
+                    self.say(f"respawning replica {r} (restart {restart})")
+                    self._start_replica(r, *self.coordinator_address, fresh=True)
+                self.writer.event("launcher.respawned", replica=r, restart=restart, how=how)
+                if how == "standby":  # a new standby behind the promoted one
+                    self._start_standby(*self.coordinator_address)
             if self._standbys:
                 self._check_standbys(finishing)
-            if not respawn_at:
-                self._end_the_hung(alive, codes, wake)
+            if not sup.respawn_at:
+                self._end_the_hung(sup.alive, sup.codes, wake)
             time.sleep(0.02)
         self._retire_standbys()
+        codes = sup.codes
         if not any(c == 0 for _, _, c in codes) and any(
             c == exits.COORDINATOR_LOST for _, _, c in codes
         ):
@@ -937,10 +747,6 @@ class LocalLauncher:
         )
         return exits.COORDINATOR_LOST
 
-    def _may_respawn(self, r: int, incarnation: int, finishing: bool) -> bool:
-        lc = self.lcfg
-        return lc.respawn_delay_s is not None and not finishing and incarnation < lc.max_restarts
-
     def _verdict(self, codes: list[tuple[int, int, int]]) -> int:
         """The run's exit status, with one summary line when anything died or failed.
 
@@ -950,7 +756,7 @@ class LocalLauncher:
         on the way, from an injected fault or not (an external SIGKILL or SIGTERM, a fault in a
         respawned incarnation), does not fail a run whose every step committed: the summary line
         lists it. Otherwise 1, and the line says why. Also written as a `launcher.verdict` event."""
-        deaths = list(dict.fromkeys(_describe_exit(r, inc, c) for r, inc, c in codes if c != 0))
+        deaths = list(dict.fromkeys(describe_exit(r, inc, c) for r, inc, c in codes if c != 0))
         problems = list(
             dict.fromkeys(
                 f"replica {r}: {exits.RUN_FAILURES[c]}"
@@ -1006,7 +812,7 @@ class LocalLauncher:
             (r, k)
             for r, ranks in alive.items()
             for k in ranks
-            if (r, k) in wake and _is_stopped(self.children[_proc_name(r, k)].pid)
+            if (r, k) in wake and is_stopped(self.children[proc_name(r, k)].pid)
         ]
         if not hung:
             return
@@ -1018,7 +824,7 @@ class LocalLauncher:
                 continue
             who = f"replica {r}" + (f" rank {k}" if self.lcfg.ranks > 1 else "")
             self.say(f"the run is over and {who} is still stopped by its hang fault: killed")
-            self.children[_proc_name(r, k)].kill()
+            self.children[proc_name(r, k)].kill()
             self._killed_hung.append((r, k))
 
     def _run_finished(self) -> bool:
@@ -1041,7 +847,7 @@ class LocalLauncher:
             p for n, p in self.children.items() if not n.startswith("coord") and p.poll() is None
         ]
         for p in replicas:
-            _end_politely(p)
+            end_politely(p)
         deadline = time.monotonic() + self.lcfg.stop_grace_s
         while time.monotonic() < deadline and any(p.poll() is None for p in replicas):
             time.sleep(0.05)
@@ -1097,19 +903,6 @@ class LocalLauncher:
             f"step {max(saved)} is checkpointed in {self.paths.checkpoints}; continue with: "
             f"{train_resume_command(self.paths.out)}"
         )
-
-    def _reap_all(self) -> None:
-        """SIGTERM, then SIGKILL, every child still alive; wait for each (no orphans)."""
-        alive = [p for p in self.children.values() if p.poll() is None]
-        for p in alive:
-            _end_politely(p)
-        deadline = time.monotonic() + 5.0
-        for p in alive:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 def train_resume_command(out: Path) -> str:
