@@ -376,6 +376,92 @@ def build_parser() -> argparse.ArgumentParser:
         help="the command of every process (after --), e.g. python train.py",
     )
 
+    agent = sub.add_parser(
+        "agent",
+        help="one per node (srun, a pod): host the replica ids the coordinator gives this node",
+        description="A node agent: asks the job's coordinator which replica ids this node hosts "
+        "(a node that joins when every id is hosted is a standby node, handed the ids of a node "
+        "that is lost), starts each with the job's RECOVER_* variables, restarts a dead one "
+        "(--respawn), gives ids back on SIGTERM (a drain), and exits with a status a scheduler "
+        "can act on (docs/multinode.md). Example: srun --ntasks-per-node 1 recover agent "
+        "--coordinator node0:29400 -- python train.py",
+    )
+    agent.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the coordinator, then its standbys (default: $RECOVER_COORDINATOR)",
+    )
+    agent.add_argument("--node", default=None, help="this node's name (default: the host name)")
+    agent.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="replicas this node hosts at most (default: its GPUs / --ranks-per-replica, 1 "
+        "without GPUs)",
+    )
+    agent.add_argument(
+        "--ranks-per-replica",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes per replica, with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set as "
+        "torchrun sets them (default: 1)",
+    )
+    agent.add_argument(
+        "--respawn",
+        type=float,
+        default=None,
+        metavar="DELAY",
+        help="restart a dead replica here after DELAY seconds (default: never; its id is then "
+        "given back for another node to host)",
+    )
+    agent.add_argument(
+        "--max-restarts", type=int, default=3, metavar="N", help="restarts per replica (default: 3)"
+    )
+    agent.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="this node's events (metrics.jsonl, with its replicas' events) and fired faults "
+        "(default: runs/agent-NODE)",
+    )
+    agent.add_argument(
+        "--fault", action="append", default=[], metavar="SPEC",
+        help="inject a fault into this node's replicas (repeatable; `recover train --fault`'s "
+        "grammar); it fires once per --out folder",
+    )  # fmt: skip
+    agent.add_argument(
+        "--start-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="give up (status 11) when no coordinator answered in S seconds (default: 60)",
+    )
+    agent.add_argument(
+        "--stop-grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM: how long the replicas get to leave at a step boundary (default: 30)",
+    )
+    agent.add_argument("--quiet", action="store_true", help="do not echo the replicas' output")
+    agent.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="start every process afresh instead of forking `python SCRIPT` from one process "
+        "that imported torch once",
+    )
+    add_spec_flags(agent, scripts=True)
+    agent.add_argument(
+        "agent_command",
+        nargs=argparse.REMAINDER,
+        metavar="-- COMMAND ...",
+        help="the command of every replica process (after --), e.g. python train.py",
+    )
+
     exp = sub.add_parser(
         "export",
         help="write a run's model in another format (a Hugging Face GPT-2 folder)",
@@ -609,10 +695,11 @@ def run_script(args: argparse.Namespace) -> int:
     import os
     from dataclasses import replace
 
-    from recover.launch import LaunchConfig, ScriptLauncher, check_command_interpreter
+    from recover.launch import LaunchConfig, ScriptLauncher
     from recover.runtime.env import TOKEN_ENV
     from recover.runtime.layout import ReplicaLayout
     from recover.runtime.spec import ReplicaSpec
+    from recover.supervisor import check_command_interpreter
 
     command = list(args.script_command)
     if command[:1] == ["--"]:
@@ -649,6 +736,61 @@ def run_script(args: argparse.Namespace) -> int:
     except RunFolderError as e:
         return _error(str(e))
     except OSError as e:  # the run folder cannot be written (full, read-only): one line
+        if not _is_unwritable(e):
+            raise
+        return _unwritable(e)
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    """`recover agent`: one node's agent (recover.agent)."""
+    import os
+    import socket
+    from dataclasses import replace
+
+    from recover.agent import AgentConfig, NodeAgent, _default_slots
+    from recover.runtime.env import COORDINATOR_ENV, TOKEN_ENV, parse_address
+    from recover.runtime.layout import ReplicaLayout
+    from recover.runtime.spec import ReplicaSpec
+    from recover.supervisor import check_command_interpreter
+
+    command = list(args.agent_command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    where = args.coordinator or os.environ.get(COORDINATOR_ENV)
+    node = args.node or socket.gethostname()
+    try:
+        if not where:
+            raise ValueError(f"--coordinator HOST:PORT is required (or {COORDINATOR_ENV})")
+        coordinators = tuple(parse_address(a.strip(), "--coordinator") for a in where.split(","))
+        if args.ranks_per_replica < 1:
+            raise ValueError(f"--ranks-per-replica must be >= 1, got {args.ranks_per_replica}")
+        spec = _checked_dashboards(ReplicaSpec.from_args(args))
+        cfg = AgentConfig(
+            coordinators=coordinators,
+            command=tuple(command),
+            node=node,
+            slots=(
+                args.slots if args.slots is not None else _default_slots(args.ranks_per_replica)
+            ),
+            replica=replace(spec, layout=ReplicaLayout(shard=args.ranks_per_replica)),
+            respawn_s=args.respawn,
+            max_restarts=args.max_restarts,
+            out=args.out or Path("runs") / f"agent-{node}",
+            faults=parse_faults(args.fault),
+            start_timeout_s=args.start_timeout,
+            stop_grace_s=args.stop_grace,
+            warm_start=not args.cold_start,
+        )
+        check_command_interpreter(command, os.environ)
+    except ValueError as e:
+        return _error(str(e))
+    _start_logging(args, f"[agent {node}] ")
+    agent = NodeAgent(
+        cfg, console=None if args.quiet else sys.stdout, token=os.environ.get(TOKEN_ENV) or None
+    )
+    try:
+        return agent.run()
+    except OSError as e:  # its folder cannot be written (full, read-only): one line
         if not _is_unwritable(e):
             raise
         return _unwritable(e)
@@ -952,6 +1094,7 @@ HANDLERS = {
     "plot": ("recover.tooling.plot", "run_plot"),
     "status": ("recover.cli", "run_status"),
     "run": ("recover.cli", "run_script"),
+    "agent": ("recover.cli", "run_agent"),
     "export": ("recover.cli", "run_export"),
     "sample": ("recover.cli", "run_sample"),
     "worker": ("recover.cli", "run_worker_cli"),

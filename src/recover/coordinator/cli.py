@@ -115,6 +115,14 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     serve.add_argument("--lease", type=float, default=1.0, help="lease in seconds")
     serve.add_argument(
+        "--node-lease",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="a node agent (recover agent) silent this long is lost: its replica ids go to "
+        "another node with a free slot (default 5)",
+    )
+    serve.add_argument(
         "--self-suspicion",
         type=float,
         default=CoordinatorOptions.self_suspicion_s,
@@ -283,6 +291,8 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             log.debug("job: %s", json.dumps(args.resolved_job, sort_keys=True))
         try:
             host = bind_host(args.host, args.ifname, os.environ)
+            if not args.node_lease > 0:
+                raise ValueError(f"--node-lease must be > 0 seconds, got {args.node_lease:g}")
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -310,6 +320,7 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             address_file=args.address_file,
             state=args.state,
             leader_ttl_s=args.leader_ttl,
+            node_lease_s=args.node_lease,
         )
     if args.coordinator_command == "relay":
         setup_logging("info", prefix=process_prefix("relay", os.environ), timestamps=True)
@@ -387,6 +398,7 @@ def run_coordinator_process(
     state: str | None = None,
     leader_ttl_s: int = 1,
     exit_when_finished: bool = False,
+    node_lease_s: float = 5.0,
 ) -> int:
     """Serve until SIGTERM/SIGINT, or (`exit_when_finished`, without `state`) until
     FINISHED_LINGER_S after the run finished. Usable as a multiprocessing target or a subprocess
@@ -424,11 +436,14 @@ def run_coordinator_process(
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     if state is not None:
-        serve = dict(host=host, port=port, store_port=store_port, token=token, advertise=advertise)
+        serve = dict(
+            host=host, port=port, store_port=store_port, token=token, advertise=advertise,
+            node_lease_s=node_lease_s,
+        )  # fmt: skip
         return _serve_ha(options, url, leader_ttl_s, serve, events_path, address_file, stop)
     server = CoordinatorServer(
         options, host=host, port=port, store_port=store_port, token=token,
-        events_path=events_path, advertise=advertise,
+        events_path=events_path, advertise=advertise, node_lease_s=node_lease_s,
     )  # fmt: skip
     try:
         server.start()

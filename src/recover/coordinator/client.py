@@ -85,6 +85,7 @@ __all__ = [
     "Evicted",
     "Outcome",
     "QuorumLost",
+    "NodeLink",
     "RequestRefused",
     "StepCommitted",
     "StepRedo",
@@ -260,6 +261,34 @@ class _Channel:
                 self.sock.close()
             finally:
                 self.sock = None
+
+
+class NodeLink:
+    """A node agent's line to the coordinator (recover.agent): one beat at a time, to whichever
+    of `addresses` answers (a standby coordinator after a takeover). `beat` raises
+    CoordinatorUnreachable when none answers within `timeout_s`; RequestRefused when refused."""
+
+    def __init__(
+        self, addresses: list[tuple[str, int]], *, token: str | None, timeout_s: float = 2.0
+    ) -> None:
+        if not addresses:
+            raise ValueError("a node link needs at least one coordinator address")
+        self._channel = _Channel(*addresses[0], timeout_s, _Leader(list(addresses)))
+        self._token = token
+
+    def beat(self, **fields: Any) -> dict[str, Any]:
+        req = {"kind": "node_beat", **fields}
+        if self._token:
+            req["token"] = self._token
+        with self._channel.lock:
+            reply = self._channel.call(req)
+        if not reply.get("ok"):
+            raise RequestRefused(str(reply.get("code")), str(reply.get("reason")))
+        return reply
+
+    def close(self) -> None:
+        with self._channel.lock:
+            self._channel.close()
 
 
 class CoordinatorClient:

@@ -83,6 +83,7 @@ from recover.coordinator.decide import (
 )
 from recover.coordinator.etcd import Fenced
 from recover.coordinator.pacing import LeaseQueue, StreamProtocol, Waiters
+from recover.coordinator.placement import NodeClaim, place
 from recover.coordinator.protocol import (
     MESSAGE_KINDS,
     Decision,
@@ -148,6 +149,16 @@ class _Relay:
     writers: set[asyncio.StreamWriter]
 
 
+@dataclass
+class _Node:
+    """A node agent (recover.agent) as the server keeps it: what it may host, what it hosts."""
+
+    slots: int
+    joined: int
+    holds: tuple[int, ...] = ()
+    peer: str = ""
+
+
 def _number(req: dict[str, Any], name: str) -> float:
     v = req.get(name)
     if not is_number(v) or not v >= 0:
@@ -191,6 +202,7 @@ class CoordinatorServer(LoopService):
         authority: Callable[[], bool] | None = None,
         takeover_grace_s: float = 5.0,
         advertise: str | None = None,
+        node_lease_s: float = 5.0,
     ) -> None:
         if not isinstance(options, CoordinatorOptions):
             raise ValueError(f"options must be CoordinatorOptions, got {type(options).__name__}")
@@ -202,6 +214,7 @@ class CoordinatorServer(LoopService):
             ("tick_s", tick_s),
             ("max_wait_s", max_wait_s),
             ("save_interval_s", save_interval_s),
+            ("node_lease_s", node_lease_s),
         ):
             if not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
@@ -244,6 +257,11 @@ class CoordinatorServer(LoopService):
         self._relays: dict[str, _Relay] = {}
         self._relay_leases = LeaseQueue(options.lease_s)
         self._relay_held = Waiters()
+        # Node agents (recover.agent): name -> what it hosts, and one lease each, kept by its
+        # beats. Not in the replicated state: after a takeover the agents' claims rebuild it.
+        self._nodes: dict[str, _Node] = {}
+        self._node_leases = LeaseQueue(node_lease_s)
+        self._nodes_joined = itertools.count()
         # Our own pauses (`_notice_pause`): when the loop last looked at the clock, and until
         # when a session that ends is no death (its replica gave up on us while we were paused).
         self._looked_at: float | None = None  # (set at the first tick)
@@ -430,6 +448,8 @@ class CoordinatorServer(LoopService):
                     self._requeue(due)
                 for relay in self._relay_leases.due(now):
                     self._relay_lost(relay, "lease")
+                for node in self._node_leases.due(now):
+                    self._node_lost(node)
             except _Deposed:
                 return
             except Exception as e:  # a broken rule must stop the service loudly
@@ -724,6 +744,8 @@ class CoordinatorServer(LoopService):
             return await self._handle_relay_beat(req, conn)
         if kind == "done_batch":
             return self._handle_done_batch(req)
+        if kind == "node_beat":
+            return self._handle_node_beat(req, conn)
         if kind == "register" and (refusal := self._store_refusal(conn)):
             return refusal
         if kind == "heartbeat":
@@ -867,6 +889,84 @@ class CoordinatorServer(LoopService):
             reply["view"] = _VIEW
         return reply
 
+    # ------------------------------------------------------------ node agents
+
+    def _handle_node_beat(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
+        """A node agent's beat: its name, its free slots now, the ids it runs. The reply is the
+        ids it hosts from now on (placement.place over every live node), the run's status and
+        R. A beat keeps the node's lease; `leaving: true` (drained, its replicas gone) removes
+        it at once, its ids free for another node."""
+        self._check_authority()
+        name = req.get("node")
+        if not isinstance(name, str) or not 0 < len(name) <= 128:
+            raise ProtocolError(f"field 'node' must be a non-empty string, got {name!r}"[:200])
+        slots, holds = req.get("slots"), req.get("holds", [])
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+            raise ProtocolError(f"field 'slots' must be an int >= 0, got {slots!r}"[:200])
+        if not isinstance(holds, list) or not all(
+            isinstance(r, int) and not isinstance(r, bool) for r in holds
+        ):
+            raise ProtocolError(f"field 'holds' must be a list of replica ids, got {holds!r}"[:200])
+        st = self._state
+        if req.get("leaving") is True:
+            node = self._nodes.pop(name, None)
+            if node is not None:
+                self._node_leases.settle([name], {name: None})
+                self._node_event("node_left", name, ids=list(node.holds), reason="drained")
+            return {"ok": True, "assign": [], "status": st.status}
+        node = self._nodes.get(name)
+        if node is None:  # new, or known to a leader before us: its claim is what it runs
+            node = self._nodes[name] = _Node(
+                slots=slots, joined=next(self._nodes_joined), holds=tuple(holds), peer=conn.peer
+            )
+            self._node_event("node_joined", name, slots=slots, ids=sorted(holds), peer=conn.peer)
+        node.slots = slots
+        self._node_leases.touch(name, time.monotonic())
+        placed = place(
+            st.options.expected_replicas,
+            [NodeClaim(n, x.slots, x.joined, x.holds) for n, x in self._nodes.items()],
+        )
+        for n, ids in placed.items():
+            x = self._nodes[n]
+            if ids != x.holds:
+                self._node_event("node_assigned", n, ids=list(ids), was=list(x.holds))
+                x.holds = ids
+        return {
+            "ok": True,
+            "assign": list(node.holds),
+            "status": st.status,
+            "replicas": st.options.expected_replicas,
+            "node_lease_s": self._node_leases.lease_s,
+        }
+
+    def _node_lost(self, name: str) -> None:
+        """A node agent silent past its lease: its ids are free for the other nodes (a standby
+        node's next beat is given them); its replicas, if any still run, are judged by their
+        own leases. An agent that comes back is a new node (it joins again, holding nothing
+        the others took)."""
+        node = self._nodes.pop(name, None)
+        self._node_leases.settle([name], {name: None})
+        if node is not None:
+            self._node_event(
+                "node_lost", name, ids=list(node.holds),
+                reason=f"no beat for {self._node_leases.lease_s:g} s (its lease)",
+            )  # fmt: skip
+
+    def _node_event(self, what: str, node: str, **fields: Any) -> None:
+        """A node's change, logged and in the run's record (`coordinator.node_*` events)."""
+        level = logging.WARNING if what == "node_lost" else logging.INFO
+        log.log(level, "%s: %s %s", what, node, fields)
+        if self._events_fd is not None:
+            line = {
+                "kind": "event", "name": f"coordinator.{what}", "t_wall": time.time(),
+                "node": node, "step": self._state.step, **fields,
+            }  # fmt: skip
+            self._write_event((json.dumps(line) + "\n").encode())
+
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        """The node table (for `status` and tests): name -> slots, holds."""
+        return {n: {"slots": x.slots, "holds": list(x.holds)} for n, x in self._nodes.items()}
+
     def _handle_done_batch(self, req: dict[str, Any]) -> dict[str, Any]:
         msg = decode_done_batch(req)
         decisions, reason = self._apply(msg)
@@ -985,6 +1085,7 @@ class CoordinatorServer(LoopService):
             "notable": self.notable_decisions(),
             "store": self._store_for(conn),
             "options": vars(s.options),
+            "nodes": self.nodes(),
         }
 
 
