@@ -1,0 +1,148 @@
+"""Node agents (`recover agent`) with real processes: a node dies mid-step and a standby node
+hosts its replica; a drained node leaves at a step boundary; the run stays on the one-replica
+trajectory with all M microbatches in every step, each step recorded once.
+
+Three agents on this machine (nodes "a", "b" and the standby "c", one slot each) serve a
+coordinator of R = 2 started by hand, as a scheduler's nodes would (docs/multinode.md). The
+Slurm recipe's test (test_slurm.py) runs the same agents under slurmd; this one needs nothing
+but this machine and covers the agent's hand-over and drain in the default suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_api import EXAMPLES, STEPS, assert_same_trajectory, custom_args, custom_reference
+
+from conftest import events, leftover_processes, start_cli, wait_until
+from recover.supervisor import free_ports
+
+__all__ = ["custom_reference"]  # (the module fixture, shared with test_api)
+
+pytestmark = pytest.mark.process
+
+TOKEN = "agent-test-token"
+NODE_LEASE_S = 1.5
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process under `pid` (children, their children...), read from /proc."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def kill_node(agent: subprocess.Popen) -> list[int]:
+    """A node's death: its agent and every process under it SIGKILLed at once."""
+    victims = [agent.pid, *descendants(agent.pid)]
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait(timeout=10)
+    return victims
+
+
+def start_agent(node: str, port: int, out: Path, args: list[str], *faults: str):
+    log = open(out / f"agent-{node}.log", "w")  # (a pipe nobody reads would fill and block it)
+    flags = [f"--fault={f}" for f in faults]
+    return start_cli(
+        ["agent", "--coordinator", f"127.0.0.1:{port}", "--node", node, "--slots", "1",
+         "--out", str(out / "job"), *flags, "--",
+         "python", str(EXAMPLES / "train_custom.py"), "--out", str(out / "result"), *args],
+        stdout=log, env={**os.environ, "OMP_NUM_THREADS": "1", "RECOVER_TOKEN": TOKEN},
+    )  # fmt: skip
+
+
+def node_events(out: Path, name: str, node: str) -> list[dict]:
+    if not (out / "job" / "metrics.jsonl").exists():  # (before the first event)
+        return []
+    return [e for e in events(out / "job", name) if e.get("node") == node]
+
+
+@pytest.mark.timeout(240)
+def test_a_dead_node_is_replaced_by_a_standby_and_a_drained_node_leaves(
+    custom_reference, custom_token_file, tmp_path
+):
+    out = tmp_path
+    (out / "job").mkdir()
+    (port,) = free_ports(1)
+    coordinator = start_cli(
+        ["coordinator", "serve", "--port", str(port), "--replicas", "2", "--min-replicas", "1",
+         "--node-lease", str(NODE_LEASE_S), "--events", str(out / "job" / "metrics.jsonl")],
+        stdout=open(out / "coordinator.log", "w"),
+        env={**os.environ, "OMP_NUM_THREADS": "1", "RECOVER_TOKEN": TOKEN},
+    )  # fmt: skip
+    # Replica 1 stops itself (SIGSTOP) in a backward of step 5: its node is then killed whole,
+    # the stopped replica with it, so no exit of it ever reaches its agent (a node's death, not
+    # a replica's). A slower replica 0 paces the run, so the standby joins well before the end.
+    args = custom_args(custom_token_file)
+    faults = ("hang:replica=1,step=5,phase=backward", "slow:replica=0,step=0,factor=2")
+    agents: dict[str, subprocess.Popen] = {}
+    try:
+        for node in ("a", "b"):
+            agents[node] = start_agent(node, port, out, args, *faults)
+            wait_until(lambda n=node: node_events(out, "coordinator.node_assigned", n),
+                       f"node {node} to be given an id", alive=[coordinator], timeout=60)  # fmt: skip
+        agents["c"] = start_agent("c", port, out, args, *faults)  # joins last: the standby
+        wait_until(lambda: node_events(out, "coordinator.node_joined", "c"), "the standby node",
+                   alive=[coordinator], timeout=60)  # fmt: skip
+        hosts = {e["node"]: e["ids"] for e in events(out / "job", "coordinator.node_assigned")}
+        assert hosts == {"a": [0], "b": [1]}, hosts
+        wait_until(lambda: node_events(out, "failure_injected", None), "replica 1's hang",
+                   alive=[coordinator], timeout=120)  # fmt: skip
+        killed = kill_node(agents["b"])
+        assert len(killed) >= 2  # the agent and (at least) the stopped replica under it
+        wait_until(lambda: node_events(out, "state_transfer", None), "the standby's replica to join",
+                   alive=[coordinator], timeout=60)  # fmt: skip
+        # Node "a" drained (scancel, a pod deleted): its replica leaves at a step boundary.
+        agents["a"].send_signal(signal.SIGTERM)
+        codes = {n: agents[n].wait(timeout=120) for n in ("a", "c")}
+        assert coordinator.wait(timeout=30) == 0
+    finally:
+        for p in [*agents.values(), coordinator]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = {n: (out / f"agent-{n}.log").read_text() for n in agents}
+    assert codes == {"a": 0, "c": 0}, logs
+    assert agents["b"].returncode == -signal.SIGKILL
+    lost = node_events(out, "coordinator.node_lost", "b")
+    assert [e["ids"] for e in lost] == [[1]], lost
+    assert [e["ids"] for e in node_events(out, "coordinator.node_assigned", "c")] == [[1]]
+    transfers = events(out / "job", "state_transfer")
+    assert {t["replica"] for t in transfers} == {1}, transfers
+    assert [d["replica_id"] for d in events(out / "job", "coordinator.member_dead")] == [1]
+    drained = node_events(out, "agent.finished", "a")
+    assert [(e["exit_status"], e["reason"]) for e in drained] == [
+        (0, "drained: its replicas left at a step boundary")
+    ]
+    assert node_events(out, "coordinator.node_left", "a"), "the drained node left the table"
+    left = events(out / "job", "coordinator.epoch_changed")
+    assert any("replicas [0] left at the boundary" in e["reason"] for e in left), left
+    finished = node_events(out, "agent.finished", "c")
+    assert [(e["exit_status"], e["reason"]) for e in finished] == [(0, "the run finished")]
+    # The invariants: every step once with all M, on the one-replica run's trajectory.
+    assert_same_trajectory(custom_reference, out, steps=STEPS)
+    steps = [r for r in map(json.loads, (out / "job" / "metrics.jsonl").read_text().splitlines())
+             if r.get("kind") == "step"]  # fmt: skip
+    assert sorted(r["step"] for r in steps) == list(range(STEPS))
+    assert leftover_processes(str(out)) == []
