@@ -66,7 +66,7 @@ def start_agent(node: str, port: int, out: Path, args: list[str], *faults: str):
     flags = [f"--fault={f}" for f in faults]
     return start_cli(
         ["agent", "--coordinator", f"127.0.0.1:{port}", "--node", node, "--slots", "1",
-         "--out", str(out / "job"), *flags, "--",
+         "--respawn", "0", "--out", str(out / "job"), *flags, "--",
          "python", str(EXAMPLES / "train_custom.py"), "--out", str(out / "result"), *args],
         stdout=log, env={**os.environ, "OMP_NUM_THREADS": "1", "RECOVER_TOKEN": TOKEN},
     )  # fmt: skip
@@ -91,11 +91,18 @@ def test_a_dead_node_is_replaced_by_a_standby_and_a_drained_node_leaves(
         stdout=open(out / "coordinator.log", "w"),
         env={**os.environ, "OMP_NUM_THREADS": "1", "RECOVER_TOKEN": TOKEN},
     )  # fmt: skip
-    # Replica 1 stops itself (SIGSTOP) in a backward of step 5: its node is then killed whole,
-    # the stopped replica with it, so no exit of it ever reaches its agent (a node's death, not
-    # a replica's). A slower replica 0 paces the run, so the standby joins well before the end.
+    # Replica 0 is SIGKILLed in a forward of step 2: its agent restarts it in place (--respawn
+    # 0) and it rejoins. Replica 1 stops itself (SIGSTOP) in a backward of step 60, well after
+    # that (were replica 1 the only holder of the state when it died, the run would stop, as
+    # test_coordinator_decide says): its node is then killed
+    # whole, the stopped replica with it, so no exit of it ever reaches its agent (a node's
+    # death, not a replica's). A slower replica 0 paces the run, so that the standby joins well
+    # before the end.
     args = custom_args(custom_token_file)
-    faults = ("hang:replica=1,step=5,phase=backward", "slow:replica=0,step=0,factor=2")
+    faults = (
+        "kill:replica=0,step=2,phase=forward", "hang:replica=1,step=60,phase=backward",
+        "slow:replica=0,step=0,factor=2",
+    )  # fmt: skip
     agents: dict[str, subprocess.Popen] = {}
     try:
         for node in ("a", "b"):
@@ -107,11 +114,13 @@ def test_a_dead_node_is_replaced_by_a_standby_and_a_drained_node_leaves(
                    alive=[coordinator], timeout=60)  # fmt: skip
         hosts = {e["node"]: e["ids"] for e in events(out / "job", "coordinator.node_assigned")}
         assert hosts == {"a": [0], "b": [1]}, hosts
-        wait_until(lambda: node_events(out, "failure_injected", None), "replica 1's hang",
+        hung = lambda: [e for e in node_events(out, "failure_injected", None) if e["replica"] == 1]  # noqa: E731
+        wait_until(hung, "replica 1's hang",
                    alive=[coordinator], timeout=120)  # fmt: skip
         killed = kill_node(agents["b"])
         assert len(killed) >= 2  # the agent and (at least) the stopped replica under it
-        wait_until(lambda: node_events(out, "state_transfer", None), "the standby's replica to join",
+        wait_until(lambda: {e["replica"] for e in node_events(out, "state_transfer", None)} == {0, 1},
+                   "the respawned replica 0 and the standby's replica 1 to join",
                    alive=[coordinator], timeout=60)  # fmt: skip
         # Node "a" drained (scancel, a pod deleted): its replica leaves at a step boundary.
         agents["a"].send_signal(signal.SIGTERM)
@@ -129,8 +138,10 @@ def test_a_dead_node_is_replaced_by_a_standby_and_a_drained_node_leaves(
     assert [e["ids"] for e in lost] == [[1]], lost
     assert [e["ids"] for e in node_events(out, "coordinator.node_assigned", "c")] == [[1]]
     transfers = events(out / "job", "state_transfer")
-    assert {t["replica"] for t in transfers} == {1}, transfers
-    assert [d["replica_id"] for d in events(out / "job", "coordinator.member_dead")] == [1]
+    assert {t["replica"] for t in transfers} == {0, 1}, transfers
+    assert [d["replica_id"] for d in events(out / "job", "coordinator.member_dead")] == [0, 1]
+    respawned = node_events(out, "agent.respawned", "a")
+    assert [(e["replica"], e["restart"]) for e in respawned] == [(0, 1)], respawned
     drained = node_events(out, "agent.finished", "a")
     assert [(e["exit_status"], e["reason"]) for e in drained] == [
         (0, "drained: its replicas left at a step boundary")

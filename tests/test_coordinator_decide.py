@@ -652,6 +652,33 @@ def test_joiners_are_marked_for_state_transfer_until_their_first_step_commits():
     assert state.joined == ()
 
 
+def test_when_only_joiners_without_the_state_are_left_the_quorum_is_lost():
+    # Replicas 0..3 run; 7 joins and is admitted at a boundary; every old member dies before
+    # the joiner's first step commits: nobody holds the committed state any more, so the run
+    # stops (resume from the checkpoint) instead of going on with 7's untrained model.
+    sim = Sim().formed()
+    sim.reg(7)
+    for r in range(4):
+        sim.done(r)
+    assert sim.state.live == (0, 1, 2, 3, 7)
+    for r in (0, 1, 2):
+        sim.exit(r)
+    assert sim.state.status == "running"  # 3 still holds it
+    ds = sim.exit(3)
+    assert sim.state.status == "quorum_lost"
+    assert "every replica that held the committed state is gone" in one(ds, "quorum_lost").reason
+    # Once the joiner's first step has committed it holds the state: no such stop.
+    sim = Sim().formed()
+    sim.reg(7)
+    for r in range(4):
+        sim.done(r)
+    for r in (0, 1, 2, 3, 7):
+        sim.done(r)
+    for r in (0, 1, 2, 3):
+        sim.exit(r)
+    assert sim.state.status == "running" and sim.state.live == (7,)
+
+
 def test_a_state_saved_before_the_plan_was_named_plan_still_loads():
     sim = Sim().formed()
     sim.exit(3)

@@ -197,7 +197,7 @@ class NodeAgent(ProcessHost):
             signal.signal(signal.SIGTERM, previous)
             self.reap_all()
             if not self._stop_beats.is_set():  # nothing runs here any more: the node leaves
-                self._give_back_all()
+                self._give_back_all("its agent ended", record=False)
             self.close_host()
             self.link.close()
         level = logging.INFO if code == 0 else logging.ERROR
@@ -353,16 +353,16 @@ class NodeAgent(ProcessHost):
         self.say(f"replica {r} leaves this node: {why}", logging.WARNING)
         self.writer.event("agent.gave_back", node=self.cfg.node, replica=r, reason=why)
 
-    def _give_back_all(self, why: str | None = None) -> None:
+    def _give_back_all(self, why: str, *, record: bool = True) -> None:
         """The node leaves the job: no more beats, then one that says so (its ids are free at
         once, not after its lease)."""
         self._stop_beats.set()  # (no beat in flight may claim the ids again after this one)
         self._beater.join(timeout=5.0)
         try:
-            self.link.beat(node=self.cfg.node, slots=0, holds=[], leaving=True)
+            self.link.beat(node=self.cfg.node, slots=0, holds=[], leaving=True, why=why)
         except (CoordinatorUnreachable, RequestRefused):
             pass  # (gone, or the run is over) its lease runs out instead
-        for r in list(self.hosted) if why else ():
+        for r in list(self.hosted) if record else ():
             self.writer.event("agent.gave_back", node=self.cfg.node, replica=r, reason=why)
         with self._beats:
             self.hosted.clear()

@@ -532,6 +532,8 @@ def _kill(s: CoordinatorState, r: int, how: str, why: str, out: list) -> None:
     elif len(s.live) < s.options.min_replicas and not s.leaving:
         why = f"only {len(s.live)} live replicas remain, below min_replicas"
         _lose_quorum(s, out, f"{why}: stop and resume from the last checkpoint")
+    elif _no_state_left(s):
+        _lose_quorum(s, out, _NO_STATE_LEFT.format(live=list(s.live)))
     else:
         _evaluate_attempt(s, out)
 
@@ -810,7 +812,21 @@ def _evict(
     _bump_epoch(s, out, f"replicas {list(whys)} {what}")
     if len(s.live) < s.options.min_replicas:
         _lose_quorum(s, out, f"only {len(s.live)} live replicas remain, below min_replicas")
+    elif _no_state_left(s):
+        _lose_quorum(s, out, _NO_STATE_LEFT.format(live=list(s.live)))
     return [r for r in survivors if r not in whys]
+
+
+_NO_STATE_LEFT = (
+    "every replica that held the committed state is gone: the live ones ({live}) joined at this "
+    "step and had not received it yet; stop and resume from the last checkpoint"
+)
+
+
+def _no_state_left(s: CoordinatorState) -> bool:
+    """The live members are all joiners whose state transfer has not completed (a step commits
+    before `joined` is cleared): nobody holds the committed state, so no step can go on."""
+    return s.status == RUNNING and bool(s.live) and all(r in s.joined for r in s.live)
 
 
 def _new_attempt(s: CoordinatorState) -> None:

@@ -895,7 +895,7 @@ class CoordinatorServer(LoopService):
         """A node agent's beat: its name, its free slots now, the ids it runs. The reply is the
         ids it hosts from now on (placement.place over every live node), the run's status and
         R. A beat keeps the node's lease; `leaving: true` (drained, its replicas gone) removes
-        it at once, its ids free for another node."""
+        it at once, its ids free for another node (`why`: the agent's words, for the record)."""
         self._check_authority()
         name = req.get("node")
         if not isinstance(name, str) or not 0 < len(name) <= 128:
@@ -912,7 +912,9 @@ class CoordinatorServer(LoopService):
             node = self._nodes.pop(name, None)
             if node is not None:
                 self._node_leases.settle([name], {name: None})
-                self._node_event("node_left", name, ids=list(node.holds), reason="drained")
+                why = req.get("why")
+                why = why[:200] if isinstance(why, str) and why else "it left"
+                self._node_event("node_left", name, ids=list(node.holds), reason=why)
             return {"ok": True, "assign": [], "status": st.status}
         node = self._nodes.get(name)
         if node is None:  # new, or known to a leader before us: its claim is what it runs

@@ -666,6 +666,11 @@ class Replica:
                 f"save it), then resume with start_step={self._committed + 1}"
             ) from None
         except _QuorumLost as e:
+            if self._machine is not None and not self._machine.has_state:
+                raise QuorumLost(
+                    f"replica {self.replica_id}: {e}; this replica joined and had not received "
+                    "the committed state: it holds nothing to save"
+                ) from None
             raise QuorumLost(
                 f"replica {self.replica_id}: {e}; the model holds the state after step "
                 f"{self._committed} (save it on the writer, then resume with start_step="
