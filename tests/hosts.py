@@ -232,6 +232,14 @@ class Host:
         self.network.check_open()
         _ip("-n", self.network.switch_ns, "link", "set", f"s{self.index}", "master", "br0")
 
+    def kill_all(self, timeout_s: float = 10.0) -> list[int]:
+        """A host's death: SIGKILL every process inside its namespace (daemons and what they
+        started too) until none is left; returns the pids seen."""
+        self.network.check_open()
+        seen = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True)
+        _kill_inside(self.ns, time.monotonic() + timeout_s)
+        return [int(p) for p in seen.stdout.split()]
+
     def impair(self, delay_ms: float, loss: float) -> None:
         """Change this host's delay and loss (restarts its relay: frames in flight are lost).
 
