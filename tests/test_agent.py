@@ -157,3 +157,42 @@ def test_a_dead_node_is_replaced_by_a_standby_and_a_drained_node_leaves(
              if r.get("kind") == "step"]  # fmt: skip
     assert sorted(r["step"] for r in steps) == list(range(STEPS))
     assert leftover_processes(str(out)) == []
+
+
+@pytest.mark.unit
+def test_the_docs_exit_table_lists_every_agent_status():
+    from recover.agent import AGENT_EXITS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "multinode.md").read_text()
+    table = text.split("### Exit statuses", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]
+    assert sorted(int(r) for r in rows if r.isdigit()) == sorted(AGENT_EXITS)
+
+
+@pytest.mark.unit
+def test_a_failed_agent_writes_torchelastics_error_file(tmp_path):
+    from recover.agent import write_error_file
+
+    path = tmp_path / "error.json"
+    write_error_file(str(path), "the coordinator was lost: timed out", 11, "node7")
+    data = json.loads(path.read_text())
+    assert (
+        data["message"]["message"] == "recover agent on node7: the coordinator was lost: timed out"
+    )
+    assert data["message"]["extraInfo"]["exit_status"] == 11
+    assert int(data["message"]["extraInfo"]["timestamp"]) > 0
+    write_error_file(None, "ignored", 1, "node7")  # unset: nothing written, no error
+
+
+@pytest.mark.unit
+def test_bad_agent_flags_are_one_line_errors(capsys):
+    from recover.cli import main
+
+    assert main(["agent", "--", "python", "x.py"]) == 2
+    assert "--coordinator HOST:PORT is required" in capsys.readouterr().err
+    assert main(["agent", "--coordinator", "h:1", "--slots", "-1", "--", "python", "x.py"]) == 2
+    assert "--slots must be an int >= 0" in capsys.readouterr().err
+    assert main(["agent", "--coordinator", "h:1"]) == 2
+    assert "needs a command after --" in capsys.readouterr().err
+    assert main(["agent", "--coordinator", "nope", "--", "python", "x.py"]) == 2
+    assert "--coordinator must be HOST:PORT" in capsys.readouterr().err
