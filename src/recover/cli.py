@@ -101,16 +101,10 @@ def add_supervision_flags(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="a replica silent this long is declared dead (default: 1.0)",
     )
-    group.add_argument(
-        "--respawn",
-        type=float,
-        default=None,
-        metavar="DELAY",
-        help="restart a dead replica after DELAY seconds; it joins the running job at a step "
+    add_restart_flags(
+        group,
+        "restart a dead replica after DELAY seconds; it joins the running job at a step "
         "boundary and gets the state from a live replica (default: never)",
-    )
-    group.add_argument(
-        "--max-restarts", type=int, default=3, metavar="N", help="respawns per replica (default: 3)"
     )
     group.add_argument(
         "--balance",
@@ -134,6 +128,27 @@ def add_supervision_flags(parser: argparse.ArgumentParser) -> None:
         metavar="etcd://HOST:PORT[,...]",
         help="the etcd that keeps the coordinators' state (default: in memory with one "
         "coordinator, a private etcd with --coordinators > 1)",
+    )
+
+
+def add_restart_flags(group, respawn_help: str) -> None:
+    """--respawn and --max-restarts (recover.supervisor's restart rule), for `recover train`,
+    `recover run` and `recover agent`."""
+    group.add_argument("--respawn", type=float, default=None, metavar="DELAY", help=respawn_help)
+    group.add_argument(
+        "--max-restarts", type=int, default=3, metavar="N", help="respawns per replica (default: 3)"
+    )
+
+
+def add_ranks_flag(parser: argparse.ArgumentParser, more: str) -> None:
+    """--ranks-per-replica of a script's replicas (`recover run`, `recover agent`)."""
+    parser.add_argument(
+        "--ranks-per-replica",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes per replica, with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set as "
+        f"torchrun sets them{more} (default: 1)",
     )
 
 
@@ -324,15 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     script.add_argument(
         "--replicas", type=int, default=2, help="replicas started on this machine (default: 2)"
     )
-    script.add_argument(
-        "--ranks-per-replica",
-        type=int,
-        default=1,
-        metavar="N",
-        help="processes per replica, with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set as "
-        "torchrun sets them; the script builds its layout with Replica(shard=..., tp=...) "
-        "(default: 1)",
-    )
+    add_ranks_flag(script, "; the script builds its layout with Replica(shard=..., tp=...)")
     script.add_argument(
         "--out",
         type=Path,
@@ -401,24 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="replicas this node hosts at most (default: its GPUs / --ranks-per-replica, 1 "
         "without GPUs)",
     )
-    agent.add_argument(
-        "--ranks-per-replica",
-        type=int,
-        default=1,
-        metavar="N",
-        help="processes per replica, with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set as "
-        "torchrun sets them (default: 1)",
-    )
-    agent.add_argument(
-        "--respawn",
-        type=float,
-        default=None,
-        metavar="DELAY",
-        help="restart a dead replica here after DELAY seconds (default: never; its id is then "
-        "given back for another node to host)",
-    )
-    agent.add_argument(
-        "--max-restarts", type=int, default=3, metavar="N", help="restarts per replica (default: 3)"
+    add_ranks_flag(agent, "")
+    add_restart_flags(
+        agent,
+        "restart a dead replica here after DELAY seconds (default: never; its id is then given "
+        "back for another node to host)",
     )
     agent.add_argument(
         "--out",
