@@ -56,5 +56,15 @@ check det run train "${FLAGS[@]}" "${DATA[@]}" --replicas 3 --deterministic \
     --fault kill:replica=1,step=3,phase=forward --out "$WORK/det3"
 check det-compare run compare --rtol 0 "$WORK/det1" "$WORK/det3"
 cp "$WORK"/respawn/metrics.jsonl "$OUT/respawn-metrics.jsonl" 2>/dev/null
+# The control plane at 12,500 replicas (issue 15's open target), with COORDINATOR_BENCH=1 on a
+# machine of 16 cores: the whole system (replica clients in 8 driver processes, 196 relay
+# processes of 64 replicas each: 1,563 node relays of 8 would need more cores than 16), then the
+# node agents' beats at 1,564 nodes (docs/multinode.md, "Scale").
+if [ "${COORDINATOR_BENCH:-0}" = 1 ]; then
+    check coordinator-12500 timeout 480 "$PY" -m recover.cli bench coordinator --replicas 12500 \
+        --relays 196 --drivers 8 --steps 4 --no-faults --out "$OUT/coordinator-12500.json"
+    check node-beats timeout 120 "$PY" benchmarks/node_beats.py --drivers 4 \
+        --json "$OUT/node_beats.json"
+fi
 echo "logs in $OUT; status $status"
 exit $status

@@ -61,9 +61,9 @@ def kill_node(agent: subprocess.Popen) -> list[int]:
     return victims
 
 
-def start_agent(node: str, port: int, out: Path, args: list[str], *faults: str):
+def start_agent(node: str, port: int, out: Path, args: list[str], *faults: str, relay=False):
     log = open(out / f"agent-{node}.log", "w")  # (a pipe nobody reads would fill and block it)
-    flags = [f"--fault={f}" for f in faults]
+    flags = [f"--fault={f}" for f in faults] + (["--relay"] if relay else [])
     return start_cli(
         ["agent", "--coordinator", f"127.0.0.1:{port}", "--node", node, "--slots", "1",
          "--respawn", "0", "--out", str(out / "job"), *flags, "--",
@@ -105,11 +105,11 @@ def test_a_dead_node_is_replaced_by_a_standby_and_a_drained_node_leaves(
     )  # fmt: skip
     agents: dict[str, subprocess.Popen] = {}
     try:
-        for node in ("a", "b"):
-            agents[node] = start_agent(node, port, out, args, *faults)
+        for node in ("a", "b"):  # (a relays its replicas' sessions; b's speak to the coordinator)
+            agents[node] = start_agent(node, port, out, args, *faults, relay=node == "a")
             wait_until(lambda n=node: node_events(out, "coordinator.node_assigned", n),
                        f"node {node} to be given an id", alive=[coordinator], timeout=60)  # fmt: skip
-        agents["c"] = start_agent("c", port, out, args, *faults)  # joins last: the standby
+        agents["c"] = start_agent("c", port, out, args, *faults, relay=True)  # last: the standby
         wait_until(lambda: node_events(out, "coordinator.node_joined", "c"), "the standby node",
                    alive=[coordinator], timeout=60)  # fmt: skip
         hosts = {e["node"]: e["ids"] for e in events(out / "job", "coordinator.node_assigned")}
@@ -153,6 +153,12 @@ def test_a_dead_node_is_replaced_by_a_standby_and_a_drained_node_leaves(
     assert [(e["exit_status"], e["reason"]) for e in finished] == [(0, "the run finished")]
     # The invariants: every step once with all M, on the one-replica run's trajectory.
     assert_same_trajectory(custom_reference, out, steps=STEPS)
+    # Nodes a and c relayed their replicas (their sessions reached the coordinator through the
+    # agents); node b's replica spoke to it directly.
+    served = (out / "coordinator.log").read_text()
+    assert "relay node:a connected" in served and "relay node:c connected" in served, served[-3000:]
+    assert "relay node:b" not in served
+    assert {e["node"] for e in events(out / "job", "agent.relay_started")} == {"a", "c"}
     steps = [r for r in map(json.loads, (out / "job" / "metrics.jsonl").read_text().splitlines())
              if r.get("kind") == "step"]  # fmt: skip
     assert sorted(r["step"] for r in steps) == list(range(STEPS))

@@ -69,7 +69,7 @@ def test_a_slurm_job_survives_a_node_killed_mid_step_on_its_standby_node(
         "RUN": str(run),
         "COORDINATOR_FLAGS": "--node-lease 1.5",
         # a slower replica 0 paces the run, so that the standby joins well before the end
-        "AGENT_FLAGS": "--slots 1 --fault slow:replica=0,step=0,factor=2",
+        "AGENT_FLAGS": "--slots 1 --relay --fault slow:replica=0,step=0,factor=2",
     }
     job = cluster.sbatch(
         ["--nodes", "4", "--output", str(tmp_path / "job.out"), "--chdir", str(ROOT),
@@ -100,6 +100,8 @@ def test_a_slurm_job_survives_a_node_killed_mid_step_on_its_standby_node(
     taken = [e["ids"] for e in named(run, "coordinator.node_assigned") if e["node"] == standby]
     assert taken == [lost_ids], taken
     assert {t["replica"] for t in named(run, "state_transfer")} == set(lost_ids)
+    # every agent relayed its node's replicas (--relay): sessions crossed hosts through them
+    assert {e["node"] for e in named(run, "agent.relay_started")} == set(NAMES[1:])
     finished = {e["node"]: e["exit_status"] for e in named(run, "agent.finished")}
     assert finished == {n: 0 for n in NAMES[1:] if n != victim}, finished
     # The invariants: every step once with all M, on the one-replica run's trajectory.

@@ -64,7 +64,7 @@ from recover.supervisor import (
 __all__ = ["AgentConfig", "NodeAgent", "AGENT_EXITS", "ERROR_FILE_ENV"]
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
-BEAT_S = 0.25  # how often the agent asks the coordinator (its lease is --node-lease, 5 s)
+BEAT_S = 0.25  # the shortest pause between an agent's beats (6 a --node-lease, 5 s: 0.83 s)
 ENDED = ("finished", "quorum_lost", "diverged")  # coordinator statuses after which nothing runs
 
 # The agent's exit statuses, for a scheduler's requeue policy (docs/multinode.md's table).
@@ -109,6 +109,10 @@ class AgentConfig:
     start_timeout_s: float = 60.0  # the coordinator must have answered by then
     stop_grace_s: float = 30.0  # a drain: how long the replicas get to leave
     warm_start: bool = True
+    # The agent relays its replicas' sessions (coordinator/relay.py): they speak to it on
+    # 127.0.0.1, it holds their leases and long-polls and sends the coordinator one beat and one
+    # batch of done reports per step for the whole node.
+    relay: bool = False
 
     def __post_init__(self) -> None:
         if not self.coordinators:
@@ -125,6 +129,11 @@ class AgentConfig:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if not self.start_timeout_s > 0:
             raise ValueError(f"--start-timeout must be > 0, got {self.start_timeout_s}")
+        if self.relay and len(self.coordinators) > 1:
+            raise ValueError(
+                "--relay speaks to one coordinator: give one --coordinator address (a relay does "
+                "not follow a standby's takeover)"
+            )
         for f in self.faults:
             if f.rank >= self.ranks:
                 raise ValueError(
@@ -167,6 +176,8 @@ class NodeAgent(ProcessHost):
         self._wish = 0  # bumped at every change of what this node claims (slots, ids)
         self._answer: tuple[int, float, dict | Exception] | None = None  # (wish, when, reply)
         self._stop_beats = threading.Event()
+        self.relay = None  # the node's RelayServer (--relay), started with the first answer
+        self._relay_env: dict[str, str] = {}  # what the replicas behind it need to know
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -198,6 +209,8 @@ class NodeAgent(ProcessHost):
             self.reap_all()
             if not self._stop_beats.is_set():  # nothing runs here any more: the node leaves
                 self._give_back_all("its agent ended", record=False)
+            if self.relay is not None:
+                self.relay.stop()
             self.close_host()
             self.link.close()
         level = logging.INFO if code == 0 else logging.ERROR
@@ -276,7 +289,11 @@ class NodeAgent(ProcessHost):
                 reply = e
             with self._beats:
                 self._answer = (wish, time.monotonic(), reply)
-            self._stop_beats.wait(BEAT_S)
+            lease = reply.get("node_lease_s") if isinstance(reply, dict) else None
+            # six beats a lease (a lost beat costs no lease), at most four a second: a
+            # coordinator of 1,600 nodes hears 1,300 beats a second at its default lease of 5 s
+            pause = max(BEAT_S, float(lease) / 6) if isinstance(lease, int | float) else BEAT_S
+            self._stop_beats.wait(pause)
 
     def _take(self, when: float, reply: dict | Exception) -> tuple[int, str] | None:
         """Act on one answer of the coordinator; an outcome when the agent must end."""
@@ -298,11 +315,49 @@ class NodeAgent(ProcessHost):
         self._last_answer = when
         self.status = reply.get("status")
         assign = set(reply.get("assign", []))
+        if assign and self.cfg.relay and self.relay is None:
+            outcome = self._start_relay()
+            if outcome is not None:
+                return outcome
         for r in sorted(set(self.hosted) - assign):
             self._drop(r, "the coordinator gave it to another node")
         if not self.draining and not self.finishing and self.status not in ENDED:
             for r in sorted(assign - set(self.hosted)):
                 self._host(r)
+        return None
+
+    def _start_relay(self) -> tuple[int, str] | None:
+        """Start the node's relay (the coordinator answered: it is up). Its replicas reach the
+        coordinator through 127.0.0.1, so they cannot find the route to it themselves: they are
+        told the interface this node reaches it through (unless one was asked for)."""
+        from recover.addresses import AddressError, InterfaceChoice, resolve_peer_address
+        from recover.coordinator.relay import RelayServer
+
+        cfg = self.cfg
+        try:
+            peer = resolve_peer_address(
+                cfg.coordinators[0], InterfaceChoice.from_environ(os.environ)
+            )
+        except AddressError as e:
+            return exits.ADDRESS, str(e)
+        if peer.hostname is not None:  # the route's source: name its interface for the replicas
+            from recover.addresses import gather_host_facts
+
+            via = gather_host_facts(cfg.coordinators[0]).interface_of(peer.hostname)
+            if via is not None:
+                self._relay_env = {"RECOVER_IFNAME": via}
+        relay = RelayServer(
+            cfg.coordinators[0], token=self.token or None, relay_id=f"node:{cfg.node}"
+        )
+        try:
+            relay.start(timeout_s=cfg.start_timeout_s)
+        except (OSError, RuntimeError, TimeoutError) as e:
+            return exits.COORDINATOR_LOST, f"the node's relay could not reach the coordinator: {e}"
+        self.relay = relay
+        self.say(f"relaying this node's replicas at 127.0.0.1:{relay.address[1]} ({peer.reason})")
+        self.writer.event(
+            "agent.relay_started", node=cfg.node, port=relay.address[1], relay=relay.relay_id
+        )
         return None
 
     def _read_exits(self, now: float) -> None:
@@ -370,6 +425,8 @@ class NodeAgent(ProcessHost):
     def _start(self, r: int) -> None:
         cfg = self.cfg
         (host, port), *standbys = cfg.coordinators
+        if self.relay is not None:
+            (host, port), standbys = ("127.0.0.1", self.relay.address[1]), []
         fired = cfg.out / "faults.fired"
         done = read_fired(fired)
         pending = [
@@ -382,6 +439,7 @@ class NodeAgent(ProcessHost):
             faults=tuple(pending), fired=fired, events=cfg.out / "metrics.jsonl",
             spec=cfg.replica,
         ).to_environ()  # fmt: skip
+        base.update(self._relay_env)
         slot = self.hosted[r]
         name = f"replica {r}"
         if cfg.ranks == 1:

@@ -441,6 +441,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="on SIGTERM: how long the replicas get to leave at a step boundary (default: 30)",
     )
+    agent.add_argument(
+        "--relay",
+        action="store_true",
+        help="relay this node's replicas: they speak to the agent, which holds their sessions, "
+        "leases and long-polls and sends the coordinator one beat and one batch of reports per "
+        "step for the node (for jobs of thousands of replicas; one --coordinator address only)",
+    )
     agent.add_argument("--quiet", action="store_true", help="do not echo the replicas' output")
     agent.add_argument(
         "--cold-start",
@@ -774,6 +781,7 @@ def run_agent(args: argparse.Namespace) -> int:
             start_timeout_s=args.start_timeout,
             stop_grace_s=args.stop_grace,
             warm_start=not args.cold_start,
+            relay=args.relay,
         )
         check_command_interpreter(command, os.environ)
     except ValueError as e:
