@@ -152,6 +152,19 @@ def add_ranks_flag(parser: argparse.ArgumentParser, more: str) -> None:
     )
 
 
+def add_start_flags(parser: argparse.ArgumentParser) -> None:
+    """--quiet and --cold-start: how a host of a script's replicas (`recover run`, `recover
+    agent`) starts them and shows their output."""
+    parser.add_argument("--quiet", action="store_true", help="do not echo the replicas' output")
+    parser.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="start every process afresh instead of forking `python SCRIPT` (or `python -m "
+        "MODULE`) from one process that imported torch once (the default warm start; other "
+        "commands are always started afresh)",
+    )
+
+
 def supervision(args: argparse.Namespace) -> dict:
     """The supervision flags (add_supervision_flags) as LaunchConfig takes them."""
     return dict(
@@ -368,14 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="every replica must have registered by then; after it the run forms with those "
         "there if they are at least --min-replicas (default: 60)",
     )
-    script.add_argument("--quiet", action="store_true", help="do not echo the replicas' output")
-    script.add_argument(
-        "--cold-start",
-        action="store_true",
-        help="start every process afresh instead of forking `python SCRIPT` (or `python -m "
-        "MODULE`) from one process that imported torch once (the default warm start; other "
-        "commands are always started afresh)",
-    )
+    add_start_flags(script)
     script.add_argument(
         "script_command",
         nargs=argparse.REMAINDER,
@@ -448,13 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
         "leases and long-polls and sends the coordinator one beat and one batch of reports per "
         "step for the node (for jobs of thousands of replicas; one --coordinator address only)",
     )
-    agent.add_argument("--quiet", action="store_true", help="do not echo the replicas' output")
-    agent.add_argument(
-        "--cold-start",
-        action="store_true",
-        help="start every process afresh instead of forking `python SCRIPT` from one process "
-        "that imported torch once",
-    )
+    add_start_flags(agent)
     add_spec_flags(agent, scripts=True)
     agent.add_argument(
         "agent_command",
