@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,43 @@ def test_tensorboard_mirrors_the_record_once(runs):
     texts = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("events/text_summary")]
     assert any("coordinator.member_dead" in t for t in texts)
     assert any("coordinator.redo" in t and "step=2" in t for t in texts)
+
+
+def test_tensorboard_reads_the_steps_in_order_when_the_pen_comes_back(tmp_path):
+    """Writers 0, 1, then 0 again, within a second or two, into one folder: TensorBoard reads a
+    folder's event files in the order of their names, so replica 0 must not append steps 4-5 to
+    its first file (named before replica 1's), and its new file must be named after replica 1's
+    even when that one's name sorts later within the same second (another host, a larger pid: made
+    here by renaming it one second ahead)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from recover.dashboards import RecordMirror, TensorBoardBackend
+
+    metrics, tb = tmp_path / "metrics.jsonl", tmp_path / "tb"
+    metrics.touch()
+    mirrors = {r: RecordMirror(metrics, replica=r, backend=TensorBoardBackend(tb)) for r in (0, 1)}
+    for step, writer in enumerate([0, 0, 1, 1, 0, 0]):
+        with open(metrics, "a") as f:
+            f.write(json.dumps({"kind": "step", "step": step, "loss": 10.0 - step,
+                                "writer": writer}) + "\n")  # fmt: skip
+        for mirror in mirrors.values():
+            mirror.follow()
+        if step == 1:
+            zeros = set(tb.glob("events.out.tfevents.*"))
+        if step == 3:  # replica 1 is gone; its file is named one second ahead of this clock
+            mirrors.pop(1).close()
+            (ones,) = set(tb.glob("events.out.tfevents.*")) - zeros
+            parts = ones.name.split(".")
+            parts[3] = str(int(time.time()) + 1)
+            ones.rename(tb / ".".join(parts))
+    mirrors[0].close()
+    assert len(list(tb.glob("events.out.tfevents.*"))) == 3  # 0's, 1's, 0's again
+    acc = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (s, 10.0 - s) for s in range(6)
+    ]
 
 
 def test_step_records_carry_achieved_flops_and_mfu(runs):

@@ -47,6 +47,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -114,6 +115,7 @@ class Backend(Protocol):
     def flush(self) -> None: ...
     def close(self) -> None: ...
     def mirrored_through(self) -> int | None: ...  # None: nothing sent is lost with its writer
+    def pen_returned(self) -> None: ...  # others wrote since this replica last did
 
 
 class RecordMirror:
@@ -153,6 +155,7 @@ class RecordMirror:
                     self._others = [*self._others[1 - KEPT_SEGMENTS :], segment]
                     continue
                 if self._others:  # the pen came to this replica: what did its writer send?
+                    self.backend.pen_returned()
                     through = self.backend.mirrored_through()
                     if through is not None:
                         for other in self._others:
@@ -229,7 +232,15 @@ def _describe(record: dict) -> str:
 
 class TensorBoardBackend:
     """Event files under `logdir`, opened on the first thing written (a replica that never
-    writes step records leaves no event file)."""
+    writes step records leaves no event file).
+
+    TensorBoard reads a folder's event files in the order of their names (the second each was
+    opened, then host and pid), and draws a series in the order it reads it. So that this order is
+    the order of the steps whoever wrote them: a writer that gets the pen back after others wrote
+    starts a new file instead of appending to its old one (which sorts before theirs), and a file
+    is opened only once its name sorts after every event file already in the folder (when the
+    last one was opened in this very second, by a process whose host or pid sorts after this
+    one's, that is a wait of under a second, at a change of writer only)."""
 
     def __init__(self, logdir: Path) -> None:
         check_tensorboard()
@@ -240,6 +251,7 @@ class TensorBoardBackend:
         if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
+            _wait_to_sort_last(self.logdir)
             self._tb = SummaryWriter(log_dir=str(self.logdir))
         return self._tb
 
@@ -260,6 +272,32 @@ class TensorBoardBackend:
 
     def mirrored_through(self) -> int | None:
         return None  # each writer's own event files, flushed per step
+
+    def pen_returned(self) -> None:
+        self.close()  # the next scalar opens a new file, named to sort after the others'
+
+
+_EVENT_FILES = "events.out.tfevents.*"
+_CLOCK_SKEW_S = 2.0  # longest wait for this host's clock to pass the newest file's second
+
+
+def _wait_to_sort_last(logdir: Path) -> None:
+    """Wait until an event file opened now is named after every one in `logdir`: its second
+    (the name's first field after the prefix) later than theirs."""
+    newest = -1
+    for path in Path(logdir).glob(_EVENT_FILES):
+        stamp = path.name.split(".")[3]
+        if stamp.isdigit():
+            newest = max(newest, int(stamp))
+    deadline = time.monotonic() + _CLOCK_SKEW_S
+    while int(time.time()) <= newest:
+        if time.monotonic() >= deadline:
+            log.warning(
+                "TensorBoard: an event file in %s is named after this host's clock (another "
+                "host's clock is ahead): its series may be drawn out of step order", logdir,
+            )  # fmt: skip
+            return
+        time.sleep(max(0.001, newest + 1 - time.time()))
 
 
 def wandb_run_id(run: Path) -> str:
@@ -331,6 +369,9 @@ class WandbBackend:
             )  # fmt: skip
             client.kill()
             client.wait()
+
+    def pen_returned(self) -> None:
+        pass  # one W&B run, whichever writer: its rows carry their step
 
     def mirrored_through(self) -> int | None:
         """The last step whose rows a writer of this run folder handed to W&B (-1: none)."""
