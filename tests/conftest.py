@@ -32,7 +32,7 @@ TIERS = {
         "test_addressing", "test_architecture", "test_checkpoint", "test_cli_help", "test_coordinator_decide",
         "test_etcd_store", "test_jobconfig",
         "test_data_formats", "test_data_prepare", "test_kubernetes", "test_placement", "test_policy", "test_report", "test_simulate",
-        "test_spec", "test_tree_sum", "test_units", "test_update_guard",
+        "test_session", "test_spec", "test_tree_sum", "test_units", "test_update_guard",
     ),
     "inprocess": (
         "test_addresses", "test_api_usage", "test_coordinator_server", "test_reach",

@@ -29,6 +29,10 @@ Rules:
 Record: the node's events (`agent.*`) go to --out's metrics.jsonl, where its replicas' events go
 too (RECOVER_EVENTS); with TORCHELASTIC_ERROR_FILE set, a status other than 0 also writes the
 one-line reason there in torchelastic's error-file format, for the tooling that reads it.
+
+Size: one node agent from start to exit: its configuration and checks, the beat thread, the
+placement it obeys, the relay it may run, the drain and the verdict; the process table and
+restart rules are recover.supervisor's.
 """
 
 from __future__ import annotations

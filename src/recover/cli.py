@@ -324,13 +324,6 @@ def build_parser() -> argparse.ArgumentParser:
         'then wait unregistered for one line on stdin, e.g. {"RECOVER_REPLICA_ID": "1"}, that '
         "makes it that replica (instead of --replica-id); end of input: exit 0, nothing written",
     )
-    worker.add_argument(
-        "--register-timeout",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="start-up: seconds to wait for the run to form (default: 60)",
-    )
 
     script = sub.add_parser(
         "run",
@@ -928,7 +921,6 @@ def run_worker_cli(args: argparse.Namespace) -> int:
             data=args.data,
             out=args.out,
             resume=args.resume,
-            register_timeout_s=args.register_timeout,
             resume_command=_worker_resume_command(args),
             peer=peer,
         )

@@ -36,6 +36,9 @@ run. A W&B error is logged once and the mirror stops: the record itself is never
 Costs: one read of the new bytes per step, on the writer only; TensorBoard's event files are
 flushed per step. It must not change the record: it reads `metrics.jsonl` and writes only under
 DIR (TensorBoard) or RUN/wandb, RUN/wandb_run_id and RUN/wandb_mirrored (W&B).
+
+Size: the record's mirror and its two backends (TensorBoard, W&B with its client process),
+which share the mirror's contract (segments, the pen, what was confirmed).
 """
 
 from __future__ import annotations

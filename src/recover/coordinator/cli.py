@@ -8,6 +8,9 @@ here, the environment variable RECOVER_TOKEN; nothing below the CLI reads the en
 Binding anything other than 127.0.0.1 must be asked for with --host or --ifname (and warns
 without a token). The store address each replica is told: --advertise, else (bound to a wildcard)
 the address that replica reached the coordinator at, else the bound address (recover.addresses).
+
+Size: the coordinator's command line (serve, status and their flags) and the loops that
+serve it with and without a shared state; the rules are in decide, the wire in server.
 """
 
 from __future__ import annotations

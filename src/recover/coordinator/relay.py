@@ -23,6 +23,9 @@ replicas' connections (they see EOF; a replica restarts as a new incarnation).
 Costs: per heartbeat O(1) here and nothing upstream; per step one done_batch per relay; per
 view version one beat reply (O(change) bytes) per relay, then one encoding per distinct version
 its replicas hold. Limits: forwarded requests share one upstream connection (in order).
+
+Size: one relay: its downstream server for a node's replicas, its one upstream session, and
+the mapping between them; splitting them would pass the same tables across modules.
 """
 
 from __future__ import annotations

@@ -46,9 +46,7 @@ import hashlib
 import logging
 import os
 import re
-import signal
 import sys
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -58,25 +56,17 @@ import torch
 from recover import exits
 from recover.addresses import AddressError, export_for_torch, resolve_peer_address
 from recover.checks import is_int
-from recover.coordinator.client import (
-    CoordinatorClient,
-    CoordinatorUnreachable,
-    Evicted,
-    RequestRefused,
-)
 from recover.coordinator.client import QuorumLost as _QuorumLost
 from recover.logs import process_prefix, replica_name, setup_logging
 from recover.policy import deal_round_robin
-from recover.record import RecordUnwritable
-from recover.runtime.collective import GroupCache, StoreFollower
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.faults import FaultInjector, check_faults_fit
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.script_record import StepRecords
 from recover.runtime.script_work import ScriptWork
+from recover.runtime.session import STOPS, ReplicaSession, stop_of
 from recover.runtime.stall import StallGuard
 from recover.runtime.step_machine import (
-    DivergedError,
     StepHooks,
     StepMachine,
     StepOptions,
@@ -189,7 +179,7 @@ class Replica:
                 replica_id=self.replica_id,
                 layout=self.layout,
                 ranks=self.env.ranks,
-                timeout_s=180.0,
+                timeout_s=StepOptions.outcome_timeout_s + self.env.spec.register_timeout_s,
                 watchdog_s=self.env.spec.watchdog_s,
                 emit=self.event,
             )
@@ -216,10 +206,6 @@ class Replica:
         # the optimizer made of it was not (undone at the next step's start).
         self.skipped = False
         self.stopped = False  # steps() ended early: a stop was asked for (SIGTERM, SIGINT)
-        self._stop_requested = threading.Event()
-        # Set at the boundary where a stop was agreed: the next step's done report asks to leave,
-        # so the coordinator plans the step after without this replica (nobody redoes anything).
-        self._asked_to_leave = threading.Event()
         self.max_nonfinite = max_nonfinite
         self._skips = 0
         self._machine: StepMachine | None = None
@@ -299,33 +285,10 @@ class Replica:
         }
 
     def _join(self, total_steps: int, start_step: int) -> int:
-        from recover.runtime.links import ReplicaLink, SoloLink
-
-        env = self.env
-        host, port = env.coordinator
-        client = None
-        if self.intra is None or self.intra.leader:
-            client = CoordinatorClient(
-                host,
-                port,
-                replica_id=self.replica_id,
-                token=env.token,
-                heartbeat_s=env.spec.heartbeat_s,
-                coordinator_grace_s=env.spec.coordinator_grace_s,
-                standbys=env.standbys,
-            )
-            if self._writer is not None:  # fenced: nothing from an evicted incarnation
-                self._writer.fence = client.writes_allowed
-        if self.intra is None:
-            self._link = SoloLink(client)
-        else:
-            self._link = ReplicaLink(
-                self.intra, client=client, host=host, port=port, token=env.token,
-                standbys=env.standbys,
-            )  # fmt: skip
-        view = self._link.register(
-            fingerprint=self._fingerprint(total_steps), next_step=start_step, deadline_s=180.0
-        )
+        # The client (fencing the record: nothing from an evicted incarnation) and the link.
+        self._session = session = ReplicaSession(self.env, intra=self.intra, writer=self._writer)
+        self._link = session.link
+        view = session.join(self._fingerprint(total_steps), next_step=start_step)
         joining = self.replica_id in view.joined
         if joining:
             self.event("replica_joining", replica=self.replica_id, step=view.step, epoch=view.epoch)
@@ -334,35 +297,23 @@ class Replica:
                 f"this replica starts at step {start_step}, the job is at step {view.step}: "
                 "give every replica the same start_step (the step its checkpoint holds)"
             )
-        link = self._link  # its store moves with a coordinator takeover (StoreFollower)
-        store = StoreFollower(lambda: link.store_address, 180.0)
-        scope = f"position{self.rank}/" if self.intra is not None else ""
-        self._groups = GroupCache(
-            store, config=self.env.spec.collective(self.peer), scope=scope, device="cpu"
-        )
-        # The process must not end while an abandoned group is being torn down (GroupCache.
-        # wait_closed says why); the script's own end is the interpreter's, so it waits there.
-        atexit.register(self._groups_closed)
-        self._machine = StepMachine(
-            work=self._work,
-            link=self._link,
-            groups=self._groups,
+        self._machine = session.start(
+            self._work,
+            peer=self.peer,
             options=StepOptions(
                 replica_id=self.replica_id,
                 check_every=self.check_every,
                 deterministic=self.env.spec.deterministic,
             ),
-            hooks=StepHooks(
-                phase=self._faults,
-                event=self.event,
-                guard=self._guard,
-                leaving=self._asked_to_leave.is_set,
-            ),
+            hooks=StepHooks(phase=self._faults, event=self.event, guard=self._guard),
             has_state=not joining,
         )
+        self._groups = session.groups
+        # The process must not end while an abandoned group is being torn down (GroupCache.
+        # wait_closed says why); the script's own end is the interpreter's, so it waits there.
+        atexit.register(self._groups_closed)
         if self._own_signals:  # leave at the next step boundary (before now: nothing to save)
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda signum, frame: self._stop_requested.set())
+            session.stop_on_signals()
         return view.step
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -388,10 +339,8 @@ class Replica:
                 # A process woken after a freeze acts on no stale view (nor lets its script write
                 # a log of its own) before the coordinator confirmed it is still a member; the
                 # replica's first rank holds the membership.
-                client = self._link.client
                 with self._stops():
-                    if client is not None:
-                        client.confirm_member()
+                    self._session.confirm_member()
                 self.step = step
                 yield step
                 if self._committed != step:
@@ -409,10 +358,7 @@ class Replica:
                 # the step after without this replica; then the loop ends early with `stopped`
                 # set (save after it). When the coordinator keeps it (the last replicas, or
                 # min_replicas), it leaves all the same.
-                if step < total_steps and not self._link.agree(not self._stop_requested.is_set()):
-                    if not self._asked_to_leave.is_set() and self._machine.has_state:
-                        self._asked_to_leave.set()
-                        continue
+                if step < total_steps and self._session.boundary():
                     self.stopped = True
                     self.event(
                         "replica_stopped", replica=self.replica_id, rank=self.rank, step=step
@@ -423,7 +369,7 @@ class Replica:
                 with self._stops():
                     self._finish(total_steps, start_step)
             with self._stops():
-                self._link.leave(step=step)
+                self._session.leave(step=step)
         finally:
             self.close()
 
@@ -630,52 +576,42 @@ class Replica:
         status the launcher understands (evicted 4, diverged 5, refused 6)."""
         try:
             yield
-        except RecordUnwritable as e:
-            # A full disk or a read-only run folder: the run cannot keep its record, so it stops
-            # (the others stop as they hit it, or as for a lost coordinator).
-            raise SystemExit(
-                self._say(
-                    f"{e}: the run stops; the model holds the state after step "
-                    f"{self._committed}, the last committed (save it elsewhere to keep it)",
-                    exits.STORAGE,
+        except STOPS as e:
+            session = getattr(self, "_session", None)
+            stop = session.stop_of(e) if session is not None else stop_of(e)
+            if stop.kind == "storage":
+                # A full disk or a read-only run folder: the run cannot keep its record, so it
+                # stops (the others stop as they hit it, or as for a lost coordinator).
+                line = (
+                    f"{stop.line}: the run stops; the model holds the state after step "
+                    f"{self._committed}, the last committed (save it elsewhere to keep it)"
                 )
-            ) from None
-        except Evicted as e:
-            raise SystemExit(
-                self._say(f"evicted by the coordinator ({e})", exits.EVICTED)
-            ) from None
-        except RequestRefused as e:
-            if e.code == "finished":
-                raise SystemExit(self._say(f"nothing to join: {e}", 0)) from None
-            raise SystemExit(self._say(f"refused by the coordinator: {e}", exits.REFUSED)) from None
-        except DivergedError as e:
-            raise SystemExit(self._say(_explain_divergence(str(e)), exits.DIVERGED)) from None
-        except CoordinatorUnreachable as e:
-            view = self._link.step_view() if getattr(self, "_link", None) else None
-            live = view.live if view is not None else ()
-            held = self._machine is not None and self._machine.has_state
-            self._writer_when_lost = (
-                held and self.rank == 0 and (not live or self.replica_id == min(live))
-            )
-            # No step can run any more: stop the heartbeats and the replica's watchdog now, so
-            # that the ranks of a replica that end on it are not taken for lost mates.
-            self.close()
-            raise CoordinatorLost(
-                f"replica {self.replica_id}: the coordinator is lost ({str(e)[:200]}); the model "
-                f"holds the state after step {self._committed}, the last committed (is_writer: "
-                f"save it), then resume with start_step={self._committed + 1}"
-            ) from None
-        except _QuorumLost as e:
-            if self._machine is not None and not self._machine.has_state:
-                raise QuorumLost(
-                    f"replica {self.replica_id}: {e}; this replica joined and had not received "
-                    "the committed state: it holds nothing to save"
+            elif stop.kind == "diverged":
+                line = _explain_divergence(stop.line)
+            elif stop.kind == "coordinator_lost":
+                self._writer_when_lost = (
+                    session is not None and session.has_state and self.rank == 0
+                    and session.lowest_live()
+                )  # fmt: skip
+                # No step can run any more: stop the heartbeats and the replica's watchdog now,
+                # so that the ranks of a replica that end on it are not taken for lost mates.
+                self.close()
+                raise CoordinatorLost(
+                    f"replica {self.replica_id}: {stop.line[:240]}; the model holds the state "
+                    f"after step {self._committed}, the last committed (is_writer: save it), "
+                    f"then resume with start_step={self._committed + 1}"
                 ) from None
-            raise QuorumLost(
-                f"replica {self.replica_id}: {e}; the model holds the state after step "
-                f"{self._committed} (save it on the writer, then resume with start_step="
-                f"{self._committed + 1})"
-            ) from None
+            elif stop.kind == "quorum_lost":
+                if stop.nothing_held:
+                    raise QuorumLost(f"replica {self.replica_id}: {stop.line}") from None
+                raise QuorumLost(
+                    f"replica {self.replica_id}: {stop.line}; the model holds the state after "
+                    f"step {self._committed} (save it on the writer, then resume with "
+                    f"start_step={self._committed + 1})"
+                ) from None
+            else:  # evicted, finished, refused
+                line = stop.line
+            raise SystemExit(self._say(line, stop.status)) from None
 
     def _groups_closed(self) -> None:
         """At the process's exit: wait for the cross-replica groups torn down in the background
@@ -699,8 +635,8 @@ class Replica:
         if self._closed:
             return
         self._closed = True
-        if getattr(self, "_link", None) is not None:
-            self._link.close()
+        if getattr(self, "_session", None) is not None:
+            self._session.close()
         elif self.intra is not None:
             self.intra.close()
         if self._work is not None:

@@ -95,6 +95,11 @@ class ReplicaSpec:
         "command to resume (default: 10)",
         metavar="S", low=(0.0, False), scripts=True,
     )  # fmt: skip
+    register_timeout_s: float = _setting(
+        180.0, "--register-timeout",
+        "start-up: how long a replica waits for the run to form, or to admit it (default: 180)",
+        metavar="S", low=(0.0, False), scripts=True,
+    )  # fmt: skip
     peak_tflops: float = _setting(
         0.0, "--peak-tflops",
         "peak TFLOP/s of one device (GPU), for the MFU in the step line, the step records and "

@@ -48,6 +48,9 @@ missing. torchft's manager server binds `[::]` (all interfaces) by its own code;
 127.0.0.1 and every peer connects over loopback. One rank per replica. Size: the launcher
 (supervision with restarts) and the replica loop are one concept, torchft driven from outside;
 about 460 lines.
+
+Size: the torchft baseline end to end (its lighthouse, its managers, the same model and
+data as ours, the measurements), kept apart from the product in one module.
 """
 
 from __future__ import annotations

@@ -18,38 +18,23 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 from recover import exits
 from recover.addresses import PeerAddress
-from recover.coordinator.client import (
-    CoordinatorClient,
-    CoordinatorUnreachable,
-    Evicted,
-    QuorumLost,
-    RequestRefused,
-)
 from recover.data.addressing import TokenDataset
 from recover.policy import WORKLOADS
-from recover.record import MetricsWriter, RecordUnwritable, read_metrics
-from recover.runtime.collective import GroupCache, StoreFollower
+from recover.record import MetricsWriter, read_metrics
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.faults import FaultInjector, poison_gradient
 from recover.runtime.layout import ReplicaLayout
-from recover.runtime.links import IntraReplica, ReplicaLink, SoloLink
+from recover.runtime.links import IntraReplica
+from recover.runtime.session import STOPS, ReplicaSession
 from recover.runtime.stall import StallGuard
-from recover.runtime.step_machine import (
-    CommittedStep,
-    DivergedError,
-    StepHooks,
-    StepMachine,
-    StepOptions,
-)
+from recover.runtime.step_machine import CommittedStep, StepHooks, StepOptions
 from recover.training.config import (
     RunPaths,
     TrainConfig,
@@ -70,8 +55,6 @@ class WorkerConfig:
     data: Path
     out: Path
     resume: bool = False
-    register_timeout_s: float = 60.0  # start-up: all replicas must show up by then
-    outcome_timeout_s: float = 120.0  # longest wait for the coordinator's decision on a step
     # The exact command that continues this run from its checkpoint (said when the run stops
     # early: the coordinator lost); empty: "the same command with --resume".
     resume_command: str = ""
@@ -79,11 +62,6 @@ class WorkerConfig:
     # checked by the entry point from --ifname/RECOVER_IFNAME/GLOO_SOCKET_IFNAME and the
     # coordinator's address). The default: gloo's own (this host's name), for a local run.
     peer: PeerAddress = PeerAddress()
-
-    def __post_init__(self) -> None:
-        for name in ("register_timeout_s", "outcome_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 # Settings that only decide what is recorded, never the committed update: a replica may differ.
@@ -149,7 +127,6 @@ def run_worker(
     """Run one replica (or, with --shard S, one rank of it) to the end; return its exit status.
     `prepared`: its dataset and trainer built ahead (a promoted standby), a fresh joiner's."""
     me, spec = wcfg.env.replica_id, wcfg.env.spec
-    host, port = wcfg.env.coordinator
     if prepared is not None and (wcfg.resume or spec.layout.ranks > 1):
         raise ValueError("a prepared replica joins afresh, with one rank, without --resume")
     dataset = prepared.dataset if prepared is not None else TokenDataset.open(wcfg.data)
@@ -170,7 +147,7 @@ def run_worker(
             replica_id=me,
             layout=layout,
             ranks=wcfg.env.ranks,
-            timeout_s=wcfg.outcome_timeout_s + wcfg.register_timeout_s,
+            timeout_s=StepOptions.outcome_timeout_s + spec.register_timeout_s,
             watchdog_s=spec.watchdog_s,
             device=device,
             emit=writer.event,
@@ -189,41 +166,16 @@ def run_worker(
         fired=wcfg.env.fired,
     )
     guard = StallGuard(spec.stall_s, replica=me, rank=rank, emit=writer.event)
-    stop = threading.Event()  # set by SIGTERM or SIGINT once training runs (see below)
-    # Agreed at a step boundary after a stop request: the next done reports ask the coordinator
-    # to plan the step after without this replica (a planned leave with no redo).
-    asked_to_leave = threading.Event()
 
     def phase_hook(phase: str, step: int, index: int | None) -> None:
         guard.tick()  # every microbatch's forward and backward is progress
         injector(phase, step, index)
 
     trainer.phase_hook = phase_hook
-    client = None
-    if intra is None or intra.leader:
-        client = CoordinatorClient(
-            host,
-            port,
-            replica_id=me,
-            token=wcfg.env.token,
-            heartbeat_s=spec.heartbeat_s,
-            coordinator_grace_s=spec.coordinator_grace_s,
-            standbys=wcfg.env.standbys,
-        )
-        # Fencing: from its eviction on, this incarnation writes nothing to the run folder (every
-        # record, checkpoint and the final model passes this check, whatever thread writes it).
-        writer.fence = client.writes_allowed
-    if intra is None:
-        link = SoloLink(client)
-    else:
-        link = ReplicaLink(
-            intra,
-            client=client,
-            host=host,
-            port=port,
-            token=wcfg.env.token,
-            standbys=wcfg.env.standbys,
-        )
+    # The client, the link of the replica's ranks, and the fence: from its eviction on, this
+    # incarnation writes nothing to the run folder (every record, checkpoint and the final model
+    # passes the fence, whatever thread writes it).
+    session = ReplicaSession(wcfg.env, intra=intra, writer=writer)
     recorder = RunRecorder(
         cfg=cfg,
         paths=paths,
@@ -240,7 +192,6 @@ def run_worker(
         tensorboard=spec.tensorboard,
         wandb=spec.wandb,
     )
-    machine = None
 
     def save_last_committed() -> bool:
         """When the run cannot go on: the lowest replica of the last view saves the committed
@@ -248,11 +199,9 @@ def run_worker(
         that --resume loses nothing. A replica that never held the run's state (not admitted
         yet, or a joiner before its transfer) saves nothing; nor does the checkpoint-restart
         baseline, which restarts from its last periodic checkpoint. True if this rank wrote."""
-        if machine is None or not machine.has_state or spec.mode == "checkpoint-restart":
+        if not session.has_state or spec.mode == "checkpoint-restart":
             return False
-        view = link.step_view()
-        live = view.live if view is not None else ()
-        recorder.is_writer = not live or me == min(live)
+        recorder.is_writer = session.lowest_live()
         if not recorder.is_writer:
             return False
         # None: fenced before it began; a path not in place: fenced before the publish. Only a
@@ -261,12 +210,9 @@ def run_worker(
         return path is not None and path.exists() and recorder.writes_records
 
     try:
-        view = link.register(
-            fingerprint=fingerprint(
-                cfg, dataset, layout, spec.cross_reduce, spec.mode, spec.deterministic
-            ),
+        view = session.join(
+            fingerprint(cfg, dataset, layout, spec.cross_reduce, spec.mode, spec.deterministic),
             next_step=start,
-            deadline_s=wcfg.register_timeout_s,
         )
         # Only a member writes to the run's record: a worker refused at registration (another
         # token, other settings, an id in use) leaves no trace in it.
@@ -291,22 +237,13 @@ def run_worker(
                 + (f" of {ranks} ranks ({layout.name})" if ranks > 1 else "")
                 + f"; run folder {paths.out}; steps counted from 1 here, from 0 in metrics.jsonl",
             )  # fmt: skip
-        # The coordinator's TCPStore; a standby that takes over hosts a new one (its address
-        # comes with the re-attach), and the next epoch's group is built there.
-        store = StoreFollower(lambda: link.store_address, wcfg.register_timeout_s)
-        # With several ranks per replica, the ranks at position k of every replica form the
-        # cross-replica group of position k (HSDP's replicate dimension), one per epoch.
-        scope = f"position{rank}/" if intra is not None else ""
-        machine = StepMachine(
-            work=trainer,
-            link=link,
-            groups=GroupCache(
-                store, config=spec.collective(wcfg.peer), scope=scope, device=cross_device
-            ),
+        machine = session.start(
+            trainer,
+            peer=wcfg.peer,
+            cross_device=cross_device,
             options=StepOptions(
                 replica_id=me,
                 check_every=spec.check_every,
-                outcome_timeout_s=wcfg.outcome_timeout_s,
                 discard_on_redo=WORKLOADS.get(spec.mode, WORKLOADS["recover"]).discards,
                 deterministic=spec.deterministic,
             ),
@@ -317,7 +254,6 @@ def run_worker(
                 event=writer.event,
                 guard=guard,
                 before_done=recorder.wait_saves,
-                leaving=asked_to_leave.is_set,
             ),
             has_state=not joining,
         )
@@ -325,28 +261,15 @@ def run_worker(
         def compute(todo) -> None:
             trainer.compute_microbatches(todo.step, todo.ids, first_index=todo.first_index)
 
-        # From here on, SIGTERM (a preemption, `kill`, the launcher stopping the job) and SIGINT
-        # mean: leave at the next step boundary with the committed state saved, instead of dying
-        # mid-step. (Before, there is nothing committed to save: they end the process.)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: stop.set())
+        session.stop_on_signals()  # a stop request, served at a step boundary (below)
         step = view.step
         while step < cfg.steps:
-            # A process woken after a freeze acts on no stale view before the coordinator
-            # confirmed it is still a member (it may have been evicted meanwhile).
-            if client is not None:
-                client.confirm_member()
+            session.confirm_member()
             commit = machine.run(step, compute)
             apply_commit(commit, replica=me, trainer=trainer, recorder=recorder, guard=guard)
             step += 1
-            # A stop request (any rank of the replica got one) is served at a step boundary: the
-            # next done report asks to leave, and the coordinator plans the step after without
-            # this replica (it leaves at that boundary; nobody redoes anything). When it keeps it
-            # (the last replicas, or min_replicas), it leaves with the committed state saved.
-            if step < cfg.steps and not link.agree(not stop.is_set()) and machine.has_state:
-                if not asked_to_leave.is_set():
-                    asked_to_leave.set()
-                    continue
+            # A planned leave (session.boundary): it leaves with the committed state saved.
+            if step < cfg.steps and session.boundary():
                 if recorder.is_writer and not commit.released:
                     recorder.checkpoint(step, block=True)
                 recorder.event("replica_stopped", replica=me, rank=rank, step=step)
@@ -355,10 +278,10 @@ def run_worker(
                     + (f"; the committed state is checkpointed in {paths.checkpoints}"
                        if recorder.writes_records else ""),
                 )  # fmt: skip
-                link.leave(step=step)
+                session.leave(step=step)
                 return exits.STOPPED
         if not machine.has_state:  # admitted at the very end: it never held the run's state
-            link.leave(step=step)
+            session.leave(step=step)
             return exits.OK
         # The writer stays the one the last commit named (replicas that already left are not in
         # the view any more, so recomputing it here could name a second writer).
@@ -374,48 +297,59 @@ def run_worker(
         phash = machine.replica_hash()
         if rank == 0:
             writer.event("replica_finished", replica=me, step=step, param_hash=phash)
-        link.leave(step=step)
+        session.leave(step=step)
         return exits.OK
-    except Evicted as e:
+    except STOPS as e:
+        return _stopped(session.stop_of(e), session, recorder, save_last_committed, wcfg, paths)
+    except NonFiniteError as e:
+        # Every replica holds the same last finite state (no skipped step was applied); the
+        # writer of the last step saves it, so that a resume starts from it.
+        if recorder.is_writer:
+            recorder.checkpoint(recorder.last_committed + 1, block=True)
+        log.error(f"replica {me}: {e}")
+        return exits.NONFINITE
+    except Exception:
+        # In a replica of several ranks, a collective inside it fails when a replica-mate dies;
+        # the watchdog then names the mate and exits with exits.MATE_LOST. Give it the time.
+        if intra is not None:
+            intra.on_error(sys.exc_info()[1])
+        raise
+    finally:
+        session.close()
+        writer.close()
+
+
+def _stopped(stop, session, recorder, save_last_committed, wcfg: WorkerConfig, paths) -> int:
+    """The trainer's part of a way out (`session.stop_of`): what it saves, and its line."""
+    me = session.replica_id
+    if stop.kind == "evicted":
         recorder.settle()  # a save in flight publishes nothing now; its temporary file goes
-        log.warning(
-            f"replica {me}: evicted by the coordinator ({e}); exiting without touching the run"
-        )
-        return exits.EVICTED
-    except QuorumLost as e:
+        log.warning(f"replica {me}: {stop.line}; exiting without touching the run")
+    elif stop.kind == "quorum_lost":
         # Every survivor holds the last committed state (the optimizer steps only on commits);
         # the lowest survivor saves it, so that --resume continues from the last committed step.
         save_last_committed()
-        log.error(f"replica {me}: {e} (run it again with --resume)")
-        return exits.QUORUM_LOST
-    except RequestRefused as e:
-        if e.code == "finished":
-            log.info(f"replica {me}: nothing to join: {e}")
-            return exits.OK
-        log.error(f"replica {me}: refused by the coordinator: {e}")
-        return exits.REFUSED
-    except DivergedError as e:
-        log.error(f"replica {me}: {e}")
-        return exits.DIVERGED
-    except CoordinatorUnreachable as e:
+        log.error(f"replica {me}: {stop.line} (run it again with --resume)")
+    elif stop.kind == "finished":
+        log.info(f"replica {me}: {stop.line}")
+    elif stop.kind == "coordinator_lost":
         # No coordinator answered for the grace (gone or frozen, and no standby took over):
         # nobody can commit any more. Every replica holds its last committed state; the lowest
         # replica of the last view saves it through the normal checkpoint path (announced once
         # durable), so that --resume loses nothing that committed. One line, no traceback.
-        if machine is None:  # never admitted: nothing of the run is held here
+        if session.machine is None:  # never admitted: nothing of the run is held here
             log.error(
-                f"replica {me}: the coordinator cannot be reached ({e}); nothing was trained "
-                "here; start it again once a coordinator is up"
+                f"replica {me}: the coordinator cannot be reached ({stop.cause}); nothing was "
+                "trained here; start it again once a coordinator is up"
             )
-            return exits.COORDINATOR_LOST
+            return stop.status
         saved = save_last_committed()
         log.error(
-            f"replica {me}: the coordinator is lost: {e}; stopping; "
-            f"{_what_was_saved(saved, me, link, machine, recorder, paths)}; to continue: "
+            f"replica {me}: {stop.line}; stopping; "
+            f"{_what_was_saved(saved, session, recorder, paths)}; to continue: "
             f"{wcfg.resume_command or 'the same command with --resume'}"
         )
-        return exits.COORDINATOR_LOST
-    except RecordUnwritable as e:
+    elif stop.kind == "storage":
         # The run folder cannot be written (a full disk, a read-only folder): the run cannot keep
         # its record, so it stops. The lowest replica tries to save the last committed state
         # (where space allows: a checkpoint folder may fit where a line did not); its line
@@ -432,24 +366,10 @@ def run_worker(
             if saved
             else f"the last committed step ({step}) was not saved here{cause}"
         )
-        log.error(f"replica {me}: {e}: the run stops; {outcome}")
-        return exits.STORAGE
-    except NonFiniteError as e:
-        # Every replica holds the same last finite state (no skipped step was applied); the
-        # writer of the last step saves it, so that a resume starts from it.
-        if recorder.is_writer:
-            recorder.checkpoint(recorder.last_committed + 1, block=True)
-        log.error(f"replica {me}: {e}")
-        return exits.NONFINITE
-    except Exception:
-        # In a replica of several ranks, a collective inside it fails when a replica-mate dies;
-        # the watchdog then names the mate and exits with exits.MATE_LOST. Give it the time.
-        if intra is not None:
-            intra.on_error(sys.exc_info()[1])
-        raise
-    finally:
-        link.close()
-        writer.close()
+        log.error(f"replica {me}: {stop.line}: the run stops; {outcome}")
+    else:  # refused, diverged
+        log.error(f"replica {me}: {stop.line}")
+    return stop.status
 
 
 def _why_not_saved(error: BaseException) -> str:
@@ -461,14 +381,15 @@ def _why_not_saved(error: BaseException) -> str:
     return text.splitlines()[0][:160] if text else type(error).__name__
 
 
-def _what_was_saved(saved: bool, me: int, link, machine, recorder, paths: RunPaths) -> str:
+def _what_was_saved(saved: bool, session: ReplicaSession, recorder, paths: RunPaths) -> str:
     """The coordinator-lost line's account of the last committed state (steps from 1 here)."""
+    me = session.replica_id
     step = recorder.last_committed + 1
     if saved:
         return f"step {step}, the last committed, is checkpointed in {paths.checkpoints}"
-    if not machine.has_state:
+    if not session.has_state:
         return "this replica held no committed state of the run yet (a joiner)"
-    view = link.step_view()
+    view = session.link.step_view()
     lowest = min(view.live) if view is not None and view.live else me
     if lowest != me:  # (it may be fenced and unable to: its own line says whether it saved)
         return (
