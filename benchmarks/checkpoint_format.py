@@ -2,7 +2,7 @@
 
 The committed state of a preset's model (gpt2-124m by default: its parameters and AdamW moments,
 after one optimizer step) is saved and loaded three ways, in one run:
-- async DCP: `recover.training.checkpoint.CheckpointWriter.save` (what `recover train` does):
+- async DCP: `recover.checkpoint.state.CheckpointWriter.save` (what `recover train` does):
   the training thread is blocked for `dcp_state` and DCP's staging copy; the write, fsyncs, CRC-32
   marker and publish run in the background;
 - sync DCP: the same save, waited for (a synchronous full save of the same format);
@@ -42,13 +42,8 @@ from pathlib import Path
 
 import torch
 
-from recover.training.checkpoint import (
-    LEGACY_MAGIC,
-    CheckpointWriter,
-    find_resume_point,
-    load_dcp_state,
-    read_legacy_checkpoint,
-)
+from recover.checkpoint.folders import LEGACY_MAGIC, find_resume_point, read_legacy_checkpoint
+from recover.checkpoint.state import CheckpointWriter, load_dcp_state
 from recover.training.model import GPT, build_config
 from recover.training.trainer import CHECKPOINT_ALIASES
 
@@ -131,7 +126,7 @@ def save_one_file(directory: Path, step: int, model, optimizer) -> tuple[float, 
 
 def save_dcp(writer: CheckpointWriter, step: int, model, optimizer, *, block: bool):
     """(stall, total) seconds of a DCP save: async (the call returns after staging) or sync."""
-    from recover.training.checkpoint import dcp_state
+    from recover.checkpoint.state import dcp_state
 
     t0 = time.perf_counter()
     writer.save(step, dcp_state(model, optimizer, aliases=CHECKPOINT_ALIASES), {}, block=block,

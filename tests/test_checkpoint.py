@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import recover.checkpoint as ckpt
-from recover.training.checkpoint import MARKER, CheckpointError, checkpoint_path, list_checkpoints
+from recover.checkpoint.folders import MARKER, CheckpointError, checkpoint_path, list_checkpoints
 
 # A one-rank save or load runs without a process group on purpose (DCP warns that it does).
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -121,7 +121,7 @@ def test_an_edited_marker_is_refused_and_the_resume_takes_the_older_checkpoint(t
     would silently start off the trajectory) fails its own checksum, and one whose checksum was
     recomputed too still names another step than its folder. Either way the newest valid
     checkpoint is the older one."""
-    from recover.training.checkpoint import _marker_crc32
+    from recover.checkpoint.folders import _marker_crc32
 
     model, optimizer, scheduler = build()
     saver = ckpt.Checkpointer(tmp_path, keep=3)
@@ -239,7 +239,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_the_in_place_reader_leaves_the_state_dcp_reader_leaves(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from recover.training.dcp_reader import InPlaceReader
+    from recover.checkpoint.dcp_reader import InPlaceReader
 
     g = torch.Generator().manual_seed(0)
     saved = {
@@ -293,7 +293,7 @@ def test_the_in_place_reader_leaves_the_state_dcp_reader_leaves(tmp_path):
 
 
 def test_a_resume_read_in_place_equals_one_read_by_dcp(tmp_path):
-    from recover.training.checkpoint import load_dcp_state
+    from recover.checkpoint.state import load_dcp_state
 
     model, optimizer, scheduler = build()
     train_step(model, optimizer, scheduler, 0)
@@ -316,7 +316,7 @@ def test_a_resume_read_in_place_equals_one_read_by_dcp(tmp_path):
 def test_a_truncated_or_altered_file_is_named_when_read_unverified(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from recover.training.checkpoint import load_dcp_state
+    from recover.checkpoint.state import load_dcp_state
 
     model, optimizer, scheduler = build()
     train_step(model, optimizer, scheduler, 0)
@@ -345,7 +345,7 @@ def test_hyperparameters_are_saved_once_and_checkpoints_of_the_older_form_still_
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from recover.training.checkpoint import _FLAT, CheckpointWriter, dcp_state
+    from recover.checkpoint.state import _FLAT, CheckpointWriter, dcp_state
 
     def two_groups(seed: int, lrs: tuple[float, float]):
         model, _, _ = build(seed)

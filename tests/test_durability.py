@@ -25,15 +25,10 @@ import pytest
 import torch
 
 from conftest import TINY_TRAIN_FLAGS, child_env, events, leftover_processes, run_cli
+from recover.checkpoint.folders import LEGACY_MAGIC, remove_stale_tmp
+from recover.checkpoint.state import CheckpointWriter, dcp_state, read_checkpoint
 from recover.record import committed_steps
 from recover.tooling.compare import compare_runs, missing_steps
-from recover.training.checkpoint import (
-    LEGACY_MAGIC,
-    CheckpointWriter,
-    dcp_state,
-    read_checkpoint,
-    remove_stale_tmp,
-)
 
 # Blocks the fsync of one checkpoint's temporary file for ever: a writer stuck inside that save,
 # with the payload written but not yet durable, when the test SIGKILLs it.

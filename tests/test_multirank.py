@@ -21,12 +21,12 @@ from test_multireplica import STEPS, M, failure_free_run, train
 
 from conftest import TRAJECTORY_RTOL, events
 from conftest import assert_invariants as check_invariants
+from recover.checkpoint.state import read_checkpoint
 from recover.launch import LaunchConfig, check_gpu_placement
 from recover.runtime.faults import parse_fault
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.spec import ReplicaSpec
 from recover.tooling.compare import compare_runs
-from recover.training.checkpoint import read_checkpoint
 from recover.training.config import check_layout_fits
 
 

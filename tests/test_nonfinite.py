@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import TINY_TRAIN_FLAGS, events, leftover_processes, run_cli
+from recover.checkpoint.state import load_latest
 from recover.record import read_metrics
-from recover.training.checkpoint import load_latest
 
 DIVERGING = [
     "--lr",

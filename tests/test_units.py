@@ -11,12 +11,9 @@ import pytest
 import torch
 
 from conftest import child_env
+from recover.checkpoint.folders import list_checkpoints
+from recover.checkpoint.state import CheckpointWriter, read_checkpoint
 from recover.record import MetricsWriter, committed_steps
-from recover.training.checkpoint import (
-    CheckpointWriter,
-    list_checkpoints,
-    read_checkpoint,
-)
 from recover.training.config import TrainConfig, compute_lr
 from recover.training.console import format_step_line
 from recover.training.model import GPT, PRESETS, GPTConfig, build_config

@@ -129,7 +129,8 @@ def test_the_trainer_skips_an_update_that_is_not_finite(tiny_dataset):
 
 
 def test_a_checkpoint_of_a_non_finite_state_is_refused(tmp_path):
-    from recover.training.checkpoint import CheckpointError, CheckpointWriter
+    from recover.checkpoint.folders import CheckpointError
+    from recover.checkpoint.state import CheckpointWriter
 
     model, optimizer = _model_and_adamw(lr=1e-3)
     writer = CheckpointWriter(tmp_path / "ckpt", keep=2)

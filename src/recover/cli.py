@@ -617,7 +617,7 @@ def run_train(args: argparse.Namespace) -> int:
             data = ensure_dataset(args.data_root, show_progress=sys.stderr.isatty())
         if solo:
             from recover import exits
-            from recover.training.checkpoint import CheckpointError
+            from recover.checkpoint.folders import CheckpointError
             from recover.training.solo import train_single
             from recover.training.trainer import NonFiniteError
 
@@ -815,8 +815,8 @@ def _unwritable(error: OSError) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from recover.checkpoint.folders import CheckpointError
     from recover.tooling.export import ExportError, export_hf
-    from recover.training.checkpoint import CheckpointError
 
     try:
         out = export_hf(args.run, args.out or args.run / "export-hf")
@@ -829,9 +829,9 @@ def run_export(args: argparse.Namespace) -> int:
 def run_sample(args: argparse.Namespace) -> int:
     import torch
 
+    from recover.checkpoint.folders import CheckpointError
     from recover.data import DataError
     from recover.tooling.export import ExportError, sample
-    from recover.training.checkpoint import CheckpointError
 
     torch.set_num_threads(min(4, torch.get_num_threads()))
     try:
@@ -856,6 +856,7 @@ def run_worker_cli(args: argparse.Namespace) -> int:
         export_for_torch,
         resolve_peer_address,
     )
+    from recover.checkpoint.folders import CheckpointError
     from recover.data import DataError
     from recover.runtime.env import (
         TOKEN_ENV,
@@ -866,7 +867,6 @@ def run_worker_cli(args: argparse.Namespace) -> int:
     )
     from recover.runtime.faults import check_faults_fit
     from recover.runtime.spec import ReplicaSpec
-    from recover.training.checkpoint import CheckpointError
     from recover.training.config import TRAIN_CONFIG_ENV, TrainConfig, check_layout_fits
     from recover.training.worker import WorkerConfig, run_worker
 

@@ -81,26 +81,14 @@ class ReplicaSession:
         self.replica_id = env.replica_id
         self.rank = intra.rank if intra is not None else 0
         host, port = env.coordinator
-        client = None
-        if intra is None or intra.leader:
-            client = CoordinatorClient(
-                host,
-                port,
-                replica_id=env.replica_id,
-                token=env.token,
-                heartbeat_s=env.spec.heartbeat_s,
-                coordinator_grace_s=env.spec.coordinator_grace_s,
-                standbys=env.standbys,
-            )
-            if writer is not None:  # fencing: nothing from an evicted incarnation, any thread
-                writer.fence = client.writes_allowed
-        self.client = client
         self.link: SoloLink | ReplicaLink
         if intra is None:
-            self.link = SoloLink(client)
-        else:
+            self.client: CoordinatorClient | None = self._connect(writer)
+            self.link = SoloLink(self.client)
+        else:  # the replica's first rank holds the client; the link relays it to the others
+            self.client = self._connect(writer) if intra.leader else None
             self.link = ReplicaLink(
-                intra, client=client, host=host, port=port, token=env.token,
+                intra, client=self.client, host=host, port=port, token=env.token,
                 standbys=env.standbys,
             )  # fmt: skip
         self.machine: StepMachine | None = None
@@ -109,6 +97,22 @@ class ReplicaSession:
         # Set at the boundary where a stop was agreed: the next done report asks to leave, so
         # the coordinator plans the step after without this replica (nobody redoes anything).
         self.asked_to_leave = threading.Event()
+
+    def _connect(self, writer: Any) -> CoordinatorClient:
+        env = self.env
+        host, port = env.coordinator
+        client = CoordinatorClient(
+            host,
+            port,
+            replica_id=env.replica_id,
+            token=env.token,
+            heartbeat_s=env.spec.heartbeat_s,
+            coordinator_grace_s=env.spec.coordinator_grace_s,
+            standbys=env.standbys,
+        )
+        if writer is not None:  # fencing: nothing from an evicted incarnation, any thread
+            writer.fence = client.writes_allowed
+        return client
 
     # ---- set-up --------------------------------------------------------------------------------
     def join(self, fingerprint: dict, *, next_step: int) -> View:

@@ -50,7 +50,8 @@ def load_run_model(run: Path) -> tuple[GPT, dict]:
         load_model(model, str(paths.final_model))
         source = str(paths.final_model)
     else:
-        from recover.training.checkpoint import find_resume_point, read_checkpoint
+        from recover.checkpoint.folders import find_resume_point
+        from recover.checkpoint.state import read_checkpoint
 
         point = find_resume_point(paths.checkpoints)
         if point is None:

@@ -34,7 +34,7 @@ Invariants:
 - `microbatch=K` in a fault names the K-th microbatch the targeted rank computes in the step.
 
 Checkpoints are DCP folders to which every rank writes its own shards, over the replica's own
-checkpoint group (recover.training.checkpoint); any layout loads them. The final model holds the
+checkpoint group (recover.checkpoint); any layout loads them. The final model holds the
 full state, gathered.
 Dropout under TP draws each rank's attention masks for its own heads: deterministic per
 (seed, step, j) and layout, but not the single-rank masks (use dropout 0 to compare layouts).

@@ -32,17 +32,16 @@ from typing import TextIO
 
 import numpy as np
 
-from recover.dashboards import RecordMirror, TensorBoardBackend, WandbBackend
-from recover.record import MetricsWriter, read_metrics
-from recover.training.checkpoint import (
+from recover.checkpoint.folders import (
     CheckpointError,
-    CheckpointWriter,
     ResumePoint,
-    SavedCheckpoint,
     checkpoint_path,
     find_resume_point,
     remove_stale_tmp,
 )
+from recover.checkpoint.state import CheckpointWriter, SavedCheckpoint
+from recover.dashboards import RecordMirror, TensorBoardBackend, WandbBackend
+from recover.record import MetricsWriter, read_metrics
 from recover.training.config import RunPaths, TrainConfig
 from recover.training.console import format_duration, format_rate, format_step_line
 from recover.training.flops import achieved_flop_per_s, device_peak_tflops, format_flops, mfu

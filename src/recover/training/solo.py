@@ -14,16 +14,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from recover.data.addressing import TokenDataset
-from recover.record import MetricsWriter
-from recover.training.checkpoint import (
+from recover.checkpoint.folders import (
     MARKER,
     CheckpointError,
     ResumePoint,
     find_resume_point,
-    load_dcp_state,
     verify_checkpoint,
 )
+from recover.checkpoint.state import load_dcp_state
+from recover.data.addressing import TokenDataset
+from recover.record import MetricsWriter
 from recover.training.config import RunPaths, TrainConfig
 from recover.training.recorder import (
     RunRecorder,

@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from recover.checkpoint.folders import ResumePoint
+from recover.checkpoint.state import dcp_state, load_dcp_state
 from recover.data.addressing import (
     TokenDataset,
     microbatch_seed,
@@ -39,7 +41,6 @@ from recover.runtime.grads import GradientSum
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.spec import DEVICES
 from recover.runtime.update_guard import UpdateGuard
-from recover.training.checkpoint import ResumePoint, dcp_state, load_dcp_state
 from recover.training.config import TrainConfig, compute_lr
 from recover.training.model import GPT, build_config
 
@@ -113,7 +114,7 @@ class NonFiniteError(RuntimeError):
 class ReplicaTrainer:
     """One model copy, its optimizer and its local gradient sum."""
 
-    # The replica's own group for checkpoints (recover.training.checkpoint): none for one rank.
+    # The replica's own group for checkpoints (recover.checkpoint): none for one rank.
     checkpoint_group = None
 
     def __init__(

@@ -1,7 +1,9 @@
 """Checkpoints for people and scripts: read one, or save and resume your own model with it.
 
-Job: the public face of `recover.training.checkpoint` (the format is documented in
-docs/checkpoints.md). `load(path)` returns a checkpoint's content as plain state dicts;
+Job: the public face of the checkpoint package (the format is documented in docs/checkpoints.md;
+the folders in `recover.checkpoint.folders`, the saved state in `recover.checkpoint.state`). The
+built-in trainer saves through the same modules: a script that keeps its own state needs nothing
+of the trainer's package. `load(path)` returns a checkpoint's content as plain state dicts;
 `Checkpointer` saves a script's own model, optimizer and extra state (a scheduler) through the very
 code `recover train` uses: DCP folders written by every rank of the replica, staged on the caller's
 thread and written in the background, published atomically, verified on restore, resharded to
@@ -24,18 +26,20 @@ from typing import Any
 
 import torch
 
-from recover.checks import is_int
-from recover.training.checkpoint import (
+from recover.checkpoint.folders import (
     CheckpointError,
-    CheckpointWriter,
     ResumePoint,
-    SavedCheckpoint,
-    dcp_state,
     find_resume_point,
     list_checkpoints,
+)
+from recover.checkpoint.state import (
+    CheckpointWriter,
+    SavedCheckpoint,
+    dcp_state,
     load_dcp_state,
     read_checkpoint,
 )
+from recover.checks import is_int
 
 log = logging.getLogger(__name__)
 

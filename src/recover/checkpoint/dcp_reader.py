@@ -1,7 +1,7 @@
 """Reading a DCP checkpoint's tensors straight into their places: DCP's file reader less its temporaries.
 
 Job: `InPlaceReader`, a `torch.distributed.checkpoint.FileSystemReader` for the checkpoints of
-`recover.training.checkpoint`. DCP's own reader torch.loads every saved tensor chunk into a new
+`recover.checkpoint.state`. DCP's own reader torch.loads every saved tensor chunk into a new
 tensor and then copies it into its destination. This one reads a chunk that a contiguous CPU
 destination of its dtype receives whole with one `readinto` on the destination's bytes: no
 temporary tensor, no copy. That is every tensor of a resume in the layout that saved it, and,
