@@ -129,7 +129,7 @@ def test_the_wheel_and_the_sdist_hold_the_package_and_the_wheel_runs(tmp_path):
     assert any(n.endswith("licenses/LICENSE") for n in inside)
     top = sdist.name.removesuffix(".tar.gz")
     held = set(tarfile.open(sdist).getnames())
-    for needed in ("LICENSE", "README.md", "src/recover/cli.py", "tests/conftest.py",
+    for needed in ("LICENSE", "README.md", "src/recover/cli/__init__.py", "tests/conftest.py",
                    "tests/hosts.py", "docs/cli.md", "examples/train_custom.py"):  # fmt: skip
         assert f"{top}/{needed}" in held, needed
     site = tmp_path / "site"
