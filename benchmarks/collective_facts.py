@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from recover.runtime.collective import CollectiveAborted, CollectiveConfig, GroupCache
+from recover.runtime.collective_config import CollectiveAborted, CollectiveConfig
+from recover.runtime.group_cache import GroupCache
 
 VICTIM = 1
 NUMEL = 4 * 2**20

@@ -125,7 +125,8 @@ def _raw(group, rank: int, sources: int, buffers: dict, abort) -> None:
 
 
 def _rank(rank: int, port: int, preset: str, repeats: int, out) -> None:
-    from recover.runtime.collective import CollectiveConfig, EpochGroup
+    from recover.runtime.collective import EpochGroup
+    from recover.runtime.collective_config import CollectiveConfig
     from recover.runtime.transfer import describe_state, transfer_state
 
     torch.set_num_threads(1)

@@ -37,7 +37,8 @@ from recover.addresses import (
 from recover.coordinator import CoordinatorOptions, CoordinatorServer
 from recover.coordinator.cli import bind_host
 from recover.coordinator.client import request_once
-from recover.runtime.collective import CollectiveConfig, EpochGroup
+from recover.runtime.collective import EpochGroup
+from recover.runtime.collective_config import CollectiveConfig
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.spec import ReplicaSpec
 

@@ -1,4 +1,5 @@
-"""Tests of the fault-tolerant cross-replica collective (src/recover/runtime/collective.py).
+"""Tests of the fault-tolerant cross-replica collective (src/recover/runtime/collective.py,
+collective_config.py, group_build.py, group_cache.py).
 
 Tiers: pure functions (config, buckets, verdict); in-process groups (two ranks on two threads,
 or one rank); real processes (multiprocessing spawn, a TCPStore hosted by the test process) that
@@ -24,15 +25,15 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from recover.runtime.collective import (
+from recover.runtime.collective import EpochGroup
+from recover.runtime.collective_config import (
     CollectiveAborted,
     CollectiveConfig,
-    EpochGroup,
-    GroupCache,
-    _construct,
     compute_buckets,
     compute_verdict,
 )
+from recover.runtime.group_build import _construct
+from recover.runtime.group_cache import GroupCache
 
 STORE_TIMEOUT = datetime.timedelta(seconds=15)
 

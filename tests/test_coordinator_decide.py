@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recover.coordinator.decide import attempt_outcome, decide
+from recover.coordinator.attempt import attempt_outcome
+from recover.coordinator.decide import decide
 from recover.coordinator.protocol import (
     Heartbeat,
     Heartbeats,

@@ -239,7 +239,7 @@ def test_a_killed_prepares_temporary_folder_is_removed_by_the_next_prepare(tmp_p
     # A prepare's first step of writing (its temporary folder made, a file in it), then killed.
     code = (
         "import sys, time; from pathlib import Path; "
-        "from recover.data.prepare import make_temporary_folder; "
+        "from recover.data.folder import make_temporary_folder; "
         "t = make_temporary_folder(Path(sys.argv[1])); (t / 'part').write_bytes(b'x'); "
         "print(t, flush=True); time.sleep(60)"
     )
@@ -253,7 +253,7 @@ def test_a_killed_prepares_temporary_folder_is_removed_by_the_next_prepare(tmp_p
         child.wait()
     assert left.is_dir() and left.parent == out_parent
     # Another live prepare's temporary folder (this process's) is not touched.
-    from recover.data.prepare import make_temporary_folder
+    from recover.data.folder import make_temporary_folder
 
     mine = make_temporary_folder(out_parent / "ds")
     assert not left.exists(), "the killed prepare's temporary folder was left"

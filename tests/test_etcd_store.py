@@ -171,7 +171,7 @@ def test_launch_config_names_what_ha_needs(monkeypatch):
         launch.LaunchConfig(replicas=2, coordinators=0)
     with pytest.raises(ValueError, match="--state must look like etcd://"):
         launch.LaunchConfig(replicas=2, coordinators=2, state="http://h:2379")
-    monkeypatch.setattr(launch, "find_etcd", lambda: None)
+    monkeypatch.setattr(launch.config, "find_etcd", lambda: None)
     with pytest.raises(ValueError, match="apt-get install etcd-server, or give --state"):
         launch.LaunchConfig(replicas=2, coordinators=2)
     launch.LaunchConfig(replicas=2, coordinators=2, state="etcd://h:2379/run1")  # no binary needed

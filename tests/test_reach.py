@@ -10,7 +10,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from recover.runtime.collective import CollectiveAborted, CollectiveConfig, EpochGroup
+from recover.runtime.collective import EpochGroup
+from recover.runtime.collective_config import CollectiveAborted, CollectiveConfig
 from recover.runtime.reach import KEY, ReachListener, parse_endpoint, probe_one, probe_peers
 
 

@@ -19,8 +19,9 @@ import torch
 
 from recover.coordinator import CoordinatorOptions, CoordinatorServer
 from recover.coordinator.client import CoordinatorClient
-from recover.runtime.collective import CollectiveConfig, GroupCache
+from recover.runtime.collective_config import CollectiveConfig
 from recover.runtime.grads import GradientSum
+from recover.runtime.group_cache import GroupCache
 from recover.runtime.links import SoloLink
 from recover.runtime.step_machine import StepHooks, StepMachine, StepOptions
 

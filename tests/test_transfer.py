@@ -26,7 +26,8 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from recover.runtime.collective import CollectiveAborted, CollectiveConfig, EpochGroup
+from recover.runtime.collective import EpochGroup
+from recover.runtime.collective_config import CollectiveAborted, CollectiveConfig
 from recover.runtime.transfer import _unflatten, compute_shares, describe_state, transfer_state
 
 STORE_TIMEOUT = datetime.timedelta(seconds=15)

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recover.runtime.collective import CollectiveConfig, EpochGroup
+from recover.runtime.collective import EpochGroup
+from recover.runtime.collective_config import CollectiveConfig
 from recover.runtime.tree_sum import TreeSum, decompose, node_ids, ordered_reduce, tree_levels
 
 

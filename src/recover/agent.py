@@ -93,9 +93,9 @@ log = logging.getLogger("recover.launch")
 
 def _default_slots(ranks: int) -> int:
     """Slots on a node: its GPUs over the ranks of a replica (at least 1); 1 without GPUs."""
-    from recover.launch import _visible_gpus
+    from recover.launch import visible_gpus
 
-    gpus = _visible_gpus()
+    gpus = visible_gpus()
     return max(1, gpus // ranks) if gpus else 1
 
 

@@ -1,12 +1,13 @@
 """The membership coordinator: heartbeats with leases, epochs, plans, commit and redo decisions.
 
-- `decide.py`: the pure rules `decide(now, state, message)`; `state_store.py`: options, state,
-  JSON form, stores; `protocol.py`: messages, the view, framing; `server.py`: the asyncio server
-  (also hosts the torch TCPStore); `pacing.py`: its lease queue, parked waiters and peer-EOF
-  protocol; `views.py`: the view encoded once per version and sent relative to the one a peer
-  holds; `relay.py`: a relay that holds 64-128 replicas' sessions and leases in front of the
-  server; `service.py`: the loop thread both run on; `client.py`: what a replica's training loop
-  uses (torch-free); `cli.py`: `recover coordinator serve|relay|status`.
+- `decide.py`: the pure rules `decide(now, state, message)`, with the rules of a step attempt in
+  `attempt.py` and those of the member set (epochs, eviction, the quorum) in `membership.py`;
+  `state_store.py`: options, state, JSON form, stores; `protocol.py`: messages, the view, framing;
+  `server.py`: the asyncio server (also hosts the torch TCPStore); `pacing.py`: its lease queue,
+  parked waiters and peer-EOF protocol; `views.py`: the view encoded once per version and sent
+  relative to the one a peer holds; `relay.py`: a relay that holds 64-128 replicas' sessions and
+  leases in front of the server; `service.py`: the loop thread both run on; `client.py`: what a
+  replica's training loop uses (torch-free); `cli.py`: `recover coordinator serve|relay|status`.
 
 Importing this package does not import torch (the server imports it only when it starts a store).
 """

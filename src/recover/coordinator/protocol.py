@@ -155,7 +155,7 @@ class ReportFailed:
     reason: str = ""
     # The members this replica could not dial when the attempt's group would not form, with why
     # (recover.runtime.reach): ((replica_id, why), ...). The coordinator evicts a member that a
-    # majority of the others cannot dial, in consecutive attempts (decide._evict_unreachable).
+    # majority of the others cannot dial, in consecutive attempts (membership._evict_unreachable).
     unreachable: tuple[tuple[int, str], ...] = ()
 
 

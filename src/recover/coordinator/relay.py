@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recover.checks import is_number
-from recover.coordinator.decide import attempt_outcome
+from recover.coordinator.attempt import attempt_outcome
 from recover.coordinator.pacing import LeaseQueue, StreamProtocol, Waiters
 from recover.coordinator.protocol import (
     MAX_FRAME,

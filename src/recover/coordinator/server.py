@@ -73,8 +73,8 @@ from typing import Any
 
 from recover.addresses import advertised_store_host, is_loopback, is_wildcard, unmapped
 from recover.checks import is_number
+from recover.coordinator.attempt import attempt_outcome
 from recover.coordinator.decide import (
-    attempt_outcome,
     check_member,
     decide,
     initial_state,

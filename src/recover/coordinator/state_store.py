@@ -1,8 +1,9 @@
 """The coordinator's state: its options, its shape, its JSON form, and where it is kept.
 
 Job: define `CoordinatorOptions` (validated once), the `CoordinatorState` that the pure rules in
-`decide.py` map to a new state, and the `StateStore` interface the server saves it through, with
-an in-memory implementation. A later etcd-backed store implements the same two methods.
+`decide.py` (with attempt.py and membership.py) map to a new state, and the `StateStore` interface
+the server saves it through, with an in-memory implementation. A later etcd-backed store implements
+the same two methods.
 
 Invariants:
 - `decide()` never mutates a state it is given. `clone()` is shallow (O(1)): `decide` copies a
@@ -87,7 +88,7 @@ class CoordinatorOptions:
     # keeps the fixed slot of ids it had in a full job, so the global batch shrinks.
     mode: str = "recover"
     # When more than half of the members go silent together, the coordinator suspects its own
-    # network and restarts their leases, for at most this long (decide._suspects_itself); it
+    # network and restarts their leases, for at most this long (membership._suspects_itself); it
     # matches the replicas' default coordinator grace, after which they give up. 0: never.
     self_suspicion_s: float = 10.0
     # A member that a majority of the others cannot dial (their groups would not form, and their
@@ -157,7 +158,7 @@ class CoordinatorState:
     records_from: int = 0
     # This attempt's members whose done report said their part was not finite.
     nonfinite: tuple[int, ...] = ()
-    # Suspects whose ids this attempt recomputes on the others (see decide._verify).
+    # Suspects whose ids this attempt recomputes on the others (see attempt._verify).
     verifying: tuple[int, ...] = ()
     attempt_epoch: int = 0  # the epoch in which the current attempt of `step` reduces
     attempt_members: tuple[int, ...] = ()  # live set when this attempt began (the dead stay)
@@ -182,7 +183,7 @@ class CoordinatorState:
     suspect_since: float | None = None
     # This attempt's failed reports that named members they could not dial: reporter ->
     # ((named id, why), ...); and, per member judged unreachable, how many consecutive failed
-    # attempts judged it so (cleared at a commit). See decide._evict_unreachable.
+    # attempts judged it so (cleared at a commit). See membership._evict_unreachable.
     unreachable: dict[int, tuple[tuple[int, str], ...]] = field(default_factory=dict)
     unreachable_strikes: dict[int, int] = field(default_factory=dict)
 

@@ -38,7 +38,7 @@ import torch
 
 from recover.checks import is_int
 from recover.data.corpus import DataError
-from recover.data.prepare import META_FILE, READABLE_FORMAT_VERSIONS, SPLITS
+from recover.data.folder import META_FILE, READABLE_FORMAT_VERSIONS, SPLITS
 
 _PERMUTATION_CACHE_SIZE = 4
 _ALLOWED_DTYPES = ("uint8", "uint16", "uint32")

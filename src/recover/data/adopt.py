@@ -34,17 +34,16 @@ from typing import Any
 import numpy as np
 
 from recover.data.corpus import DataError
-from recover.data.prepare import (
+from recover.data.folder import (
     FORMAT_VERSION,
     SPLITS,
-    PrepareResult,
     check_out_dir_early,
     make_temporary_folder,
     publish,
-    result_of,
     reuse_existing,
     write_meta,
 )
+from recover.data.prepare import PrepareResult, result_of
 from recover.data.shards import compute_tokens_hash
 
 ADOPT_DTYPES = ("uint16", "uint32")

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from recover.data.corpus import DEFAULT_TEXT_FIELD, SOURCE_FORMATS, DataError
+from recover.data.folder import META_FILE
 from recover.data.prepare import (
-    META_FILE,
     PrepareConfig,
     default_dataset_name,
     prepare,

@@ -39,19 +39,17 @@ Costs and limits: memory is bounded by one batch of documents (about ``BATCH_BYT
 or one larger document) and its tokens, whatever the corpus size (docs/data.md has the measured
 figures). The source is read twice (three times for bpe); reading is cheap next to tokenizing.
 
-Size: the passes of a streaming prepare (check and hash, train a tokenizer, tokenize and write) and
-its atomic, idempotent publish.
+Size: the three passes of a streaming prepare (check and hash, train a tokenizer, tokenize and
+write), the meta they produce and the entry points; the folder's reuse check and its atomic
+publish are folder.py's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
-import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -71,6 +69,17 @@ from recover.data.corpus import (
     Document,
     list_corpus_files,
 )
+from recover.data.folder import (
+    FORMAT_VERSION,
+    META_FILE,
+    SPLITS,
+    _write_file,
+    check_out_dir_early,
+    make_temporary_folder,
+    publish,
+    reuse_existing,
+    write_meta,
+)
 from recover.data.records import iter_documents
 from recover.data.shards import SplitWriter, compute_tokens_hash
 from recover.data.tokenizer import (
@@ -82,17 +91,10 @@ from recover.data.tokenizer import (
     train_bpe,
     validate_vocab_size,
 )
-from recover.processes import host_name, process_alive
 
-log = logging.getLogger(__name__)
-
-FORMAT_VERSION = 2
-READABLE_FORMAT_VERSIONS = (1, 2)  # 1: documents listed inside meta.json, no settings block
-META_FILE = "meta.json"
 DOCUMENTS_FILE = "documents.jsonl"
 DEFAULT_SHARD_TOKENS = 1 << 24
 DEFAULT_DATASET_NAME = "stdlib-byte"
-SPLITS = ("train", "val")
 BATCH_BYTES = 1 << 20  # text tokenized per batch (HF tokenizers encode a batch on all cores)
 _BATCH_DOCUMENTS = 1024
 
@@ -412,98 +414,6 @@ def _write_dataset(
     return meta
 
 
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_meta(folder: Path, meta: dict[str, Any]) -> None:
-    """meta.json, sorted keys, fsynced (written last into a temporary folder)."""
-    _write_file(folder / META_FILE, (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
-
-
-def _expected_files(meta: dict[str, Any]) -> set[str]:
-    names = {META_FILE}
-    for split in SPLITS:
-        names.update(s["file"] for s in meta["shards"][split])
-    if meta["tokenizer"].get("file"):
-        names.add(meta["tokenizer"]["file"])
-    if meta.get("documents_file"):
-        names.add(meta["documents_file"])
-    return names
-
-
-def _read_complete_meta(out_dir: Path) -> dict[str, Any] | None:
-    """meta.json of out_dir if it holds exactly one complete dataset, else None."""
-    try:
-        meta = json.loads((out_dir / META_FILE).read_text(encoding="utf-8"))
-        if meta.get("format_version") not in READABLE_FORMAT_VERSIONS:
-            return None
-        if set(os.listdir(out_dir)) != _expected_files(meta):
-            return None
-        itemsize = np.dtype(meta["dtype"]).itemsize
-        for split in SPLITS:
-            for shard in meta["shards"][split]:
-                size = (out_dir / shard["file"]).stat().st_size
-                if "offset" in shard:  # an adopted file shared by both splits
-                    if size < (shard["offset"] + shard["tokens"]) * itemsize:
-                        return None
-                elif size != shard["tokens"] * itemsize:
-                    return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return meta
-
-
-def meta_settings(meta: dict[str, Any]) -> dict[str, Any]:
-    """The settings a dataset was made with (derived for format 1, which did not record them)."""
-    if "settings" in meta:
-        return meta["settings"]
-    return {
-        "tokenizer": meta["tokenizer"]["kind"],
-        "requested_vocab_size": meta["tokenizer"].get("requested_vocab_size"),
-        "val_fraction": meta.get("val_fraction"),
-        "shard_tokens": meta.get("shard_tokens"),
-        "source_format": "text",
-        "text_field": None,
-        "tokenizer_sha256": None,
-        "eod_token": None,
-    }
-
-
-def check_out_dir_early(out_dir: Path) -> None:
-    """Fail before any work when out_dir cannot possibly be reused or created."""
-    if not os.path.lexists(out_dir):
-        return
-    if not out_dir.is_dir() or out_dir.is_symlink():
-        raise DataError(f"output {out_dir} exists and is not a folder")
-    entries = os.listdir(out_dir)
-    if entries and META_FILE not in entries:
-        raise DataError(f"output {out_dir} exists and holds other files; choose another --out")
-
-
-def reuse_existing(out_dir: Path, settings: dict[str, Any], content_hash: str) -> dict | None:
-    """out_dir's meta when it already holds this dataset; None when it is absent or empty;
-    DataError when it holds something else."""
-    if not os.path.lexists(out_dir):
-        return None
-    check_out_dir_early(out_dir)
-    if not os.listdir(out_dir):
-        return None  # an empty folder is replaced by the rename
-    meta = _read_complete_meta(out_dir)
-    if meta is None:
-        raise DataError(f"output {out_dir} holds an incomplete or unknown dataset; remove it")
-    found = meta_settings(meta)
-    if meta.get("content_hash") != content_hash or found != settings:
-        raise DataError(
-            f"output {out_dir} holds another dataset (content {meta.get('content_hash')}, "
-            f"settings {found}); remove it or choose another --out"
-        )
-    return meta
-
-
 def result_of(
     path: Path, meta: dict, *, reused: bool, source_bytes: int, t0: float
 ) -> PrepareResult:
@@ -517,51 +427,6 @@ def result_of(
         seconds=time.perf_counter() - t0,
         adopted=meta.get("tokenizer", {}).get("kind") == "none",
     )
-
-
-def publish(tmp: Path, out_dir: Path, reuse: Callable[[], dict | None]) -> bool:
-    """Rename the finished ``tmp`` to ``out_dir``; False when someone else published the same
-    dataset meanwhile (``reuse()`` says so), in which case ``tmp`` is removed."""
-    try:
-        os.rename(tmp, out_dir)
-        return True
-    except OSError:
-        if reuse() is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-            return False
-        raise
-
-
-def make_temporary_folder(out_dir: Path) -> Path:
-    """A new hidden temporary sibling of `out_dir`, named after this host and process; the
-    temporaries of this folder's killed prepares (of this host, their process gone) go first."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in remove_stale_temporaries(out_dir):
-        log.info(f"removed {stale}: the temporary folder of a prepare that was killed")
-    prefix = f".{out_dir.name}.tmp-{os.getpid()}-{host_name()}-"
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out_dir.parent))
-    os.chmod(tmp, 0o755)
-    return tmp
-
-
-def remove_stale_temporaries(out_dir: Path) -> list[Path]:
-    """Remove the temporary folders of prepares of `out_dir` that ran on this host and whose
-    process is gone (killed before they could remove them); return their paths. Another host's,
-    or a live process's, are kept."""
-    pattern = re.compile(
-        rf"^\.{re.escape(out_dir.name)}\.tmp-(?P<pid>\d+)-(?P<host>.+)-[a-z0-9_]+$"
-    )
-    removed = []
-    for entry in sorted(out_dir.parent.iterdir()) if out_dir.parent.is_dir() else ():
-        m = pattern.match(entry.name)
-        if m is None or m.group("host") != host_name() or not entry.is_dir():
-            continue
-        if int(m.group("pid")) == os.getpid() or process_alive(int(m.group("pid"))):
-            continue
-        shutil.rmtree(entry, ignore_errors=True)
-        removed.append(entry)
-    return removed
-    return True
 
 
 def prepare(
@@ -688,7 +553,6 @@ __all__ = [
     "DEFAULT_DATASET_NAME",
     "DEFAULT_SHARD_TOKENS",
     "DOCUMENTS_FILE",
-    "FORMAT_VERSION",
     "PrepareConfig",
     "PrepareResult",
     "STDLIB_SOURCE",

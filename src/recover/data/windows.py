@@ -21,7 +21,7 @@ import torch
 
 from recover.checks import is_int
 from recover.data.addressing import TokenDataset, microbatch_tokens
-from recover.data.prepare import META_FILE
+from recover.data.folder import META_FILE
 
 _DTYPES = ("uint16", "uint32")
 

@@ -45,10 +45,8 @@ import contextlib
 import hashlib
 import logging
 import os
-import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,8 +60,14 @@ from recover.policy import deal_round_robin
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.faults import FaultInjector, check_faults_fit
 from recover.runtime.layout import ReplicaLayout
-from recover.runtime.script_record import StepRecords
-from recover.runtime.script_work import ScriptWork
+from recover.runtime.script_record import StepRecords, dashboards_for
+from recover.runtime.script_work import (
+    ScriptWork,
+    explain_divergence,
+    save_safetensors,
+    sum_inside_fsdp,
+    whole_state,
+)
 from recover.runtime.session import STOPS, ReplicaSession, stop_of
 from recover.runtime.stall import StallGuard
 from recover.runtime.step_machine import (
@@ -194,7 +198,9 @@ class Replica:
         self.save_final = save_final
         self._mirrors: list = []  # the dashboards' mirrors of the record (--tensorboard, --wandb)
         if self._writer is not None and self.rank == 0:
-            self._mirrors = _dashboards(self.env.spec, self._writer.path, self.replica_id, config)
+            self._mirrors = dashboards_for(
+                self.env.spec, self._writer.path, self.replica_id, config
+            )
         self._records = StepRecords(
             self._writer, replica=self.replica_id, leads=self.rank == 0,
             on_written=self._follow_mirrors,
@@ -247,7 +253,7 @@ class Replica:
         for name, obj in extra.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise UsageError(f"extra_state[{name!r}] has no state_dict()/load_state_dict()")
-        _sum_inside_fsdp(model)
+        sum_inside_fsdp(model)
         self._work = ScriptWork(model, optimizer, extra, self.check_data, self)
         self._faults = FaultInjector(
             [f for f in self.env.faults if f.replica == self.replica_id and f.rank == self.rank],
@@ -408,13 +414,13 @@ class Replica:
         records = self._records
         if not records.named or self._writer is None:
             return
-        state = _whole_state(self._work.model, self.intra) if self.save_final else None
+        state = whole_state(self._work.model, self.intra) if self.save_final else None
         if not records.writes():  # the replica's other ranks took part in gathering it
             return
         out = self._writer.path.parent
         if state is not None:
             final = out / "final" / "model.safetensors"
-            if not _save_safetensors(state, final):
+            if not save_safetensors(state, final):
                 self._say(
                     f"the final model holds a value that is not finite: {final} not written", 0
                 )
@@ -587,7 +593,7 @@ class Replica:
                     f"{self._committed}, the last committed (save it elsewhere to keep it)"
                 )
             elif stop.kind == "diverged":
-                line = _explain_divergence(stop.line)
+                line = explain_divergence(stop.line)
             elif stop.kind == "coordinator_lost":
                 self._writer_when_lost = (
                     session is not None and session.has_state and self.rank == 0
@@ -648,25 +654,6 @@ class Replica:
         # replica-mate, seen by the watchdog or an error) is still recorded.
 
 
-def _explain_divergence(text: str) -> str:
-    """The coordinator's divergence message, plus which half of the hashes differs when the data
-    check was on ("PARAMS/data(step,j):BATCH", see _ScriptWork.parameter_hash)."""
-    held = re.findall(r"hold (\S+?)(?:;|\. )", text)
-    if not held or not all("/data(" in h for h in held):
-        return text
-    params = {h.split("/data(")[0] for h in held}
-    batches = {h.split("/data(")[1] for h in held}
-    if len(batches) > 1:
-        return (
-            f"{text}. The data parts differ: the replicas' microbatch of that step is not the "
-            "same, so (step, j) is not a pure function of (step, j) in this script (see the "
-            "contract in docs/api.md)"
-        )
-    if len(params) > 1:
-        return f"{text}. The data parts agree: the parameters themselves differ"
-    return text
-
-
 def _stop_on_lost_mate(intra) -> None:
     previous = sys.excepthook
 
@@ -694,67 +681,6 @@ def _end_quietly_on(kind: type[BaseException], status: int) -> None:
         os._exit(status)
 
     sys.excepthook = hook
-
-
-def _dashboards(spec, metrics, replica: int, config: Mapping[str, Any] | None) -> list:
-    """The mirrors of the record asked for (`--tensorboard`, `--wandb`), held by a replica's
-    first rank; each follows only the steps its replica wrote (recover.dashboards)."""
-    if not (spec.tensorboard or spec.wandb):
-        return []
-    from recover.dashboards import RecordMirror, TensorBoardBackend, WandbBackend
-
-    backends = [TensorBoardBackend(Path(spec.tensorboard))] if spec.tensorboard else []
-    if spec.wandb:
-        backends.append(WandbBackend(spec.wandb, metrics.parent, config=dict(config or {})))
-    return [RecordMirror(metrics, replica=replica, backend=b) for b in backends]
-
-
-def _whole_state(model: torch.nn.Module, intra) -> dict[str, torch.Tensor]:
-    """The model's whole state on the CPU (on the first rank of a sharded replica: gathering
-    it is a collective of the replica's ranks; the others get nothing)."""
-    if intra is None:
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
-
-
-def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> bool:
-    """Write `state` to `path` durably (a temporary file, fsync, rename); False, and nothing
-    written, when a value is not finite."""
-    from safetensors.torch import save_file
-
-    tensors, storages = {}, set()
-    for name, value in state.items():
-        value = value.detach().contiguous()
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            return False
-        where = value.untyped_storage().data_ptr()
-        if where in storages:  # tied weights: safetensors stores each storage once
-            value = value.clone()
-        storages.add(where)
-        tensors[name] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return True
-
-
-def _sum_inside_fsdp(model: torch.nn.Module) -> None:
-    """FSDP2 averages gradients over the shard ranks by default; the step sums over microbatches
-    and divides by M once, at the commit, so every FSDP2 unit of the model must sum."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
 
 
 __all__ = ["CoordinatorLost", "NonFinite", "QuorumLost", "Replica", "UsageError"]

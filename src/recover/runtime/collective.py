@@ -2,18 +2,17 @@
 
 Job: sum (or broadcast) a flat buffer across the live replicas of one epoch without ever hanging
 and without ever handing back a partially reduced buffer as if it were whole (docs/design.md,
-invariants 3 "no corruption" and 5 "bounded waits").
+invariants 3 "no corruption" and 5 "bounded waits"). Its configuration, the abort it raises and
+the pure rules it decides by are in recover.runtime.collective_config; the rendezvous of a group
+in recover.runtime.group_build; the cache of this rank's newest group in
+recover.runtime.group_cache.
 
 How:
 
-* ``EpochGroup.build`` constructs a ``ProcessGroupGloo`` (host buffers; the default) or, for
-  buffers on a GPU, a ``ProcessGroupNCCL`` directly on a ``PrefixStore`` named after the epoch
-  (``recover/runtime/collective/epoch<e>``) over the coordinator's shared ``TCPStore``. There is no
-  ``init_process_group`` and no global default group, so groups of several epochs coexist in one
-  process. The rendezvous is bounded by ``build_timeout_s``. Every gloo group of a process gets
-  its devices from one choice (``gloo_devices``: the interfaces or the address of
-  ``recover.addresses.PeerAddress``, resolved and checked at the entry point; else gloo's default). An NCCL group is torn down with
-  ``abort()`` (ncclCommAbort), which also ends its in-flight kernels.
+* ``EpochGroup.build`` rendezvouses the ranks of one epoch on the epoch's own prefix of the
+  coordinator's store (recover.runtime.group_build): a gloo group for host buffers (the default)
+  or an NCCL group for buffers on a GPU, bounded by ``build_timeout_s``. An NCCL group is torn
+  down with ``abort()`` (ncclCommAbort), which also ends its in-flight kernels.
 * ``allreduce_sum`` / ``broadcast`` split the buffer into buckets of ``bucket_bytes``, issue them
   back to back as async gloo ops (each returns a ``Work``), then poll: ``Work.is_completed()``
   every ``poll_interval_s`` (longer as the op ages), the caller's ``should_abort()`` every
@@ -41,186 +40,59 @@ discarded (the call raised ``CollectiveAborted``); a group is used for exactly o
 rebuilt under the same prefix; no method of this module blocks the caller longer than
 ``build_timeout_s`` (build) or ``op_deadline_s`` plus one poll (ops).
 
+What it must not do: wait again on an op of a poisoned group, let the caller read a buffer after
+a raise, or tear a group down on the caller's thread.
+
 Costs and limits: polling costs one ``is_completed`` per in-flight bucket per poll (microseconds);
 the poll interval grows with the op's age from ``poll_interval_s`` to ``poll_interval_max_s``.
 ``should_abort`` must be cheap (a flag or one store round trip). The peer named in
 an ``error`` abort is the socket address gloo printed, not a rank. gloo has no shrink for this, so
 every membership change costs a fresh rendezvous (milliseconds on loopback). NCCL groups are
 built fresh per epoch too (docs/running.md, "Replicas of several ranks"); their path has not run on GPUs.
+
+Size: over 400 lines because ``EpochGroup`` is one object: its six ops share one
+issue-poll-poison path (``_run_issued``, ``_wait_in_flight``, ``abandon``), and the rules of
+that path (what poisons a group, what goes to the graveyard, when the teardown runs) can be
+checked only where the ops, the path and the teardown are read together. ``_PeerWaits`` is
+``send_recv``'s in-flight op on that same path.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import os
-import re
-import socket
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from recover.addresses import interface_ipv4
-from recover.checks import is_int, is_number
+from recover.checks import is_int
+from recover.runtime.collective_config import (
+    CollectiveAborted,
+    CollectiveConfig,
+    ShouldAbort,
+    _as_device,
+    compute_buckets,
+    compute_verdict,
+)
+from recover.runtime.group_build import (
+    _STORE_PREFIX,
+    _construct,
+    _gloo,
+    _nccl,
+    _reach_probe,
+)
 from recover.runtime.reach import KEY as _REACH_KEY
-from recover.runtime.reach import ReachListener, probe_peers
+from recover.runtime.reach import ReachListener
 
 logger = logging.getLogger(__name__)
 
-AbortKind = Literal["error", "deadline", "epoch", "unreachable"]
-ShouldAbort = Callable[[], str | None]
-
-_ABORT_KINDS = ("error", "deadline", "epoch", "unreachable")
-_STORE_PREFIX = "recover/runtime/collective/epoch"
-_PEER_PATTERN = re.compile(r"\[([0-9A-Za-z.:_-]+)\]:(\d+)")
 # torch 2.13 does not export the all-gather's options from torch.distributed.
 _AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
-
-
-class CollectiveAborted(RuntimeError):
-    """A collective (or a group build) gave up; the buffer it touched must be discarded.
-
-    ``kind`` is ``"error"`` (the transport failed: ``detail`` holds gloo's text and ``peer`` the
-    remote address gloo named, if any), ``"deadline"`` (no completion within the deadline) or
-    ``"epoch"`` (the caller's ``should_abort`` returned a reason, e.g. a newer epoch was announced)
-    or ``"unreachable"`` (a build: ``unreachable`` maps the ranks this rank cannot dial to why).
-    What to do next: restore the snapshot, wait for the coordinator's next view, build its group.
-    """
-
-    def __init__(
-        self,
-        kind: AbortKind,
-        detail: str,
-        *,
-        epoch: int | None = None,
-        peer: str | None = None,
-        unreachable: dict[int, str] | None = None,
-    ) -> None:
-        if kind not in _ABORT_KINDS:
-            raise ValueError(f"kind must be one of {_ABORT_KINDS}, got {kind!r}")
-        where = f" (epoch {epoch})" if epoch is not None else ""
-        super().__init__(f"collective aborted{where}: {kind}: {detail}")
-        self.kind: AbortKind = kind
-        self.detail = detail
-        self.epoch = epoch
-        self.peer = peer
-        self.unreachable = dict(unreachable or {})
-
-
-@dataclass(frozen=True, kw_only=True)
-class CollectiveConfig:
-    """Deadlines and bucketing of the cross-replica collective (all times in seconds)."""
-
-    build_timeout_s: float = 10.0  # rendezvous of a new epoch's group: peers must show up by then
-    # A build still waiting after reach_after_s dials the peers that reached it (recover.runtime.
-    # reach), each within reach_timeout_s: one that cannot be dialled ends the build at once
-    # (kind "unreachable", the peers named) instead of at build_timeout_s.
-    reach_after_s: float = 1.0
-    reach_timeout_s: float = 1.0
-    op_deadline_s: float = 30.0  # an op not complete by then is abandoned
-    # gloo's own timeout: a backstop that bounds how long an abandoned op keeps its worker threads
-    # (and so the background teardown) busy. Must be >= op_deadline_s so our deadline fires first.
-    pg_timeout_s: float = 60.0
-    poll_interval_s: float = 0.0005  # sleep between two looks at the in-flight Work objects,
-    # growing with the op's age (1/20 of it) up to poll_interval_max_s: an op that waits long (a
-    # slower peer) is then noticed complete at most 5% late, and a waiting rank wakes 200 times a
-    # second instead of 2,000 (4% of a core each, measured on this project's 2-core machine).
-    poll_interval_max_s: float = 0.005
-    abort_check_interval_s: float = 0.005  # how often should_abort() is asked (it may be an RPC)
-    bucket_bytes: int = 25 * 2**20  # bytes per async op; 0 = the whole buffer in one op
-    # Where gloo's device binds, i.e. the address peers dial (recover.addresses.PeerAddress, one
-    # choice per process): on these interfaces (--ifname, RECOVER_IFNAME, GLOO_SOCKET_IFNAME), or
-    # on this address; neither: gloo's default, this host's name (a local run).
-    gloo_interfaces: tuple[str, ...] = ()
-    gloo_hostname: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in (
-            "build_timeout_s",
-            "reach_after_s",
-            "reach_timeout_s",
-            "op_deadline_s",
-            "pg_timeout_s",
-            "poll_interval_s",
-            "poll_interval_max_s",
-            "abort_check_interval_s",
-        ):
-            value = getattr(self, name)
-            if not is_number(value) or not value > 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        if self.pg_timeout_s < self.op_deadline_s:
-            raise ValueError(
-                f"pg_timeout_s must be >= op_deadline_s ({self.op_deadline_s}), "
-                f"got {self.pg_timeout_s}"
-            )
-        if (
-            isinstance(self.bucket_bytes, bool)
-            or not isinstance(self.bucket_bytes, int)
-            or self.bucket_bytes < 0
-        ):
-            raise ValueError(f"bucket_bytes must be an int >= 0, got {self.bucket_bytes!r}")
-        if self.gloo_hostname is not None and (
-            not isinstance(self.gloo_hostname, str) or not self.gloo_hostname
-        ):
-            raise ValueError(
-                f"gloo_hostname must be None or a non-empty str, got {self.gloo_hostname!r}"
-            )
-        if not isinstance(self.gloo_interfaces, tuple) or not all(
-            isinstance(n, str) and n for n in self.gloo_interfaces
-        ):
-            raise ValueError(
-                f"gloo_interfaces must be a tuple of interface names, got {self.gloo_interfaces!r}"
-            )
-        if self.gloo_interfaces and self.gloo_hostname is not None:
-            raise ValueError("give gloo_interfaces or gloo_hostname, not both")
-
-
-def _as_device(device: torch.device | str | None) -> torch.device:
-    """Where a group's buffers live: the CPU when None (gloo), else the given device."""
-    return torch.device("cpu") if device is None else torch.device(device)
-
-
-def compute_buckets(numel: int, element_size: int, bucket_bytes: int) -> list[tuple[int, int]]:
-    """Pure: ``(start, stop)`` element ranges covering ``0..numel`` in buckets of ``bucket_bytes``."""
-    if numel < 0 or element_size < 1 or bucket_bytes < 0:
-        raise ValueError(f"bad bucket request: {numel=}, {element_size=}, {bucket_bytes=}")
-    if numel == 0:
-        return []
-    per_bucket = numel if bucket_bytes == 0 else max(1, bucket_bytes // element_size)
-    return [(start, min(start + per_bucket, numel)) for start in range(0, numel, per_bucket)]
-
-
-def compute_verdict(
-    *,
-    elapsed_s: float,
-    deadline_s: float,
-    error_text: str | None,
-    abort_reason: str | None,
-    epoch: int | None = None,
-) -> CollectiveAborted | None:
-    """Pure: whether an in-flight op must be abandoned, and why.
-
-    Precedence: a transport error (most specific), then the caller's abort reason, then the deadline.
-    """
-    if error_text is not None:
-        match = _PEER_PATTERN.search(error_text)
-        peer = f"{match.group(1)}:{match.group(2)}" if match else None
-        return CollectiveAborted("error", error_text, epoch=epoch, peer=peer)
-    if abort_reason:
-        return CollectiveAborted("epoch", abort_reason, epoch=epoch)
-    if elapsed_s >= deadline_s:
-        return CollectiveAborted(
-            "deadline",
-            f"not complete after {elapsed_s:.3f} s (deadline {deadline_s} s)",
-            epoch=epoch,
-        )
-    return None
 
 
 def _teardown(epoch: int, holder: list[Any], on_done: Callable[[float], None]) -> None:
@@ -246,167 +118,6 @@ def _teardown(epoch: int, holder: list[Any], on_done: Callable[[float], None]) -
     seconds = time.monotonic() - started
     logger.debug("epoch %d: group torn down in %.3f s", epoch, seconds)
     on_done(seconds)
-
-
-def _gloo(prefixed, rank: int, world_size: int, config: CollectiveConfig) -> Callable[[], Any]:
-    """The maker of one epoch's gloo group (host buffers)."""
-    options = dist.ProcessGroupGloo._Options()
-    # The constructor's timeout bounds the rendezvous (full-mesh connect); ops get pg_timeout_s.
-    options._timeout = datetime.timedelta(seconds=config.build_timeout_s)
-    options._devices = gloo_devices(config)
-    return lambda: dist.ProcessGroupGloo(prefixed, rank, world_size, options)
-
-
-def gloo_devices(config: CollectiveConfig) -> list[Any]:
-    """The gloo devices of every group this process builds: one per interface asked for (as
-    torch does with GLOO_SOCKET_IFNAME), else one bound to `gloo_hostname`, else gloo's default
-    (this host's name, which a stock /etc/hosts maps to loopback: fine on one host only)."""
-    make = dist.ProcessGroupGloo.create_device
-    if config.gloo_interfaces:
-        return [make(interface=name) for name in config.gloo_interfaces]
-    if config.gloo_hostname is not None:
-        return [make(hostname=config.gloo_hostname)]
-    return [dist.ProcessGroupGloo.create_default_device()]
-
-
-_ENV_LOCK = threading.Lock()
-_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-
-
-def _nccl(
-    prefixed, rank: int, world_size: int, config: CollectiveConfig, device: torch.device
-) -> Callable[[], Any]:
-    """The maker of one epoch's NCCL group (buffers on this rank's GPU).
-
-    The communicator is made here, eagerly on `device`, so that its rendezvous (the NCCL unique
-    id travels through the epoch's store prefix) falls under the build's deadline rather than
-    inside the first reduce. torch's own NCCL error handling would end the process when a peer
-    dies (TORCH_NCCL_ASYNC_ERROR_HANDLING, default 3: abort and crash): for these groups it is
-    off (0, read by the constructor), so an error only marks the op failed and this module's
-    polling, abandon and ncclCommAbort (the group's ``abort()``) handle it like gloo's errors.
-    Not yet run on GPUs in this project (see docs/running.md, "Replicas of several ranks").
-    """
-    if not dist.is_nccl_available():
-        raise RuntimeError("the cross-replica reduce over NCCL needs a torch built with NCCL")
-
-    def make() -> Any:
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = datetime.timedelta(seconds=config.pg_timeout_s)
-        with _ENV_LOCK:
-            saved = os.environ.get(_NCCL_ERROR_HANDLING)
-            os.environ[_NCCL_ERROR_HANDLING] = "0"
-            try:
-                pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-            finally:
-                if saved is None:
-                    del os.environ[_NCCL_ERROR_HANDLING]
-                else:
-                    os.environ[_NCCL_ERROR_HANDLING] = saved
-        pg.eager_connect_single_device(device)
-        return pg
-
-    return make
-
-
-def _construct(
-    make: Callable[[], Any],
-    config: CollectiveConfig,
-    epoch: int,
-    should_abort: ShouldAbort | None,
-    *,
-    bounded: bool,
-    probe: Callable[[], dict[int, str]] | None = None,
-) -> Any:
-    """make(), on a helper thread when it must be abandoned early: when should_abort fires, when
-    `probe` (called once, after reach_after_s) names peers that cannot be dialled, or after
-    build_timeout_s if the maker does not bound itself (`bounded`: gloo's rendezvous has its own
-    timeout; NCCL's waits on the store). An abandoned build ends on its thread."""
-    if should_abort is None and probe is None and bounded:
-        return make()
-    box: dict[str, Any] = {}
-    done = threading.Event()
-
-    def target() -> None:
-        try:
-            box["pg"] = make()
-        except BaseException as exc:  # handed to the caller below, or dropped if it gave up
-            box["error"] = exc
-        finally:
-            done.set()
-
-    threading.Thread(target=target, name=f"group-build-epoch{epoch}", daemon=True).start()
-    started = time.monotonic()
-    give_up = started + config.build_timeout_s
-    while not done.wait(config.abort_check_interval_s):
-        reason = should_abort() if should_abort is not None else None
-        if reason is not None:
-            raise CollectiveAborted("epoch", f"group build abandoned: {reason}", epoch=epoch)
-        if probe is not None and time.monotonic() - started > config.reach_after_s:
-            unreachable, probe = probe(), None
-            if unreachable and not done.is_set():
-                raise _unreachable(unreachable, epoch, "group build abandoned")
-        if not bounded and time.monotonic() > give_up:
-            raise CollectiveAborted(
-                "deadline",
-                f"group build not complete after build_timeout_s {config.build_timeout_s}",
-                epoch=epoch,
-            )
-    if "error" in box:
-        # A rendezvous that failed at once (e.g. "connect: Network is unreachable") says which
-        # address failed, not which peer: the probe names the peers this rank cannot dial.
-        unreachable = probe() if probe is not None else {}
-        if unreachable:
-            raise _unreachable(unreachable, epoch, "group build failed", f" (gloo: {box['error']})")
-        raise box["error"]
-    return box["pg"]
-
-
-def _unreachable(
-    unreachable: dict[int, str], epoch: int, what: str, cause: str = ""
-) -> CollectiveAborted:
-    named = "; ".join(f"rank {k}: {why}" for k, why in sorted(unreachable.items()))
-    return CollectiveAborted(
-        "unreachable",
-        f"{what}: peers cannot be dialled: {named}{cause}",
-        epoch=epoch,
-        unreachable=unreachable,
-    )
-
-
-def _reach_probe(
-    store: dist.Store, prefix: str, rank: int, world_size: int, config: CollectiveConfig
-) -> Callable[[], dict[int, str]]:
-    """The probe of one build: dial the peers that published an endpoint under `prefix`. It
-    reads the store through a connection of its own (the build's is blocked in the rendezvous)."""
-
-    def probe() -> dict[int, str]:
-        try:
-            try:
-                client = store.clone()
-            except (RuntimeError, NotImplementedError):
-                client = store
-            view = dist.PrefixStore(prefix, client)
-            endpoints = {}
-            for k in range(world_size):
-                key = f"{_REACH_KEY}{k}"
-                if k != rank and view.check([key]):
-                    endpoints[k] = view.get(key).decode()
-        except (RuntimeError, ValueError) as e:  # the store itself failed: not a verdict
-            logger.debug("reach probe skipped: %s", e)
-            return {}
-        return probe_peers(endpoints, config.reach_timeout_s)
-
-    return probe
-
-
-def reach_host(config: CollectiveConfig) -> str | None:
-    """The address this process's gloo device binds (what peers dial), for its reach listener:
-    the first interface's IPv4 address, the configured hostname, or this host's name."""
-    if config.gloo_interfaces:
-        return interface_ipv4(config.gloo_interfaces[0])
-    if config.gloo_hostname is not None:
-        return config.gloo_hostname
-    return socket.gethostname()
 
 
 class _PeerWaits:
@@ -868,129 +579,3 @@ class EpochGroup:
                 return verdict
             age = now - started
             time.sleep(min(config.poll_interval_max_s, max(config.poll_interval_s, age / 20)))
-
-
-class StoreFollower:
-    """The TCPStore of the coordinator that leads now, for `GroupCache`: a new leader (a
-    standby that took over) hosts a new store, and the next epoch's group is built there.
-    `address()` gives the store's current (host, port); a client is made once per address."""
-
-    def __init__(self, address: Callable[[], tuple[str, int]], timeout_s: float) -> None:
-        self._address = address
-        self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._at: tuple[str, int] | None = None
-        self._store: dist.Store | None = None
-
-    def __call__(self) -> dist.Store:
-        at = tuple(self._address())
-        if at != self._at:
-            self._store = dist.TCPStore(at[0], at[1], is_master=False, timeout=self._timeout)
-            self._at = at
-        return self._store
-
-
-class GroupCache:
-    """Holds this rank's group of the newest epoch; building a newer one abandons the older ones.
-
-    Fencing: asking for an epoch older than the newest one built raises ``CollectiveAborted``
-    (kind ``"epoch"``); a rank never goes back to an old epoch.
-    """
-
-    def __init__(
-        self,
-        store: dist.Store | Callable[[], dist.Store],
-        *,
-        config: CollectiveConfig | None = None,
-        scope: str = "",
-        device: torch.device | str | None = None,
-    ) -> None:
-        self._store = store  # or a callable: the store of the coordinator that leads now
-        self.device = _as_device(device)
-        self._scope = scope  # see EpochGroup.build
-        self._config = config if config is not None else CollectiveConfig()
-        self._current: EpochGroup | None = None
-        self._newest_epoch: int | None = None  # a failed build still burns its epoch
-        self.teardown_threads: list[threading.Thread] = []
-        self._reach: ReachListener | None = None  # made at the first gloo build of >1 rank
-
-    @property
-    def current(self) -> EpochGroup | None:
-        return self._current
-
-    @property
-    def config(self) -> CollectiveConfig:
-        return self._config
-
-    def get(
-        self, *, epoch: int, rank: int, world_size: int, should_abort: ShouldAbort | None = None
-    ) -> EpochGroup:
-        """The group of ``epoch`` (built on first use, bounded by build_timeout_s)."""
-        newest = self._newest_epoch
-        if newest is not None and epoch < newest:
-            raise CollectiveAborted(
-                "epoch", f"epoch {epoch} is older than epoch {newest}", epoch=epoch
-            )
-        current = self._current
-        if current is not None and current.epoch == epoch:
-            if (rank, world_size) != (current.rank, current.world_size):
-                raise ValueError(
-                    f"epoch {epoch} was built as rank {current.rank}/{current.world_size}, "
-                    f"asked for rank {rank}/{world_size}"
-                )
-            return current
-        if newest is not None and epoch == newest:
-            raise CollectiveAborted(
-                "epoch",
-                f"the build of epoch {epoch} failed earlier; wait for a newer epoch",
-                epoch=epoch,
-            )
-        self.abandon_all()
-        self._newest_epoch = epoch
-        if self._reach is None and self.device.type == "cpu" and world_size > 1:
-            host = reach_host(self._config)
-            self._reach = ReachListener(host) if host else None
-        group = EpochGroup.build(
-            self._store() if callable(self._store) else self._store,
-            epoch=epoch,
-            rank=rank,
-            world_size=world_size,
-            config=self._config,
-            should_abort=should_abort,
-            scope=self._scope,
-            device=self.device,
-            reach=self._reach,
-        )
-        self._current = group
-        return group
-
-    def close(self) -> None:
-        """Abandon the groups and stop the reach listener (the cache is not used again)."""
-        self.abandon_all()
-        if self._reach is not None:
-            self._reach.close()
-
-    def wait_closed(self, timeout_s: float | None = None) -> list[threading.Thread]:
-        """Abandon the current group and wait for every group torn down in the background to be
-        gone, at most `timeout_s` (default: gloo's own timeout and a second, by which every
-        teardown has ended). Returns the teardown threads still alive.
-
-        Why a process waits for this before it ends: a teardown thread spends its time inside the
-        group's destructor with the GIL released; one that finishes while the interpreter is
-        finalizing cannot take the GIL back, and CPython then aborts the whole process (SIGABRT,
-        "terminate called without an active exception"). A destructor ends when its peers'
-        connections close (a dead or exited peer: milliseconds) or at gloo's timeout (a stopped
-        one)."""
-        self.abandon_all()
-        bound = self._config.pg_timeout_s + 1.0 if timeout_s is None else timeout_s
-        end = time.monotonic() + bound
-        for thread in self.teardown_threads:
-            thread.join(max(0.0, end - time.monotonic()))
-        return [t for t in self.teardown_threads if t.is_alive()]
-
-    def abandon_all(self) -> None:
-        """Abandon the current group (teardown in the background); never blocks."""
-        if self._current is not None:
-            thread = self._current.abandon()
-            if thread is not None and thread not in self.teardown_threads:
-                self.teardown_threads.append(thread)
-            self._current = None

@@ -19,14 +19,18 @@ kept, in front of t's own. `due()` hands the same records to a script that keeps
 
 Fencing: the writer's `MetricsWriter` holds the client's fence; an evicted incarnation writes
 nothing (and `writes()` says so before the script writes a log of its own).
+
+The dashboards (`dashboards_for`): the TensorBoard and W&B mirrors of the same record, held by a
+replica's first rank (recover.dashboards).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from numbers import Real
+from pathlib import Path
 from typing import Any
 
 from recover.record import MetricsWriter, read_metrics
@@ -168,4 +172,17 @@ class StepRecords:
         return time.perf_counter() - self._t_start
 
 
-__all__ = ["OWN_FIELDS", "RECENT_KEPT", "StepRecords"]
+def dashboards_for(spec, metrics, replica: int, config: Mapping[str, Any] | None) -> list:
+    """The mirrors of the record asked for (`--tensorboard`, `--wandb`), held by a replica's
+    first rank; each follows only the steps its replica wrote (recover.dashboards)."""
+    if not (spec.tensorboard or spec.wandb):
+        return []
+    from recover.dashboards import RecordMirror, TensorBoardBackend, WandbBackend
+
+    backends = [TensorBoardBackend(Path(spec.tensorboard))] if spec.tensorboard else []
+    if spec.wandb:
+        backends.append(WandbBackend(spec.wandb, metrics.parent, config=dict(config or {})))
+    return [RecordMirror(metrics, replica=replica, backend=b) for b in backends]
+
+
+__all__ = ["OWN_FIELDS", "RECENT_KEPT", "StepRecords", "dashboards_for"]

@@ -10,12 +10,19 @@ registered extra object's `state_dict()`.
 Invariants: what a joiner loads is the source's committed state, bit for bit, laid out as the
 joiner's own (DTensors rebuilt with the joiner's mesh and placements); taking the source's state
 never changes it (an optimizer that never stepped sends None instead of being initialised).
+
+Also the script's model as the library handles it at the edges of a job: FSDP2 units set to sum
+(`sum_inside_fsdp`: the step divides by M once, at the commit), and the final model gathered and
+written (`whole_state`, `save_safetensors`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -128,3 +135,70 @@ class ScriptWork:
                 for k, v in values.items()
             }
         return {**optim, "state": state}
+
+
+def whole_state(model: torch.nn.Module, intra) -> dict[str, torch.Tensor]:
+    """The model's whole state on the CPU (on the first rank of a sharded replica: gathering
+    it is a collective of the replica's ranks; the others get nothing)."""
+    if intra is None:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def save_safetensors(state: dict[str, torch.Tensor], path: Path) -> bool:
+    """Write `state` to `path` durably (a temporary file, fsync, rename); False, and nothing
+    written, when a value is not finite."""
+    from safetensors.torch import save_file
+
+    tensors, storages = {}, set()
+    for name, value in state.items():
+        value = value.detach().contiguous()
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return False
+        where = value.untyped_storage().data_ptr()
+        if where in storages:  # tied weights: safetensors stores each storage once
+            value = value.clone()
+        storages.add(where)
+        tensors[name] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return True
+
+
+def sum_inside_fsdp(model: torch.nn.Module) -> None:
+    """FSDP2 averages gradients over the shard ranks by default; the step sums over microbatches
+    and divides by M once, at the commit, so every FSDP2 unit of the model must sum."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+
+
+def explain_divergence(text: str) -> str:
+    """The coordinator's divergence message, plus which half of the hashes differs when the data
+    check was on ("PARAMS/data(step,j):BATCH", see ScriptWork.parameter_hash)."""
+    held = re.findall(r"hold (\S+?)(?:;|\. )", text)
+    if not held or not all("/data(" in h for h in held):
+        return text
+    params = {h.split("/data(")[0] for h in held}
+    batches = {h.split("/data(")[1] for h in held}
+    if len(batches) > 1:
+        return (
+            f"{text}. The data parts differ: the replicas' microbatch of that step is not the "
+            "same, so (step, j) is not a pure function of (step, j) in this script (see the "
+            "contract in docs/api.md)"
+        )
+    if len(params) > 1:
+        return f"{text}. The data parts agree: the parameters themselves differ"
+    return text

@@ -38,8 +38,8 @@ from recover.coordinator.client import (
     View,
 )
 from recover.record import RecordUnwritable
-from recover.runtime.collective import GroupCache, StoreFollower
 from recover.runtime.env import ReplicaEnv
+from recover.runtime.group_cache import GroupCache, StoreFollower
 from recover.runtime.links import IntraReplica, ReplicaLink, SoloLink
 from recover.runtime.step_machine import DivergedError, StepHooks, StepMachine, StepOptions
 

@@ -185,7 +185,7 @@ class ReplicaSpec:
         gloo devices of this process (`peer`, a recover.addresses.PeerAddress resolved at the
         entry point; None: gloo's default). The devices are the process's, not the job's: each
         host has its own interfaces, so they are not a field of this spec."""
-        from recover.runtime.collective import CollectiveConfig
+        from recover.runtime.collective_config import CollectiveConfig
 
         # gloo's own timeout stays a backstop behind the deadline (it must not fire first).
         backstop = max(CollectiveConfig.pg_timeout_s, 2 * self.reduce_deadline_s)

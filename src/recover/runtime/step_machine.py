@@ -46,7 +46,8 @@ import torch
 
 from recover.coordinator.client import Evicted, QuorumLost, StepCommitted, StepRedo, Stopped
 from recover.coordinator.protocol import View
-from recover.runtime.collective import CollectiveAborted, GroupCache
+from recover.runtime.collective_config import CollectiveAborted
+from recover.runtime.group_cache import GroupCache
 from recover.runtime.links import replica_hash
 from recover.runtime.transfer import transfer_state
 from recover.runtime.tree_sum import TreeSum, ordered_reduce, set_determinism_switches

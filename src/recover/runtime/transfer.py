@@ -61,7 +61,8 @@ from dataclasses import dataclass
 
 import torch
 
-from recover.runtime.collective import EpochGroup, ShouldAbort
+from recover.runtime.collective import EpochGroup
+from recover.runtime.collective_config import ShouldAbort
 
 _DIGEST_WORDS = 5  # the header's length, then its sha256 as four int64
 

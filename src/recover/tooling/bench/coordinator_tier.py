@@ -33,15 +33,14 @@ from pathlib import Path
 from recover.coordinator.etcd_local import start_local_etcd
 from recover.tooling.bench.coordinator import (
     BenchCoordinatorConfig,
-    _Conn,
     _CpuSampler,
     _EtcdWrites,
     _false_deaths,
-    _parse_view,
     _pct,
     _stop_all,
     start_coordinator,
 )
+from recover.tooling.bench.coordinator_driver import _Conn, _parse_view
 
 __all__ = ["run_tier"]
 

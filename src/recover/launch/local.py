@@ -1,8 +1,9 @@
-"""The local launcher: `recover train --replicas R` on one machine.
+"""The local launcher: `recover train --replicas R` and `recover run` on one machine.
 
-Job: write the run folder's config, start the coordinator process and R replica processes, prefix
-their output with `[replica r]`, wake hung replicas whose fault says `wake_after`, and reap every
-child on exit, on error and on Ctrl-C (no orphans, ever). The exit status says whether training
+Job: write the run folder's config, start the job's coordinators (recover.launch.coordinators) and
+R replica processes, prefix their output with `[replica r]`, keep warm standbys
+(recover.launch.standbys), wake hung replicas whose fault says `wake_after`, and reap every child
+on exit, on error and on Ctrl-C (no orphans, ever). The exit status says whether training
 succeeded.
 
 Supervision rules:
@@ -23,43 +24,40 @@ Supervision rules:
 It must not touch the trajectory: it only starts, watches and stops processes.
 
 Size: one local launcher for both `recover train` and `recover run` (they differ in the replica's
-command and environment only): start, supervision, respawns, stops and the verdict.
+command and environment only): the run's start and end, the supervision loop, respawns, stops and
+the verdict, which all read the same process table and record.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
 import secrets
 import shlex
-import shutil
 import signal
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
 from recover import exits
-from recover.coordinator.etcd import parse_state_url
-from recover.coordinator.etcd_local import LocalEtcd, find_etcd, start_local_etcd
+from recover.launch.config import (
+    COORDINATOR_FILE,
+    FIRED_FILE,
+    JOB_FILE,
+    TOKEN_FILE,
+    LaunchConfig,
+)
+from recover.launch.coordinators import CoordinatorFleet
+from recover.launch.standbys import StandbyPool
 from recover.logs import replica_name
 from recover.record import MetricsWriter, RecordUnwritable, committed_steps, read_metrics
 from recover.runtime.env import (
-    DEVICE_INDEX_ENV,
-    FAULTS_ENV,
-    REPLICA_ENV,
     ReplicaEnv,
 )
 from recover.runtime.faults import FaultSpec, fault_flag, faults_for, read_fired
-from recover.runtime.layout import ReplicaLayout
-from recover.runtime.spec import ReplicaSpec
-from recover.supervisor import (
-    RECOVER as _RECOVER,
-)
+from recover.supervisor import RECOVER as _RECOVER
 from recover.supervisor import (
     ProcessHost,
     ReplicaSupervisor,
@@ -72,154 +70,9 @@ from recover.supervisor import (
 from recover.training.config import TRAIN_CONFIG_ENV, RunPaths, TrainConfig
 from recover.training.runfolder import LOCK_FILE, RunFolderError, lock_run_folder, open_run_folder
 
-# In the run folder while a multi-replica run goes on: the coordinator's address (host, port, pid;
-# written by the coordinator once it listens), and the run's token, readable by its owner only.
-# `recover status RUN` reads both; the launcher removes them at the end.
-COORDINATOR_FILE = "coordinator.json"
-TOKEN_FILE = "coordinator.token"
 RESTART = -1000  # _supervise's answer in checkpoint-restart mode: restart the whole job
-JOB_FILE = "job.json"  # `recover run`'s resolved job (`recover run --config RUN/job.json` reads it)
-# The faults that fired, one --fault text a line: the launcher's control state (kept for --resume;
-# a new job starts it empty), appended to by the replica processes (recover.runtime.faults).
-FIRED_FILE = "faults.fired"
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class LaunchConfig:
-    replicas: int
-    # What every replica is and how it behaves (the same object the replicas get, as JSON).
-    replica: ReplicaSpec = field(default_factory=ReplicaSpec)
-    min_replicas: int = 1
-    lease_s: float = 1.0
-    faults: tuple[FaultSpec, ...] = ()
-    start_timeout_s: float = 60.0  # coordinator up and every replica registered by then
-    respawn_s: float | None = None  # restart a dead replica after this many seconds (None: never)
-    max_restarts: int = 3  # per replica
-    balance: str = "throughput"  # microbatch shares: "equal" or by measured "throughput"
-    stop_grace_s: float = 30.0  # on a stop: how long replicas get to save and leave
-    # Fork `recover train`'s replica processes from one that has imported torch already
-    # (recover.zygote), instead of paying the import in each one; False: start each afresh.
-    warm_start: bool = True
-    # Warm standbys: processes that built the replica (model, optimizer, dataset) and wait,
-    # unregistered, to take a dead replica's slot at once (`recover train` only). 0 by default:
-    # each holds a whole replica's memory (on GPUs, a device's worth) for a fault that may not
-    # come; with one, a respawn skips its start-up.
-    standby: int = 0
-    # High availability of the control plane (docs/coordinator.md, "A standby that takes over"):
-    # this many coordinators, one leading by etcd election, the others standing by. `state`:
-    # the etcd that holds their state (etcd://HOST:PORT[,...][/PREFIX]); None with
-    # coordinators > 1: a private etcd the launcher starts on 127.0.0.1 and stops.
-    coordinators: int = 1
-    state: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
-        if not isinstance(self.replica, ReplicaSpec):
-            raise ValueError(f"replica must be a ReplicaSpec, got {self.replica!r}")
-        if not 1 <= self.min_replicas <= self.replicas:
-            raise ValueError(
-                f"--min-replicas must be in 1..{self.replicas} (--replicas), got {self.min_replicas}"
-            )
-        if not self.lease_s > 0 or not self.replica.heartbeat_s < self.lease_s:
-            raise ValueError("--lease must be > 0 and larger than the heartbeat interval")
-        if self.respawn_s is not None and self.respawn_s < 0:
-            raise ValueError(f"--respawn must be >= 0 seconds, got {self.respawn_s}")
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.standby < 0:
-            raise ValueError(f"--standby must be >= 0, got {self.standby}")
-        if self.standby and (self.mode != "recover" or self.ranks > 1):
-            raise ValueError(
-                "--standby needs --mode recover and replicas of one rank (a standby builds its "
-                f"model before it knows its slot); got --mode {self.mode} with {self.ranks} "
-                "ranks per replica"
-            )
-        if isinstance(self.coordinators, bool) or not (
-            isinstance(self.coordinators, int) and self.coordinators >= 1
-        ):
-            raise ValueError(f"--coordinators must be an int >= 1, got {self.coordinators!r}")
-        if self.state is not None:
-            parse_state_url(self.state)  # a ValueError names the flag
-        elif self.coordinators > 1 and find_etcd() is None:
-            raise ValueError(
-                f"--coordinators {self.coordinators} keeps the coordinators' state in etcd, and "
-                "no etcd binary is installed: apt-get install etcd-server, or give --state "
-                "etcd://HOST:PORT"
-            )
-        if self.balance not in ("equal", "throughput"):
-            raise ValueError(f"--balance must be equal or throughput, got {self.balance!r}")
-        for f in self.faults:
-            if f.replica >= self.replicas:
-                raise ValueError(
-                    f"--fault names replica {f.replica}, but replicas are 0..{self.replicas - 1}"
-                )
-            if f.rank >= self.ranks:
-                raise ValueError(
-                    f"--fault names rank {f.rank}, but a replica has ranks 0..{self.ranks - 1}"
-                )
-            if f.phase == "transfer" and f.kind != "slow" and self.respawn_delay_s is None:
-                raise ValueError(
-                    f"--fault {fault_flag(f)} fires in a state transfer to a joiner, and this job "
-                    "never has one: add --respawn S or --standby N (it would never fire)"
-                )
-
-    @property
-    def mode(self) -> str:
-        return self.replica.mode
-
-    @property
-    def layout(self) -> ReplicaLayout:
-        """What a replica is inside."""
-        return self.replica.layout
-
-    @property
-    def respawn_delay_s(self) -> float | None:
-        """Seconds before a dead replica is replaced (None: never); standbys imply 0."""
-        if self.respawn_s is None and self.standby:
-            return 0.0
-        return self.respawn_s
-
-    @property
-    def ranks(self) -> int:
-        """Processes per replica."""
-        return self.layout.ranks
-
-
-def _visible_gpus() -> int:
-    """How many GPUs torch sees; 0 without importing torch (2.5 s of CPU in the launcher) when
-    the machine has no GPU device node at all (NVIDIA's /dev/nvidia*, ROCm's /dev/kfd)."""
-    if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def check_gpu_placement(lc: LaunchConfig, gpus: int | None = None) -> None:
-    """ValueError when the local processes cannot get the GPUs NCCL needs. This launcher numbers
-    the GPUs process by process, replica after replica, modulo `gpus` (how many are visible; None
-    asks torch); NCCL refuses two ranks of one communicator on one GPU. So a replica of several
-    ranks on GPUs needs that many GPUs (its own group is NCCL's), and --cross-reduce nccl one GPU
-    per process. Replicas of one rank may share GPUs under the default gloo cross-reduce."""
-    if lc.replica.cross_reduce == "gloo" and (lc.replica.device == "cpu" or lc.ranks == 1):
-        return  # nothing to place (and no torch import in the launcher for it)
-    if gpus is None:
-        gpus = _visible_gpus()
-    processes = lc.replicas * lc.ranks
-    if lc.replica.cross_reduce == "nccl" and processes > gpus:
-        raise ValueError(
-            f"--cross-reduce nccl needs a GPU per process: {processes} processes, {gpus} GPUs "
-            "visible; use --cross-reduce gloo (the default) to share GPUs"
-        )
-    on_gpus = lc.replica.device == "cuda" or (lc.replica.device == "auto" and gpus > 0)
-    if on_gpus and lc.ranks > gpus:
-        raise ValueError(
-            f"a replica of {lc.ranks} ranks on GPUs needs {lc.ranks} GPUs (NCCL inside the "
-            f"replica), {gpus} visible; use fewer ranks per replica, or --device cpu"
-        )
 
 
 def _steps_text(steps: list[int]) -> str:
@@ -247,17 +100,19 @@ class LocalLauncher(ProcessHost):
         self.data, self.paths, self.resume = data, RunPaths(out=out), resume
         self.data_info = data_info
         self._ports: list[int] = []  # drawn for the job's processes, handed out as they start
-        self._standbys: list[str] = []  # names (in self.children) of waiting standbys, oldest first
-        self._standbys_started = 0
-        self._standbys_lost = 0  # standbys that died while waiting
         self._killed_hung: list[tuple[int, int]] = []  # (replica, rank) killed after the end
         self._finished_seen = False  # the record holds this run's coordinator.finished
         self._record_read = 0  # how far _run_finished has read the record
-        self._standby_since: dict[str, float] = {}  # name -> when it was started (monotonic)
-        self.standby_coordinators: tuple[tuple[str, int], ...] = ()  # --coordinators N
-        self._etcd: LocalEtcd | None = None  # the private etcd of --coordinators N
-        self._coordinator_specs: dict[str, tuple] = {}  # name -> its _spawn_coordinator args
-        self._coordinator_restarts: dict[str, int] = {}
+        self.coordinators = CoordinatorFleet(self, lcfg, self.paths)
+        self.standbys = StandbyPool(
+            self,
+            slots=lcfg.standby,
+            command=[*_RECOVER, "worker", "--launched", "--standby", "--data", str(data),
+                     "--out", str(out)],
+            env=lambda host, port: self._replica_env(0, host, port),
+            device_index=lcfg.replicas,
+            pending_faults=self._pending_faults,
+        )  # fmt: skip
 
     # What a warm start pre-imports: everything a replica process of `recover train` loads.
     # torch._dynamo: torch's optimizers import it lazily when constructed (1.6 s of CPU here), so
@@ -284,93 +139,6 @@ class LocalLauncher(ProcessHost):
         if self.lcfg.warm_start:
             self.start_zygote(str(self.paths.out))
 
-    def _start_coordinator(self) -> tuple[str, int]:
-        """Start the coordinator on a free loopback port; return its address at once.
-
-        The replicas are started right after, without waiting for it: they retry registering
-        until it listens, so torch's import in every process overlaps (start-up is CPU-bound).
-        With --coordinators N, N of them share the state in etcd (`_ha_state`): the first
-        elected leads, the others stand by (`self.standby_coordinators`: their addresses).
-        """
-        address_file = self.paths.out / COORDINATOR_FILE
-        address_file.unlink(missing_ok=True)
-        lc = self.lcfg
-        ha = self._ha_state() if lc.coordinators > 1 or lc.state is not None else None
-        addresses = []
-        for i in range(lc.coordinators):
-            port = self._ports.pop()  # free a moment ago; the coordinator binds it a moment later
-            name = "coordinator" if i == 0 else f"coordinator.{i}"
-            self._spawn_coordinator(name, port, address_file, ha)
-            self._coordinator_specs[name] = (port, address_file, ha)
-            addresses.append(("127.0.0.1", port))
-        self.standby_coordinators = tuple(addresses[1:])
-        return addresses[0]
-
-    def _ha_state(self) -> list[str]:
-        """The coordinators' --state flags for this job: under --state's prefix, or in a private
-        etcd started now (127.0.0.1, a temporary data directory; `_stop_etcd` ends it), each job
-        (a checkpoint-restart starts another) under a prefix of its own, so none loads the state
-        of an earlier job."""
-        lc = self.lcfg
-        if lc.state is not None:
-            url = parse_state_url(lc.state)
-        else:
-            if self._etcd is None:
-                self._etcd = start_local_etcd(tempfile.mkdtemp(prefix="recover-etcd-"))
-                self.say(f"etcd for the coordinators' state at 127.0.0.1:{self._etcd.client_port}")
-            url = parse_state_url(self._etcd.url)
-        prefix = f"{url.prefix}/{self.paths.out.name}-{secrets.token_hex(4)}"
-        return ["--state", str(replace(url, prefix=prefix)), "--leader-ttl", "1"]
-
-    def _stop_etcd(self) -> None:
-        if self._etcd is not None:
-            self._etcd.stop()
-            shutil.rmtree(self._etcd.data_dir, ignore_errors=True)
-            self._etcd = None
-
-    def _restart_coordinators(self, finishing: bool) -> None:
-        """With --coordinators N, a coordinator that died while others live is started again on
-        its port, as a standby (the one leading now keeps leading): the next leader death is
-        survived too. At most --max-restarts times each."""
-        if len(self._coordinator_specs) < 2 or finishing:
-            return
-        for name, spec in self._coordinator_specs.items():
-            proc = self.children[name]
-            if (
-                proc.poll() is None
-                or self._coordinator_restarts.get(name, 0) >= self.lcfg.max_restarts
-            ):
-                continue
-            self._coordinator_restarts[name] = self._coordinator_restarts.get(name, 0) + 1
-            self.say(f"{name} exited (status {proc.returncode}); starting it again as a standby")
-            self.writer.event(
-                "launcher.coordinator_restarted", coordinator=name, exit_status=proc.returncode
-            )
-            self._spawn_coordinator(name, *spec)
-
-    def _spawn_coordinator(
-        self, name: str, port: int, address_file: Path, ha: list[str] | None
-    ) -> None:
-        lc = self.lcfg
-        self.spawn(
-            name,
-            [
-                *_RECOVER, "coordinator", "serve", "--host", "127.0.0.1", "--port", str(port),
-                "--store-port", "0", "--replicas", str(lc.replicas),
-                "--microbatches", str(self.microbatches),
-                # checkpoint-restart: any death stops the job (the launcher then restarts it)
-                "--min-replicas",
-                str(lc.replicas if lc.mode == "checkpoint-restart" else lc.min_replicas),
-                "--lease", str(lc.lease_s),
-                "--start-deadline", str(lc.start_timeout_s), "--balance", lc.balance,
-                "--mode", "shrink" if lc.mode == "shrink" else "recover",
-                "--events", str(self.paths.metrics), "--address-file", str(address_file),
-                "--keep-serving",
-                "--log-level", lc.replica.log_level, *(ha or ()),
-            ],
-            f"[{name}] ",
-        )  # fmt: skip
-
     @property
     def microbatches(self) -> int:
         """M for the coordinator (0: it learns M from the replicas' fingerprints)."""
@@ -393,7 +161,7 @@ class LocalLauncher(ProcessHost):
         replica spec and its faults not fired yet (ReplicaEnv), and the run's TrainConfig."""
         env = ReplicaEnv(
             coordinator=(host, port), replica_id=r, faults=tuple(self._pending_faults(r)),
-            fired=self.fired_file, spec=self.lcfg.replica, standbys=self.standby_coordinators,
+            fired=self.fired_file, spec=self.lcfg.replica, standbys=self.coordinators.standbys,
         ).to_environ()  # fmt: skip
         return {**env, TRAIN_CONFIG_ENV: self.cfg.to_json()}
 
@@ -422,109 +190,6 @@ class LocalLauncher(ProcessHost):
                 "MASTER_PORT": str(master_port), "RECOVER_DEVICE_INDEX": str(r * ranks + k),
             }  # fmt: skip
             self.spawn(proc_name(r, k), command, f"[{replica_name(r, k, ranks)}] ", env)
-
-    # ---- standbys (--standby N) ----------------------------------------------------------------
-
-    # A standby that died while waiting is replaced quietly, up to this many times per standby
-    # slot; past that (a standby that cannot start at all), the run goes on without standbys.
-    STANDBY_LOSSES_PER_SLOT = 3
-
-    def _start_standby(self, host: str, port: int) -> None:
-        """Start one standby: a `recover worker --standby` that builds the replica (forked from
-        the zygote: torch imported), then waits on its stdin, unregistered and writing nothing,
-        for the variables that make it a replica (`_promote`). It has the job's TrainConfig and
-        replica spec; its id, faults and device come with the promotion."""
-        self._standbys_started += 1
-        name = f"standby {self._standbys_started}"
-        command = [
-            *_RECOVER, "worker", "--launched", "--standby", "--data", str(self.data),
-            "--out", str(self.paths.out),
-        ]  # fmt: skip
-        env = {
-            k: v
-            for k, v in self._replica_env(0, host, port).items()
-            if k not in (REPLICA_ENV, FAULTS_ENV)  # (given with the promotion)
-        }
-        # (on GPUs it builds on the device after the replicas', modulo those there are)
-        env[DEVICE_INDEX_ENV] = str(self.lcfg.replicas)
-        proc = self.spawn(name, command, f"[{name}] ", env, stdin=True)
-        self._standbys.append(name)
-        self._standby_since[name] = time.monotonic()
-        self.writer.event("launcher.standby_started", standby=name, pid=proc.pid)
-        self.say(f"started {name} (pid {proc.pid})", logging.DEBUG)
-
-    def _retire_standbys(self) -> None:
-        """At the end of a job: record what each standby still waiting cost (CPU seconds and
-        resident memory over its life, its build included), then end it (SIGTERM: it has
-        nothing to save)."""
-        tick = os.sysconf("SC_CLK_TCK")
-        for name in self._standbys:
-            proc = self.children[name]
-            cost = {}
-            try:
-                with open(f"/proc/{proc.pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                cost["cpu_s"] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-                cost["rss_mib"] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-            except (OSError, IndexError, ValueError):
-                pass  # (ended meanwhile)
-            age = time.monotonic() - self._standby_since[name]
-            self.writer.event(
-                "launcher.standby_retired", standby=name, pid=proc.pid, age_s=round(age, 3),
-                **{k: round(v, 3) for k, v in cost.items()},
-            )  # fmt: skip
-            end_politely(proc)
-        self._standbys.clear()
-
-    def _check_standbys(self, finishing: bool) -> None:
-        """Replace, quietly, a standby that died while waiting (up to STANDBY_LOSSES_PER_SLOT
-        per slot; then warn once and go on without)."""
-        for name in list(self._standbys):
-            code = self.children[name].poll()
-            if code is None:
-                continue
-            self._standbys.remove(name)
-            self.children.pop(name)
-            self._standbys_lost += 1
-            limit = self.STANDBY_LOSSES_PER_SLOT * self.lcfg.standby
-            self.say(f"{name} ended while waiting (status {code})", logging.DEBUG)
-            if finishing:
-                continue
-            if self._standbys_lost > limit:
-                if self._standbys_lost == limit + 1:
-                    self.say(
-                        f"{self._standbys_lost} standbys ended while waiting: going on without "
-                        "standbys (a dead replica is respawned afresh)",
-                        logging.WARNING,
-                    )
-                continue
-            self._start_standby(*self.coordinator_address)
-
-    def _promote(self, r: int) -> bool:
-        """Give replica r's slot to the oldest waiting standby: it gets its id, the faults of
-        r not fired yet and r's device, registers as r's new incarnation, and joins at a step
-        boundary with the state by transfer (the caller starts a new standby behind it). False
-        when no standby could take it (none waiting, or it died just now)."""
-        while self._standbys:
-            name = self._standbys.pop(0)
-            proc = self.children.pop(name)
-            promotion = {
-                REPLICA_ENV: str(r),
-                FAULTS_ENV: ";".join(fault_flag(f) for f in self._pending_faults(r)),
-                DEVICE_INDEX_ENV: str(r),
-            }
-            try:
-                proc.stdin.write(json.dumps(promotion) + "\n")
-                proc.stdin.close()
-            except (BrokenPipeError, OSError, ValueError):  # it died meanwhile: the next one
-                self.children[name] = proc  # (reaped with the others at the end)
-                continue
-            self.children.pop(proc_name(r, 0), None)
-            self.children[proc_name(r, 0)] = proc
-            self._prefixes[id(proc)][0] = f"[replica {r}] "
-            self.say(f"{name} (pid {proc.pid}) takes the slot of replica {r}", logging.DEBUG)
-            return True
-        return False
 
     @property
     def fired_file(self) -> Path:
@@ -615,7 +280,7 @@ class LocalLauncher(ProcessHost):
         finally:
             signal.signal(signal.SIGTERM, previous)
             self.reap_all()
-            self._stop_etcd()
+            self.coordinators.stop()
             self.close_host()
             # The address of a coordinator that is gone would mislead `recover status`.
             (self.paths.out / COORDINATOR_FILE).unlink(missing_ok=True)
@@ -645,13 +310,13 @@ class LocalLauncher(ProcessHost):
         self._ports = free_ports(
             self.lcfg.coordinators + (self.lcfg.replicas if self.lcfg.ranks > 1 else 0)
         )
-        host, port = self._start_coordinator()
+        host, port = self.coordinators.start(self._ports, self.microbatches)
         self.coordinator_address = (host, port)
         self.say(f"coordinator at {host}:{port}; starting {self.lcfg.replicas} replicas")
         for r in range(self.lcfg.replicas):
             self._start_replica(r, host, port)
         for _ in range(self.lcfg.standby):
-            self._start_standby(host, port)
+            self.standbys.start(host, port)
         return self._supervise()
 
     def _supervise(self) -> int:
@@ -675,7 +340,7 @@ class LocalLauncher(ProcessHost):
                 p.poll() is not None for n, p in self.children.items() if n.startswith("coord")
             ):
                 return self._coordinator_lost(coordinator.returncode)
-            self._restart_coordinators(finishing)
+            self.coordinators.restart_dead(finishing)
             now = time.monotonic()
             for d in sup.reap():
                 # A finished replica, or a run stopped for good (quorum lost, divergence):
@@ -709,7 +374,7 @@ class LocalLauncher(ProcessHost):
                 sup.cancel_restarts()
             for r in sup.due(now):
                 restart = sup.incarnation[r]
-                if self._promote(r):
+                if self.standbys.promote(r):
                     how = "standby"
                     self.say(f"replica {r} (restart {restart}) from a standby")
                 else:
@@ -718,13 +383,13 @@ class LocalLauncher(ProcessHost):
                     self._start_replica(r, *self.coordinator_address, fresh=True)
                 self.writer.event("launcher.respawned", replica=r, restart=restart, how=how)
                 if how == "standby":  # a new standby behind the promoted one
-                    self._start_standby(*self.coordinator_address)
-            if self._standbys:
-                self._check_standbys(finishing)
+                    self.standbys.start(*self.coordinator_address)
+            if self.standbys.waiting:
+                self.standbys.check(finishing, self.coordinator_address)
             if not sup.respawn_at:
                 self._end_the_hung(sup.alive, sup.codes, wake)
             time.sleep(0.02)
-        self._retire_standbys()
+        self.standbys.retire()
         codes = sup.codes
         if not any(c == 0 for _, _, c in codes) and any(
             c == exits.COORDINATOR_LOST for _, _, c in codes
@@ -982,7 +647,7 @@ class ScriptLauncher(LocalLauncher):
     def _replica_env(self, r: int, host: str, port: int) -> dict[str, str]:
         spec = ReplicaEnv(
             coordinator=(host, port),
-            standbys=self.standby_coordinators,
+            standbys=self.coordinators.standbys,
             replica_id=r,
             faults=tuple(self._pending_faults(r)),
             fired=self.fired_file,
