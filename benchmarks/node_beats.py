@@ -29,7 +29,7 @@ from pathlib import Path
 
 
 def _drive(port: int, names: list[str], slots: int, beat_s: float, until: float, out) -> None:
-    from recover.coordinator.client import NodeLink
+    from recover.coordinator.channel import NodeLink
 
     link = NodeLink([("127.0.0.1", port)], token="bench", timeout_s=10.0)
     holds: dict[str, list[int]] = {n: [] for n in names}

@@ -35,8 +35,8 @@ from recover.addresses import (
     resolve_peer_address,
 )
 from recover.coordinator import CoordinatorOptions, CoordinatorServer
+from recover.coordinator.channel import request_once
 from recover.coordinator.cli import bind_host
-from recover.coordinator.client import request_once
 from recover.runtime.collective import EpochGroup
 from recover.runtime.collective_config import CollectiveConfig
 from recover.runtime.env import ReplicaEnv

@@ -11,18 +11,18 @@ from hypothesis import strategies as st
 
 from recover.coordinator.attempt import attempt_outcome
 from recover.coordinator.decide import decide
-from recover.coordinator.protocol import (
+from recover.coordinator.messages import (
     Heartbeat,
     Heartbeats,
     Leave,
     ProcessExit,
-    ProtocolError,
     Register,
     ReportDone,
     ReportFailed,
     Tick,
     decode_message,
 )
+from recover.coordinator.protocol import ProtocolError
 from recover.coordinator.state_store import (
     CoordinatorOptions,
     InMemoryStateStore,

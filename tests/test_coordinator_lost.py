@@ -36,7 +36,7 @@ from conftest import (
     wait_for_step,
     wait_until,
 )
-from recover.coordinator.protocol import Resumed
+from recover.coordinator.messages import Resumed
 from recover.record import committed_steps, read_metrics
 
 M = 4

@@ -16,14 +16,8 @@ import pytest
 
 from recover.coordinator import CoordinatorClient, CoordinatorOptions, CoordinatorServer
 from recover.coordinator.decide import decide, initial_state, view_of
-from recover.coordinator.protocol import (
-    LeaseExpired,
-    Register,
-    ReportDone,
-    ReportsDone,
-    View,
-    merge_view,
-)
+from recover.coordinator.messages import LeaseExpired, Register, ReportDone, ReportsDone
+from recover.coordinator.protocol import View, merge_view
 from recover.coordinator.relay import RelayServer
 from recover.coordinator.views import ViewCache, split_plan
 

@@ -28,8 +28,9 @@ from pathlib import Path
 import pytest
 
 from recover.coordinator import CoordinatorOptions, CoordinatorServer
+from recover.coordinator.channel import request_once
 from recover.coordinator.cli import add_coordinator_parser, run_coordinator_cli
-from recover.coordinator.client import CoordinatorClient, request_once
+from recover.coordinator.client import CoordinatorClient
 from recover.coordinator.protocol import recv_frame, send_frame
 
 TOKEN = "test-token-1234"

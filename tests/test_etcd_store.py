@@ -32,7 +32,7 @@ from recover.coordinator.etcd import (
     parse_state_url,
 )
 from recover.coordinator.etcd_local import find_etcd, start_local_etcd
-from recover.coordinator.protocol import Register, Takeover
+from recover.coordinator.messages import Register, Takeover
 from recover.coordinator.state_store import CoordinatorOptions, state_to_json
 
 if find_etcd() is None and os.environ.get("CI"):  # CI must run these (.ci/run installs it)

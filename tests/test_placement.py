@@ -9,7 +9,8 @@ import time
 import pytest
 
 from recover.coordinator import CoordinatorOptions, CoordinatorServer
-from recover.coordinator.client import NodeLink, RequestRefused
+from recover.coordinator.channel import NodeLink
+from recover.coordinator.outcomes import RequestRefused
 from recover.coordinator.placement import NodeClaim, place
 
 

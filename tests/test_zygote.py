@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from recover.coordinator.client import request_once
+from recover.coordinator.channel import request_once
 from recover.zygote import Zygote
 
 # A long-lived child that needs no peers: a coordinator that waits (up to 30 s) for a replica.

@@ -51,7 +51,8 @@ from pathlib import Path
 from typing import TextIO
 
 from recover import exits
-from recover.coordinator.client import CoordinatorUnreachable, NodeLink, RequestRefused
+from recover.coordinator.channel import NodeLink
+from recover.coordinator.outcomes import CoordinatorUnreachable, RequestRefused
 from recover.record import MetricsWriter, RecordUnwritable
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.faults import FaultSpec, fault_flag, faults_for, read_fired

@@ -18,6 +18,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+from recover.coordinator.state_store import CoordinatorOptions
 from recover.training.config import TrainConfig
 
 DEFAULT_DATA_ROOT = Path("data")
@@ -99,9 +100,9 @@ def add_supervision_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--lease",
         type=float,
-        default=1.0,
+        default=CoordinatorOptions.lease_s,
         metavar="S",
-        help="a replica silent this long is declared dead (default: 1.0)",
+        help=f"a replica silent this long is declared dead (default: {CoordinatorOptions.lease_s})",
     )
     add_restart_flags(
         group,

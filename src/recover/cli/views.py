@@ -142,8 +142,9 @@ def run_status(args: argparse.Namespace) -> int:
     import json
     import os
 
+    from recover.coordinator.channel import request_once
     from recover.coordinator.cli import format_status
-    from recover.coordinator.client import CoordinatorUnreachable, request_once
+    from recover.coordinator.outcomes import CoordinatorUnreachable
     from recover.launch import COORDINATOR_FILE, TOKEN_FILE
     from recover.runtime.env import TOKEN_ENV
 

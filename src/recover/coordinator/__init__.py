@@ -2,12 +2,18 @@
 
 - `decide.py`: the pure rules `decide(now, state, message)`, with the rules of a step attempt in
   `attempt.py` and those of the member set (epochs, eviction, the quorum) in `membership.py`;
-  `state_store.py`: options, state, JSON form, stores; `protocol.py`: messages, the view, framing;
-  `server.py`: the asyncio server (also hosts the torch TCPStore); `pacing.py`: its lease queue,
+  `state_store.py`: options, state, JSON form, stores; `messages.py`: the rules' inputs and their
+  decoding; `decisions.py`: their outputs; `protocol.py`: the frame, the view, the errors;
+  `server.py`: the asyncio server (also hosts the torch TCPStore), in layers: `driver.py` (the
+  state fed through `decide`, the record, the saving), `connections.py` (sessions, held replies,
+  long-polls, relays), `nodes.py` (the node agents' table); `pacing.py`: its lease queue,
   parked waiters and peer-EOF protocol; `views.py`: the view encoded once per version and sent
   relative to the one a peer holds; `relay.py`: a relay that holds 64-128 replicas' sessions and
   leases in front of the server; `service.py`: the loop thread both run on; `client.py`: what a
-  replica's training loop uses (torch-free); `cli.py`: `recover coordinator serve|relay|status`.
+  replica's training loop uses (torch-free), over `heartbeats.py` (its session: heartbeats, the
+  view, the fence), `channel.py` (a connection that follows the leader among standbys; a node
+  agent's link) and `outcomes.py` (what its calls end in: outcomes, named errors); `cli.py`:
+  `recover coordinator serve|relay|status`.
 
 Importing this package does not import torch (the server imports it only when it starts a store).
 """

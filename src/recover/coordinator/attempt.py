@@ -47,6 +47,7 @@ import math
 import statistics
 from dataclasses import replace
 
+from recover.coordinator.decisions import Admitted, Committed, Diverged, EpochChanged, Redo
 from recover.coordinator.membership import (
     _alive_in_attempt,
     _awaiting_voters,
@@ -57,16 +58,7 @@ from recover.coordinator.membership import (
     _refuse,
     _release_leavers,
 )
-from recover.coordinator.protocol import (
-    Admitted,
-    Committed,
-    Diverged,
-    EpochChanged,
-    Redo,
-    ReportDone,
-    ReportFailed,
-    ReportsDone,
-)
+from recover.coordinator.messages import ReportDone, ReportFailed, ReportsDone
 from recover.coordinator.state_store import (
     DIVERGED,
     LIVE,

@@ -35,8 +35,9 @@ from recover.addresses import (
     is_wildcard,
 )
 from recover.checks import is_int
-from recover.coordinator.client import CoordinatorUnreachable, request_once
-from recover.coordinator.protocol import COORDINATOR_ENV, TOKEN_ENV
+from recover.coordinator.channel import request_once
+from recover.coordinator.outcomes import CoordinatorUnreachable
+from recover.coordinator.protocol import COORDINATOR_ENV, DEFAULT_LEASE_S, TOKEN_ENV
 from recover.coordinator.state_store import CoordinatorOptions
 from recover.logs import LOG_LEVELS, process_prefix, setup_logging
 from recover.record import RecordUnwritable
@@ -116,7 +117,12 @@ def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=1,
         help="the run stops (quorum lost) when fewer replicas are live (default 1)",
     )
-    serve.add_argument("--lease", type=float, default=1.0, help="lease in seconds")
+    serve.add_argument(
+        "--lease",
+        type=float,
+        default=DEFAULT_LEASE_S,
+        help=f"a replica silent this long is declared dead, in seconds (default {DEFAULT_LEASE_S:g})",
+    )
     serve.add_argument(
         "--node-lease",
         type=float,

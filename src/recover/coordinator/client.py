@@ -1,9 +1,12 @@
-"""The replica's side of the coordinator: register, heartbeat, report, wait. Thread-safe.
+"""The replica's side of the coordinator: register, report, wait. Thread-safe.
 
 Job: give each replica's training loop a small blocking API over two TCP connections. The
 *session* connection carries register, heartbeats (every `heartbeat_s`, from a daemon thread) and
 leave; closing it without `leave()` tells the coordinator this process is gone. The *rpc*
-connection carries reports and long-polls from the training thread.
+connection carries reports and long-polls from the training thread. The session, its heartbeats,
+the view they keep and the fence are heartbeats.py's (`HeartbeatSession`, the base of
+`CoordinatorClient`); the connections, and the following of the leader among standbys,
+channel.py's; the outcomes and errors, outcomes.py's.
 
 A step costs one round trip on the rpc connection: a report (`report_done`, `report_failed`)
 is itself a long poll, answered with the attempt's outcome (committed, redo with the new view,
@@ -17,14 +20,6 @@ by side (benchmarks/coordinator_round_trip.py: 2 replicas and the coordinator, a
 loopback, nothing but reports; 60 interleaved block pairs at load 11.1-12.7 on 2 shared cores):
 a step takes 2.36 ms against 3.78 ms for report then wait_outcome, ratio 0.58 [0.49, 0.68].
 
-Every request says which view version it holds (`view_version`), and the view in the reply is
-relative to it (protocol.merge_view): a commit or an epoch change costs O(change) bytes, not
-O(R + plan). Each heartbeat asks the coordinator to hold its reply for up to `heartbeat_s` (`hold_s`): a new
-epoch (or step, or status) is then pushed to the replica the moment it is decided, not at its
-next heartbeat. The next heartbeat goes `heartbeat_s` after the previous one was sent, or at once
-when a held reply came back (an older coordinator that does not hold gets one per heartbeat_s).
-A pending replica whose lease expired before admission (code "expired") registers again.
-
 Invariants:
 - every call has a deadline; no call blocks longer than its `deadline_s` (+ `rpc_timeout_s` for
   the last reply) and failures raise named exceptions: `Evicted` (fenced: restart the process to
@@ -33,120 +28,66 @@ Invariants:
   the last checkpoint), `RequestRefused` (e.g. code "stale").
 - when the heartbeat thread learns that this incarnation was evicted, the next call of the
   training thread raises `Evicted`.
-- fencing (`writes_allowed`): this incarnation writes to the run folder only while it is a
-  confirmed member: a heartbeat round sent less than the fence window W ago (the coordinator's
-  `lease_s`, told at registration) was answered without "evicted", and no silence longer than W
-  came after the last answer. W may be the whole lease: a silent member is evicted only when its
-  lease runs out, and the lease runs from when the coordinator (or relay) read a heartbeat, which
-  is after it was sent. Evictions of a member that is not silent (its session ended while it
-  lives; its part of a step was not finite, `suspect_hardware`) are not bounded by W: see the
-  limits in docs/design.md, "Fencing the run folder". A process that was frozen (SIGSTOP,
-  a stalled host) may have been evicted meanwhile: it waits for a fresh answer before it writes.
-  A coordinator that refuses connections (its process is gone) evicts nobody, so a round that
-  fails fast keeps the confirmation of a process that was not silent (a network partition looks
-  the same: a known limit, docs/design.md); likewise a silence that began when none was
-  listening any more, none listening since (the lowest replica's save, coordinator lost).
+- fencing (`writes_allowed`): heartbeats.py.
 
 With standbys (`standbys=[(host, port), ...]`, docs/coordinator.md, "A standby that takes
-over"): only the leader of the current term listens, so a connection that fails moves on to
-the next address. The session re-attaches under the new leader with the same incarnation (a
-`register` of a live member: nobody is declared dead), learns the new leader's TCPStore (the next
-epoch's process group is built there), and the training thread's calls retry through the
-takeover (as through any gap, within the grace). A report refused as stale because the new leader already
-moved the attempt on (its takeover redoes the in-flight step) is not an error: the outcome says
-what to do.
-This module imports no torch, so replica helpers and tests start fast.
+over"): a connection that fails moves on to the next address (channel.py), the session
+re-attaches under the new leader (heartbeats.py), and the training thread's calls retry through
+the takeover (as through any gap, within the grace). A report refused as stale because the new
+leader already moved the attempt on (its takeover redoes the in-flight step) is not an error:
+the outcome says what to do.
+
+This is the module the runtime imports the coordinator's client side from (with protocol.py;
+tests/test_architecture.py): it re-exports the outcomes and errors, the view, and the channel
+and leader the runtime's view watcher uses, so that the runtime need not know the modules above.
+Must not: import torch (replica helpers and tests start fast).
 """
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from recover.checks import is_int
-from recover.coordinator.protocol import (
-    ProtocolError,
-    View,
-    merge_view,
-    recv_frame,
-    send_frame,
+# Re-exported: the runtime imports these from here (see the module docstring), and the names
+# below were this module's before the channel, the session and the outcomes moved out.
+from recover.coordinator.channel import Channel, Leader, NodeLink, request_once
+from recover.coordinator.heartbeats import HeartbeatSession
+from recover.coordinator.outcomes import (
+    CoordinatorError,
+    CoordinatorUnreachable,
+    DeadlineExceeded,
+    Evicted,
+    Outcome,
+    QuorumLost,
+    RequestRefused,
+    StepCommitted,
+    StepRedo,
+    Stopped,
 )
+from recover.coordinator.protocol import View
 
 __all__ = [
+    "Channel",
     "CoordinatorClient",
     "CoordinatorError",
     "CoordinatorUnreachable",
     "DeadlineExceeded",
     "Evicted",
+    "Leader",
+    "NodeLink",
     "Outcome",
     "QuorumLost",
-    "NodeLink",
     "RequestRefused",
     "StepCommitted",
     "StepRedo",
     "Stopped",
+    "View",
     "request_once",
 ]
 
 _POLL_CHUNK_S = 5.0  # a long-poll is split into server waits of at most this long
-_RECENT_VIEWS = 8  # views kept by version: a reply's view is relative to the one asked with
-# The fence window when the coordinator does not tell its lease (every coordinator of this project
-# does): short, so that a replica rather waits for a confirmation than writes late.
-_DEFAULT_FENCE_S = 0.3
-
-
-class CoordinatorError(RuntimeError):
-    """Base class of the coordinator client's errors."""
-
-
-class Evicted(CoordinatorError):
-    """This incarnation was declared dead and is fenced; restart the process to rejoin."""
-
-
-class CoordinatorUnreachable(CoordinatorError):
-    """No coordinator answered for longer than the client's grace (`coordinator_grace_s`),
-    reconnecting all along: it is gone, or frozen, and no standby took over."""
-
-
-class DeadlineExceeded(CoordinatorError):
-    """The awaited view or outcome did not come before the caller's deadline."""
-
-
-class QuorumLost(CoordinatorError):
-    """Too few replicas are live; stop and resume from the last checkpoint."""
-
-
-class RequestRefused(CoordinatorError):
-    def __init__(self, code: str, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-
-
-# The outcome of a step attempt, as a report or `wait_outcome` returns it to a replica (the coordinator's
-# decisions behind the first two are protocol.Committed and protocol.Redo).
-@dataclass(frozen=True)
-class StepCommitted:
-    step: int
-
-
-@dataclass(frozen=True)
-class StepRedo:
-    step: int
-    view: View  # the plan for the survivors, attempt_epoch = the epoch to reduce in
-
-
-@dataclass(frozen=True)
-class Stopped:
-    status: str  # quorum_lost | diverged | finished
-    reason: str
-
-
-Outcome = StepCommitted | StepRedo | Stopped
 
 
 class _Once:
@@ -161,263 +102,10 @@ class _Once:
             fn()
 
 
-def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
-    sock = socket.create_connection((host, port), timeout=timeout_s)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def request_once(
-    host: str, port: int, req: dict[str, Any], *, token: str | None = None, timeout_s: float = 5.0
-) -> dict[str, Any]:
-    """One request on a fresh connection (tools, the CLI's `status`)."""
-    try:
-        with _connect(host, port, timeout_s) as sock:
-            send_frame(sock, {**req, "token": token} if token else req)
-            return recv_frame(sock)
-    except (OSError, ProtocolError) as e:
-        raise CoordinatorUnreachable(f"coordinator {host}:{port}: {e}") from e
-
-
-class _Leader:
-    """The coordinator addresses a client may reach (the first is tried first) and the one it
-    speaks to now. A failure on the current one moves every channel on to the next."""
-
-    def __init__(self, addresses: list[tuple[str, int]]) -> None:
-        self.addresses = addresses
-        self._at = 0
-        self.generation = 0  # grows at every move
-        self._lock = threading.Lock()
-
-    def current(self) -> tuple[str, int, int]:
-        with self._lock:
-            host, port = self.addresses[self._at]
-            return host, port, self.generation
-
-    def failed(self, generation: int) -> None:
-        with self._lock:
-            if generation == self.generation and len(self.addresses) > 1:
-                self._at = (self._at + 1) % len(self.addresses)
-                self.generation += 1
-
-
-class _Channel:
-    """One persistent connection with a lock; reconnects lazily after an error."""
-
-    def __init__(
-        self, host: str, port: int, timeout_s: float, leader: _Leader | None = None
-    ) -> None:
-        self.leader = leader or _Leader([(host, port)])
-        self.host, self.port, self.timeout_s = host, port, timeout_s
-        self.generation = 0
-        self.lock = threading.Lock()
-        self.sock: socket.socket | None = None
-
-    def call(
-        self,
-        req: dict[str, Any],
-        wait_s: float = 0.0,
-        timeout_s: float | None = None,
-        on_taken: Callable[[], None] | None = None,
-    ) -> dict[str, Any]:
-        """Send one request, return its reply; caller holds `lock`. `timeout_s`: how long the
-        reply may take beyond `wait_s` (default: the channel's; it bounds the connect too). A
-        `{"taken": true}` frame before the reply (a report that waits for its outcome) runs
-        `on_taken`."""
-        patience = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            if self.sock is None:
-                self.host, self.port, self.generation = self.leader.current()
-                self.sock = _connect(self.host, self.port, min(self.timeout_s, patience))
-            self.sock.settimeout(wait_s + patience)
-            send_frame(self.sock, req)
-            reply = recv_frame(self.sock)
-            while reply.get("taken") is True:
-                if on_taken is not None:
-                    try:
-                        on_taken()
-                    except BaseException:
-                        self.close()  # its reply is still to come: nobody may read it
-                        raise
-                reply = recv_frame(self.sock)
-            return reply
-        except (OSError, ProtocolError) as e:
-            self.close()
-            self.leader.failed(self.generation)
-            raise CoordinatorUnreachable(f"coordinator {self.host}:{self.port}: {e!r}") from e
-
-    def interrupt(self) -> None:
-        """Wake a call blocked on this channel (from another thread): it fails and reconnects."""
-        sock = self.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            finally:
-                self.sock = None
-
-
-class NodeLink:
-    """A node agent's line to the coordinator (recover.agent): one beat at a time, to whichever
-    of `addresses` answers (a standby coordinator after a takeover). `beat` raises
-    CoordinatorUnreachable when none answers within `timeout_s`; RequestRefused when refused."""
-
-    def __init__(
-        self, addresses: list[tuple[str, int]], *, token: str | None, timeout_s: float = 2.0
-    ) -> None:
-        if not addresses:
-            raise ValueError("a node link needs at least one coordinator address")
-        self._channel = _Channel(*addresses[0], timeout_s, _Leader(list(addresses)))
-        self._token = token
-
-    def beat(self, **fields: Any) -> dict[str, Any]:
-        req = {"kind": "node_beat", **fields}
-        if self._token:
-            req["token"] = self._token
-        with self._channel.lock:
-            reply = self._channel.call(req)
-        if not reply.get("ok"):
-            raise RequestRefused(str(reply.get("code")), str(reply.get("reason")))
-        return reply
-
-    def close(self) -> None:
-        with self._channel.lock:
-            self._channel.close()
-
-
-class CoordinatorClient:
-    """The coordinator as one replica sees it (see the module docstring)."""
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        *,
-        replica_id: int,
-        token: str | None = None,
-        heartbeat_s: float = 0.1,
-        rpc_timeout_s: float = 5.0,
-        coordinator_grace_s: float = 10.0,
-        incarnation: str | None = None,
-        standbys: list[tuple[str, int]] | tuple = (),
-    ) -> None:
-        if not is_int(replica_id) or replica_id < 0:
-            raise ValueError(f"replica_id must be an int >= 0, got {replica_id!r}")
-        for name, v in (
-            ("heartbeat_s", heartbeat_s),
-            ("rpc_timeout_s", rpc_timeout_s),
-            ("coordinator_grace_s", coordinator_grace_s),
-        ):
-            if not (isinstance(v, int | float) and v > 0):
-                raise ValueError(f"{name} must be a number > 0, got {v!r}")
-        self.replica_id = replica_id
-        # Fresh per process start. A launcher may choose it (to send process_exit for its child);
-        # it must never reuse one.
-        self.incarnation = incarnation or uuid.uuid4().hex
-        self._token = token
-        self._heartbeat_s = heartbeat_s
-        self._rpc_timeout_s = rpc_timeout_s
-        # The coordinator is lost once none answered for this long (see CoordinatorUnreachable);
-        # until then calls reconnect and ask again, and nothing commits.
-        self._grace_s = coordinator_grace_s
-        self._answered_at = time.monotonic()  # the last reply of a coordinator, any connection
-        # Where the leader may be: this address, then the standbys' (see the module docstring).
-        self._leader = _Leader([(host, port), *[(str(h), int(p)) for h, p in standbys]])
-        self._standbys = len(self._leader.addresses) > 1
-        self._session = _Channel(host, port, rpc_timeout_s, self._leader)
-        self._rpc = _Channel(host, port, rpc_timeout_s, self._leader)
-        self._lease_s = 1.0  # the coordinator's lease (told at registration)
-        self._lock = threading.Lock()  # guards the fields below
-        self._view: View | None = None
-        self._recent: dict[int, View] = {}  # the last few views we held, by version
-        self._store_address: tuple[str, int] | None = None
-        self._evicted: str | None = None
-        self._unreachable: str | None = None
-        self._fingerprint: dict[str, Any] = {}
-        self._next_step = 0
-        self._stop = threading.Event()
-        self._heartbeats: threading.Thread | None = None
-        # Fencing (see writes_allowed): when this incarnation was last known to be a member.
-        self._fence_s = _DEFAULT_FENCE_S
-        self._beat = threading.Condition()  # notified after every heartbeat round
-        self._confirmed_at: float | None = None  # send time of the last confirming round
-        self._last_sent: float | None = None  # send time of the last round
-        self._silent = False  # a silence longer than the fence window; an answer clears it
-        # Whether no coordinator was listening (connections refused) since the last answer, and
-        # already when the silence began: then no coordinator could have evicted this
-        # incarnation meanwhile (see writes_allowed).
-        self._refused_since_answer: bool | None = None  # None: no failed round since
-        self._silent_while_gone = False
-
-    # ------------------------------------------------------------ properties
-
-    @property
-    def view(self) -> View | None:
-        with self._lock:
-            return self._view
-
-    @property
-    def store_address(self) -> tuple[str, int] | None:
-        return self._store_address
-
-    @property
-    def evicted(self) -> bool:
-        return self._evicted is not None
-
-    @property
-    def lost(self) -> str | None:
-        """Why the coordinator counts as lost (none answered for the grace), or None."""
-        if self._unreachable is None and not self._coordinator_lost():
-            return None
-        return self._unreachable or self._lost_reason(RuntimeError("no answer"))
-
-    def confirm_member(self) -> None:
-        """Return once the coordinator confirmed this incarnation is still a member (the fence,
-        `writes_allowed`); a process woken after a freeze acts on no stale view before that.
-        CoordinatorUnreachable when none answered for the grace (not an eviction), else
-        Evicted."""
-        if self.writes_allowed():
-            return
-        if self.lost is not None:
-            raise CoordinatorUnreachable(self.lost)
-        raise Evicted(f"replica {self.replica_id} is not a confirmed member any more")
-
-    def writes_allowed(self, *, wait_s: float | None = None) -> bool:
-        """Whether this incarnation may write to the run folder now (the fence; see the module
-        docstring). Without a fresh confirmation it waits for the next heartbeat round, at most
-        `wait_s` (default: the coordinator's grace, or one rpc timeout if longer, and one
-        heartbeat: a frozen coordinator may answer yet); False when evicted, or when no
-        confirmation came in time. Before registration and after leave(), nothing is fenced."""
-        if self._heartbeats is None:
-            return self._evicted is None
-        patience = max(self._rpc_timeout_s, self._grace_s) + self._heartbeat_s
-        if self.lost:  # none answered for the grace: one fence window more, not another grace
-            patience = self._fence_s + self._heartbeat_s
-        end = time.monotonic() + (patience if wait_s is None else wait_s)
-        with self._beat:
-            while True:
-                if self._evicted is not None:
-                    return False
-                if self._stop.is_set():  # left (or closing): it was a member up to here
-                    return True
-                now = time.monotonic()
-                confirmed = self._confirmed_at
-                if not self._silent and confirmed is not None and now - confirmed <= self._fence_s:
-                    return True
-                if self._silent and self._silent_while_gone and self._refused_since_answer:
-                    # A silence (a starved thread, say) that began after the last coordinator
-                    # stopped listening, none listening since: nobody can have evicted it. This
-                    # lets the lowest replica save when the coordinator is lost (worker.py).
-                    return True
-                if now >= end:
-                    return False
-                self._beat.wait(min(end - now, self._heartbeat_s))
+class CoordinatorClient(HeartbeatSession):
+    """The coordinator as one replica sees it (see the module docstring). Built as its base,
+    HeartbeatSession: `CoordinatorClient(host, port, *, replica_id, token, heartbeat_s,
+    rpc_timeout_s, coordinator_grace_s, incarnation, standbys)`."""
 
     # ------------------------------------------------------------ API of the training loop
 
@@ -611,25 +299,6 @@ class CoordinatorClient:
 
     # ------------------------------------------------------------ internals
 
-    def _member(self, req: dict[str, Any]) -> dict[str, Any]:
-        req = {**req, "replica_id": self.replica_id, "incarnation": self.incarnation}
-        view = self.view
-        req.setdefault("view_version", view.version if view is not None else -1)
-        if self._token is not None:
-            req["token"] = self._token
-        return req
-
-    def _register_session(self, patience: float | None = None) -> dict[str, Any]:
-        req = {"kind": "register", "fingerprint": self._fingerprint, "next_step": self._next_step}
-        req = self._member(req)
-        with self._session.lock:
-            generation = self._session.generation
-            reply = self._session.call(req, timeout_s=patience)
-        self._absorb(reply, req["view_version"])
-        if self._session.generation != generation:
-            self._rpc.interrupt()  # a call parked on the old leader moves on at once
-        return reply
-
     def _rpc_call(
         self,
         req: dict[str, Any],
@@ -662,45 +331,11 @@ class CoordinatorClient:
         self._raise_refusal(reply)
         return False
 
-    def _absorb(self, reply: dict[str, Any], known: Any) -> None:
-        """Take a reply's store address and view. The view is relative to the version `known`
-        that the request named (a delta of the live set, no plan when that one's is the same),
-        so it is merged with that view, held among the last few, even when another reply (a
-        held heartbeat) moved ours on meanwhile; it replaces ours only if it is not older."""
-        self._answered_at = time.monotonic()  # every reply passes here
-        store = reply.get("store")
-        if reply.get("ok") and store:  # a new leader hosts a new store: the next epoch uses it
-            self._store_address = (str(store[0]), int(store[1]))
-        raw = reply.get("view")
-        if raw is None:
-            return
-        with self._lock:
-            base = self._recent.get(known, self._view) if isinstance(known, int) else self._view
-            view = merge_view(base, raw)
-            if view is not None and (self._view is None or view.version >= self._view.version):
-                self._view = view
-                self._recent[view.version] = view
-                while len(self._recent) > _RECENT_VIEWS:
-                    del self._recent[min(self._recent)]
-
     def _check(self) -> None:
         if self._evicted is not None:
             raise Evicted(self._evicted)
         if self._unreachable is not None:
             raise CoordinatorUnreachable(self._unreachable)
-
-    def _raise_refusal(self, reply: dict[str, Any]) -> None:
-        if reply.get("ok"):
-            return
-        code, why = str(reply.get("code", "")), str(reply.get("reason", ""))
-        if code in ("evicted", "unknown"):
-            self._evicted = self._evicted or (
-                f"replica {self.replica_id} incarnation {self.incarnation}: {why}"
-            )
-            raise Evicted(self._evicted)
-        if code == "quorum_lost":
-            raise QuorumLost(why)
-        raise RequestRefused(code, why)
 
     def _raise_status(self, view: View) -> View:
         if view.status == "quorum_lost":
@@ -722,95 +357,3 @@ class CoordinatorClient:
                 if self._coordinator_lost():
                     raise CoordinatorUnreachable(self._lost_reason(e)) from None
                 time.sleep(self._heartbeat_s)
-
-    def _coordinator_lost(self) -> bool:
-        """No coordinator answered for longer than the grace."""
-        return self._grace_left() < 0
-
-    def _grace_left(self) -> float:
-        """Seconds until the grace since the last answer of a coordinator runs out."""
-        return self._grace_s - (time.monotonic() - self._answered_at)
-
-    def _lost_reason(self, error: BaseException) -> str:
-        return (
-            f"no coordinator answered for {time.monotonic() - self._answered_at:.1f} s, longer "
-            f"than the grace of {self._grace_s:g} s (--coordinator-grace); last error: "
-            f"{str(error)[:160]}"
-        )
-
-    def _heartbeat_loop(self) -> None:
-        next_at = time.monotonic() + self._heartbeat_s
-        while True:
-            if self._stop.wait(max(0.0, next_at - time.monotonic())):
-                return
-            sent = time.monotonic()
-            next_at = sent + self._heartbeat_s
-            with self._beat:
-                if self._last_sent is not None and sent - self._last_sent > self._fence_s:
-                    gone = self._refused_since_answer is True  # (the rounds before the gap)
-                    self._silent_while_gone = gone and (self._silent_while_gone or not self._silent)
-                    self._silent = True  # frozen or starved this long: evicted meanwhile?
-                self._last_sent = sent
-            view = self.view
-            req = {"kind": "heartbeat", "epoch": view.epoch if view else 0}
-            req["view_version"] = view.version if view else -1
-            req["hold_s"] = self._heartbeat_s  # a new epoch is pushed while the reply is held
-            # With standbys, a leader that does not answer within a lease (frozen, or deposed)
-            # is left for the next address. Never past the grace: a cut-off coordinator (frames
-            # vanish, nothing is refused) is found lost when the grace ends, not a timeout later.
-            patience = 2 * self._lease_s if self._standbys else self._rpc_timeout_s
-            patience = min(patience, max(0.05, self._grace_left()))
-            try:
-                with self._session.lock:
-                    if self._stop.is_set():
-                        return
-                    fresh = self._session.sock is None
-                    if not fresh:
-                        reply = self._session.call(self._member(req), self._heartbeat_s, patience)
-                if fresh:  # a new session must start with a (same-incarnation) register
-                    reply = self._register_session(patience)
-                self._absorb(reply, req["view_version"])
-                self._unreachable = None
-            except CoordinatorUnreachable as e:
-                if self._coordinator_lost():
-                    self._unreachable = self._lost_reason(e)
-                    # The training thread may be parked in a long poll on the rpc connection,
-                    # which would wait out its own timeout: it fails now and finds us lost.
-                    self._rpc.interrupt()
-                with self._beat:  # refused: nothing listens there (a timeout: frozen, or cut off)
-                    refused = isinstance(e.__cause__, ConnectionRefusedError)
-                    before = self._refused_since_answer
-                    self._refused_since_answer = refused and before is not False
-                self._heard_back(sent, answered=False)
-                continue
-            if reply.get("code") not in ("evicted", "unknown"):
-                self._heard_back(sent, answered=True)
-            if not reply.get("ok") and reply.get("code") == "expired":
-                try:  # expired while pending (never admitted, not fenced): wait again
-                    reply = self._register_session()
-                except CoordinatorUnreachable:
-                    continue
-            if not reply.get("ok"):
-                try:
-                    self._raise_refusal(reply)
-                except Evicted:
-                    with self._beat:
-                        self._beat.notify_all()  # a writer waiting at the fence: it is closed
-                    return  # the training thread sees it at its next call
-                except CoordinatorError:
-                    pass  # e.g. the run stopped: the view says so
-
-    def _heard_back(self, sent: float, *, answered: bool) -> None:
-        """A heartbeat round sent at `sent` ended without "evicted": answered by the coordinator,
-        or failed to reach it (a gone coordinator fences nobody, but cannot end a silence)."""
-        with self._beat:
-            if answered:
-                self._silent = False
-                self._refused_since_answer, self._silent_while_gone = None, False
-            if not self._silent:
-                self._confirmed_at = max(sent, self._confirmed_at or sent)
-            self._beat.notify_all()
-
-    def _join_heartbeats(self) -> None:
-        if self._heartbeats is not None and self._heartbeats is not threading.current_thread():
-            self._heartbeats.join(timeout=self._rpc_timeout_s + self._heartbeat_s + 1.0)

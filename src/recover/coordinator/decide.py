@@ -47,6 +47,16 @@ from recover.coordinator.attempt import (
     _on_failed,
     _redo,
 )
+from recover.coordinator.decisions import (
+    Admitted,
+    Decision,
+    EpochChanged,
+    Finished,
+    MemberDead,
+    Refused,
+    Registered,
+    Revalidated,
+)
 from recover.coordinator.membership import (
     _NO_STATE_LEFT,
     _alive_in_attempt,
@@ -59,26 +69,18 @@ from recover.coordinator.membership import (
     _refuse,
     _suspects_itself,
 )
-from recover.coordinator.protocol import (
-    Admitted,
-    Decision,
-    EpochChanged,
-    Finished,
+from recover.coordinator.messages import (
     Heartbeat,
     Heartbeats,
     LeaseExpired,
     Leave,
-    MemberDead,
     Message,
     ProcessExit,
-    Refused,
     Register,
-    Registered,
     ReportDone,
     ReportFailed,
     ReportsDone,
     Resumed,
-    Revalidated,
     Takeover,
     Tick,
 )

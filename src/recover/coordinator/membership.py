@@ -43,17 +43,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 from recover.checks import is_int
-from recover.coordinator.protocol import (
+from recover.coordinator.decisions import (
     EpochChanged,
     MemberDead,
-    Message,
     QuorumLost,
     Reforming,
     Refused,
-    Register,
     Revalidated,
     SuspectHardware,
 )
+from recover.coordinator.messages import Message, Register
 from recover.coordinator.state_store import (
     DEAD,
     DIVERGED,

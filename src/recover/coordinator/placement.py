@@ -2,7 +2,7 @@
 
 Job: given the job's R replica ids and the nodes that are alive now (each with its free slots,
 the order it joined in, and the ids it holds), the ids each node hosts from now on. The server
-(server.py) keeps the node table and the nodes' leases; a node agent (recover.agent) starts and
+(nodes.py) keeps the node table and the nodes' leases; a node agent (recover.agent) starts and
 stops replica processes to match what this rule gives it.
 
 Rules:

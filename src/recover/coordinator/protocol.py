@@ -1,15 +1,16 @@
-"""What replicas and the coordinator say to each other, and how it travels.
+"""How replicas and the coordinator talk: the frame, the published view, and their errors.
 
-Job: the message types that `decide()` consumes, the published `View`, their JSON codec with
-strict validation, and the frame format: a 4-byte big-endian length, then that many bytes of a
-UTF-8 JSON object. One request frame gets one reply frame, in order, on one TCP connection;
-the one exception is a report that waits for its outcome (a done or failed report with
-`deadline_s`): a `{"ok": true, "taken": true}` frame may come before its reply.
+Job: the frame format (a 4-byte big-endian length, then that many bytes of a UTF-8 JSON
+object), the published `View` with its wire form (`to_dict`, `from_dict`, `merge_view`), the
+protocol's errors, and the environment names where a process finds the coordinator. One request
+frame gets one reply frame, in order, on one TCP connection; the one exception is a report that
+waits for its outcome (a done or failed report with `deadline_s`): a `{"ok": true, "taken":
+true}` frame may come before its reply. What a request says: messages.py (the inputs of
+`decide()`, their strict decoding); what the rules answer: decisions.py.
 
 Invariants:
 - A frame longer than MAX_FRAME (1 MiB) is never read into memory: `FrameTooLarge`.
-- Decoding either returns a well-typed message or raises `ProtocolError` naming the field; no
-  partially valid message reaches the rules.
+- A malformed frame or view raises `ProtocolError`; nothing half-read is returned.
 - Every request may carry `token`; the server, not this module, checks it.
 
 Wire additions for scale (docs/coordinator.md): a view's plan travels as `plan_runs`
@@ -20,10 +21,8 @@ the reply is then relative to it (`merge_view`): without the plan (`"pulse": tru
 plan is the one of that version (`plan_version`), and with `live_from` (the ids gone and new since
 that version's epoch) instead of `live`. The whole view travels compact (views.py):
 `live_runs` for `live`, and `plan` for the plan and its weights: the rule {"assign": M,
-"members", "weight"} that `assign` recomputes, or {"plan_runs", "weights"}. `Heartbeats` and
-`Tick(due=...)` are not wire messages: the server builds them for the rules. Relays (relay.py) add `done_batch` (`ReportsDone`: the done
-reports of several replicas in one message) and `lease_expired` (`LeaseExpired`: a lease judged
-at the relay).
+"members", "weight"} that `assign` recomputes, or {"plan_runs", "weights"}. Relays (relay.py)
+add `done_batch` and `lease_expired` (messages.py).
 
 Wire additions for the record (docs/metrics.md): the register reply carries `lease_s` (the
 replica's fence window); a done report may carry
@@ -40,8 +39,8 @@ import asyncio
 import json
 import socket
 import struct
-from dataclasses import MISSING, asdict, dataclass, fields, replace
-from typing import Any, ClassVar
+from dataclasses import dataclass, replace
+from typing import Any
 
 from recover.policy import assign
 
@@ -51,36 +50,8 @@ __all__ = [
     "TOKEN_ENV",
     "FrameTooLarge",
     "ProtocolError",
-    "Register",
-    "Heartbeat",
-    "Heartbeats",
-    "ProcessExit",
-    "ReportDone",
-    "ReportFailed",
-    "Leave",
-    "LeaseExpired",
-    "ReportsDone",
-    "Tick",
-    "Resumed",
-    "Takeover",
-    "Message",
     "View",
-    "Decision",
-    "Admitted",
-    "Committed",
-    "Diverged",
-    "EpochChanged",
-    "Finished",
-    "MemberDead",
-    "SuspectHardware",
-    "QuorumLost",
-    "Redo",
-    "Refused",
-    "Registered",
-    "decode_message",
-    "decode_done_batch",
     "merge_view",
-    "encode_message",
     "read_frame_async",
     "write_frame_async",
     "recv_frame",
@@ -91,6 +62,9 @@ __all__ = [
 # says it (the launcher sets both for its children; `coordinator serve` and `status` read them).
 COORDINATOR_ENV = "RECOVER_COORDINATOR"  # HOST:PORT
 TOKEN_ENV = "RECOVER_TOKEN"
+# A replica (or relay) silent this long is declared dead (how="lease"), unless the coordinator
+# is told another (--lease); the coordinator tells every replica its lease when it registers.
+DEFAULT_LEASE_S = 1.0
 
 MAX_FRAME = 1 << 20
 _HEADER = struct.Struct(">I")
@@ -102,249 +76,6 @@ class ProtocolError(ValueError):
 
 class FrameTooLarge(ProtocolError):
     """A frame header announced more than MAX_FRAME bytes."""
-
-
-# ---------------------------------------------------------------- messages (inputs of decide)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Register:
-    replica_id: int
-    incarnation: str
-    fingerprint: dict[str, Any]
-    next_step: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class Heartbeat:
-    replica_id: int
-    incarnation: str
-    epoch: int  # the epoch the replica knows (older is fine: it gets the new view)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ProcessExit:
-    replica_id: int
-    incarnation: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReportDone:
-    replica_id: int
-    incarnation: str
-    step: int
-    epoch: int
-    param_hash: str | None = None
-    # Microbatches per second this replica measured while computing its share of the attempt:
-    # one sample per step, so the next step's plan always sees it (a heartbeat could lag).
-    throughput: float | None = None
-    # The replica asks to leave at the boundary of this step (a planned leave: SIGTERM); the
-    # coordinator plans the next step without it when this step commits.
-    leaving: bool = False
-    # Its own part of the sum (its local gradient and loss sums) is finite. Sent false only when
-    # the reduced sum is not finite: the coordinator then has the replicas' parts told apart.
-    finite: bool = True
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReportFailed:
-    replica_id: int
-    incarnation: str
-    step: int
-    epoch: int
-    reason: str = ""
-    # The members this replica could not dial when the attempt's group would not form, with why
-    # (recover.runtime.reach): ((replica_id, why), ...). The coordinator evicts a member that a
-    # majority of the others cannot dial, in consecutive attempts (membership._evict_unreachable).
-    unreachable: tuple[tuple[int, str], ...] = ()
-
-
-@dataclass(frozen=True, kw_only=True)
-class Leave:
-    replica_id: int
-    incarnation: str
-    step: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class LeaseExpired:
-    """A relay judged this replica's lease (no heartbeat for lease_s at the relay)."""
-
-    replica_id: int
-    incarnation: str
-
-
-@dataclass(frozen=True)
-class ReportsDone:
-    """Done reports of several replicas, as one message (a relay batches its replicas' reports
-    of one attempt). The rules treat each report as if it came alone, then judge the attempt
-    once: a batch changes the cost, never what a commit means."""
-
-    reports: tuple[ReportDone, ...]
-
-
-@dataclass(frozen=True)
-class Heartbeats:
-    """Heartbeats the transport read since its last batch: (replica_id, incarnation, read at).
-
-    Not a wire message: the server answers each heartbeat at once (a refusal through `decide`)
-    and hands the rest to the rules in one batch per tick, each judged from when it was read."""
-
-    seen: tuple[tuple[int, str, float], ...]
-
-
-@dataclass(frozen=True)
-class Resumed:
-    """The coordinator's own loop did not run for `paused_s` (its process was stopped, its host
-    stalled or swapped): nobody could have been heard meanwhile. Every live or pending member
-    gets a fresh lease from now before any lease is judged.
-
-    Not a wire message: the server applies it when it notices the gap."""
-
-    paused_s: float
-
-
-@dataclass(frozen=True)
-class Tick:
-    """The clock moved: expire leases, check the start deadline.
-
-    `due`: the replicas whose lease may have run out (the server keeps leases in deadline
-    order); None checks every member."""
-
-    due: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class Takeover:
-    """A new leader (term `term`) took the state over from a saved one: every member gets a
-    lease of `grace_s` from now to find it, and the in-flight attempt is resolved as after any
-    fault (committed if every live member's done is on record, else redone in a new epoch).
-
-    Not a wire message: the server of a new term applies it once, before it serves."""
-
-    term: int
-    grace_s: float
-
-
-Message = (
-    Register
-    | Heartbeat
-    | Heartbeats
-    | ProcessExit
-    | LeaseExpired
-    | ReportDone
-    | ReportsDone
-    | ReportFailed
-    | Leave
-    | Tick
-    | Resumed
-    | Takeover
-)
-
-MESSAGE_KINDS: dict[str, type] = {
-    "register": Register,
-    "heartbeat": Heartbeat,
-    "process_exit": ProcessExit,
-    "done": ReportDone,
-    "failed": ReportFailed,
-    "leave": Leave,
-    "lease_expired": LeaseExpired,
-}
-_KIND_OF = {cls: kind for kind, cls in MESSAGE_KINDS.items()}
-
-
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-_CHECKS = {
-    "replica_id": (_int, "an int"),
-    "incarnation": (lambda v: isinstance(v, str) and 0 < len(v) <= 128, "a non-empty string"),
-    "fingerprint": (lambda v: isinstance(v, dict), "an object"),
-    "next_step": (lambda v: _int(v) and v >= 0, "an int >= 0"),
-    "epoch": (_int, "an int"),
-    "step": (_int, "an int"),
-    "throughput": (
-        lambda v: v is None or (isinstance(v, int | float) and not isinstance(v, bool)),
-        "a number or null",
-    ),
-    "param_hash": (lambda v: v is None or isinstance(v, str), "a string or null"),
-    "reason": (lambda v: isinstance(v, str), "a string"),
-    "leaving": (lambda v: isinstance(v, bool), "a boolean"),
-    "finite": (lambda v: isinstance(v, bool), "a boolean"),
-    "unreachable": (
-        lambda v: (
-            isinstance(v, list | tuple)
-            and len(v) <= 4096
-            and all(
-                isinstance(p, list | tuple) and len(p) == 2 and _int(p[0]) and isinstance(p[1], str)
-                for p in v
-            )
-        ),
-        "a list of [replica_id, reason] pairs",
-    ),
-}
-
-
-def check_field(name: str, value: Any) -> Any:
-    ok, what = _CHECKS[name]
-    if not ok(value):
-        raise ProtocolError(f"field {name!r} must be {what}, got {value!r}"[:300])
-    return value
-
-
-def decode_message(req: dict[str, Any]) -> Message:
-    """A request dict -> a typed message, or ProtocolError naming the bad field. Fields the
-    message does not have are ignored: `token`, `view_version`, and what older clients still
-    send (a failed report's `suspects`, from before the accusation rule was removed)."""
-    kind = req.get("kind")
-    cls = MESSAGE_KINDS.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown message kind {kind!r}"[:200])
-    args = {}
-    for f in fields(cls):
-        if f.name in req:
-            args[f.name] = check_field(f.name, req[f.name])
-        elif f.default is not MISSING:  # optional field
-            continue
-        else:
-            raise ProtocolError(f"{kind}: missing field {f.name!r}")
-    if "unreachable" in args:
-        args["unreachable"] = tuple((int(r), why) for r, why in args["unreachable"])
-    if isinstance(args.get("throughput"), int):
-        args["throughput"] = float(args["throughput"])
-    return cls(**args)
-
-
-def decode_done_batch(req: dict[str, Any]) -> ReportsDone:
-    """{"kind": "done_batch", "step", "epoch", "reports": [[replica_id, incarnation, param_hash,
-    throughput], ...]} -> ReportsDone, or ProtocolError naming the bad field."""
-    step, epoch = check_field("step", req.get("step")), check_field("epoch", req.get("epoch"))
-    rows = req.get("reports")
-    if not isinstance(rows, list) or not all(isinstance(x, list) and len(x) == 4 for x in rows):
-        raise ProtocolError(
-            "field 'reports' must be a list of [replica_id, incarnation, param_hash, throughput]"
-        )
-    out = []
-    for r, inc, h, tp in rows:
-        tp = check_field("throughput", tp)
-        out.append(
-            ReportDone(
-                replica_id=check_field("replica_id", r),
-                incarnation=check_field("incarnation", inc),
-                step=step,
-                epoch=epoch,
-                param_hash=check_field("param_hash", h),
-                throughput=float(tp) if tp is not None else None,
-            )
-        )
-    return ReportsDone(tuple(out))
-
-
-def encode_message(msg: Message) -> dict[str, Any]:
-    d = asdict(msg)
-    d["kind"] = _KIND_OF[type(msg)]
-    return d
 
 
 # ---------------------------------------------------------------- the published view
@@ -519,143 +250,6 @@ def _plan_of(d: dict[str, Any]) -> dict[int, tuple[int, ...]]:
         return {int(r): tuple(int(j) for j in ids) for r, ids in d["plan_ids"].items()}
     return {int(r): tuple(_ids_of_runs(runs)) for r, runs in d["plan_runs"].items()}
 
-
-# ---------------------------------------------------------------- decisions (outputs of decide)
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Decision:
-    name: ClassVar[str] = "decision"
-    reason: str
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}  # asdict deep-copies: slow
-        for k, v in list(d.items()):
-            if isinstance(v, dict):
-                d[k] = {str(r): (list(x) if isinstance(x, tuple) else x) for r, x in v.items()}
-            elif isinstance(v, tuple):
-                d[k] = list(v)
-        return {"decision": self.name, **d}
-
-
-@dataclass(frozen=True, kw_only=True)
-class EpochChanged(_Decision):
-    name: ClassVar[str] = "epoch_changed"
-    epoch: int
-    live: tuple[int, ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemberDead(_Decision):
-    name: ClassVar[str] = "member_dead"
-    replica_id: int
-    incarnation: str
-    how: str  # exit | lease | report
-
-
-@dataclass(frozen=True, kw_only=True)
-class SuspectHardware(_Decision):
-    """A replica whose part of a step was not finite, where the same microbatch ids recomputed on
-    other replicas were: it computed wrongly (a silent data corruption). It is evicted."""
-
-    name: ClassVar[str] = "suspect_hardware"
-    replica_id: int
-    incarnation: str
-    step: int  # the step whose ids it computed wrongly (the preceding redo lists them)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Committed(_Decision):
-    name: ClassVar[str] = "committed"
-    step: int
-    epoch: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class Redo(_Decision):
-    name: ClassVar[str] = "redo"
-    step: int
-    epoch: int  # the new attempt epoch
-    lost: tuple[int, ...]  # ids the dead members of the failed attempt held
-    reassigned: dict[int, tuple[int, ...]]  # survivor -> lost ids it now also holds
-
-
-@dataclass(frozen=True, kw_only=True)
-class QuorumLost(_Decision):
-    name: ClassVar[str] = "quorum_lost"
-    live: tuple[int, ...]
-    min_replicas: int
-    committed_step: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class Reforming(_Decision):
-    """A run that lost its quorum forms again: a replica registered (restarted with --resume)
-    once no member of the old run was still live. The old incarnations are fenced."""
-
-    name: ClassVar[str] = "reforming"
-    replica_id: int
-    lost_at: int  # the last committed step before the quorum was lost
-
-
-@dataclass(frozen=True, kw_only=True)
-class Refused(_Decision):
-    name: ClassVar[str] = "refused"
-    replica_id: int | None
-    incarnation: str | None
-    code: str  # evicted | left | unknown | stale | mismatch | duplicate | <status>
-
-
-@dataclass(frozen=True, kw_only=True)
-class Registered(_Decision):
-    name: ClassVar[str] = "registered"
-    replica_id: int
-    incarnation: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class Admitted(_Decision):
-    name: ClassVar[str] = "admitted"
-    replica_ids: tuple[int, ...]
-    epoch: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class Diverged(_Decision):
-    name: ClassVar[str] = "diverged"
-    step: int
-    hashes: dict[int, str]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Revalidated(_Decision):
-    """The coordinator noticed its own pause (`Resumed`) and gave every member a fresh lease."""
-
-    name: ClassVar[str] = "revalidated"
-    paused_s: float
-    members: tuple[int, ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Finished(_Decision):
-    name: ClassVar[str] = "finished"
-
-
-Decision = (
-    EpochChanged
-    | MemberDead
-    | SuspectHardware
-    | Committed
-    | Redo
-    | QuorumLost
-    | Refused
-    | Registered
-    | Admitted
-    | Diverged
-    | Finished
-    | Revalidated
-    | Reforming
-)
 
 # ---------------------------------------------------------------- framing
 

@@ -43,12 +43,13 @@ from typing import Any
 
 from recover.checks import is_number
 from recover.coordinator.attempt import attempt_outcome
+from recover.coordinator.messages import check_field
 from recover.coordinator.pacing import LeaseQueue, StreamProtocol, Waiters
 from recover.coordinator.protocol import (
+    DEFAULT_LEASE_S,
     MAX_FRAME,
     ProtocolError,
     View,
-    check_field,
     merge_view,
 )
 from recover.coordinator.service import LoopService
@@ -148,7 +149,7 @@ class RelayServer(LoopService):
         self._beat_s, self._batch_s, self._tick_s = beat_s, batch_s, tick_s
         self._up_timeout_s = upstream_timeout_s
         self._members: dict[int, _Member] = {}
-        self._leases = LeaseQueue(1.0)
+        self._leases = LeaseQueue(DEFAULT_LEASE_S)  # (the coordinator says its own)
         self._heard: dict[int, float] = {}  # replica -> when its last heartbeat was read
         self._n_live = 0  # our replicas in the current view's live set (a done batch's size)
         self._view: View | None = None  # the coordinator's view, without its plan

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Protocol
 
 from recover.checks import is_int, is_number
-from recover.coordinator.protocol import View
+from recover.coordinator.protocol import DEFAULT_LEASE_S, View
 
 __all__ = [
     "CoordinatorOptions",
@@ -73,7 +73,7 @@ class CoordinatorOptions:
     # fingerprint's "microbatches" (the replicas declare it; `recover run` does not know it).
     microbatches: int
     min_replicas: int = 1  # fewer live replicas than this -> quorum_lost (resume from checkpoint)
-    lease_s: float = 1.0  # no heartbeat for this long -> dead (how="lease")
+    lease_s: float = DEFAULT_LEASE_S  # no heartbeat for this long -> dead (how="lease")
     start_deadline_s: float = 300.0  # forming gives up (or starts with >= min_replicas) after this
     throughput_weights: bool = False  # weight shares by measured throughput instead of equally
     # Weight of the newest sample (one per step, itself a mean over the step's microbatches) in

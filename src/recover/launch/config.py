@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from recover.coordinator.etcd import parse_state_url
 from recover.coordinator.etcd_local import find_etcd
+from recover.coordinator.state_store import CoordinatorOptions
 from recover.runtime.faults import FaultSpec, fault_flag
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.spec import ReplicaSpec
@@ -37,7 +38,7 @@ class LaunchConfig:
     # What every replica is and how it behaves (the same object the replicas get, as JSON).
     replica: ReplicaSpec = field(default_factory=ReplicaSpec)
     min_replicas: int = 1
-    lease_s: float = 1.0
+    lease_s: float = CoordinatorOptions.lease_s
     faults: tuple[FaultSpec, ...] = ()
     start_timeout_s: float = 60.0  # coordinator up and every replica registered by then
     respawn_s: float | None = None  # restart a dead replica after this many seconds (None: never)

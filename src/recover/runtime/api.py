@@ -230,6 +230,13 @@ class Replica:
             return self._writer_when_lost
         return self._records.writes()
 
+    @property
+    def _attached(self) -> ScriptWork:
+        """The model and optimizer of `attach()` (a step runs only after it)."""
+        if self._work is None:
+            raise UsageError("call replica.attach(model, optimizer) first")
+        return self._work
+
     # ---- set-up --------------------------------------------------------------------------------
     def event(self, name: str, **fields) -> None:
         """Record a library event in RECOVER_EVENTS (when the launcher named a file)."""
@@ -277,13 +284,13 @@ class Replica:
             self._faults("optimizer", self._committed, None)
 
     def _fingerprint(self, total_steps: int) -> dict:
-        model = self._work.model
+        model = self._attached.model
         shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in model.named_parameters())
         return {
             "microbatches": self.microbatches_per_step,
             "steps": total_steps,
             "model": hashlib.sha256(shapes.encode()).hexdigest()[:16],
-            "optimizer": type(self._work.optimizer).__name__,
+            "optimizer": type(self._attached.optimizer).__name__,
             "layout": self.layout.describe(),
             "cross_reduce": "gloo",
             **({"deterministic": True} if self.env.spec.deterministic else {}),
@@ -414,7 +421,7 @@ class Replica:
         records = self._records
         if not records.named or self._writer is None:
             return
-        state = whole_state(self._work.model, self.intra) if self.save_final else None
+        state = whole_state(self._attached.model, self.intra) if self.save_final else None
         if not records.writes():  # the replica's other ranks took part in gathering it
             return
         out = self._writer.path.parent
@@ -450,7 +457,7 @@ class Replica:
             raise UsageError(f"step {step} has committed already: go on to the next step")
         if self._in_step:
             raise UsageError("replica.microbatches() is already being iterated")
-        work = self._work
+        work = self._attached
         leftover = work.grads.leftover()
         if leftover:
             names = [n for n, p in work.model.named_parameters() if p.requires_grad]
@@ -557,7 +564,7 @@ class Replica:
             self._faults("backward", step, index)
         (loss * weight if weight != 1.0 else loss).backward()
         if weight:
-            self._work.grads.add_loss(j, float(loss.detach()))
+            self._attached.grads.add_loss(j, float(loss.detach()))
             self._faults("done", step, index)
         self._guard.tick()
         self._pending = None
@@ -623,7 +630,7 @@ class Replica:
         """At the process's exit: wait for the cross-replica groups torn down in the background
         (at once when their peers are gone; a stopped peer holds one until gloo's timeout)."""
         groups = self._groups
-        if not groups.wait_closed(0.5):
+        if groups is None or not groups.wait_closed(0.5):
             return
         bound = groups.config.pg_timeout_s
         log.info(

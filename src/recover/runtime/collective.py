@@ -254,7 +254,7 @@ class EpochGroup:
         # client would stall every other thread using it (heartbeats) until build_timeout_s. So
         # the group gets its own connection when the store can clone itself.
         try:
-            own_client = store.clone()
+            own_client = store.clone()  # type: ignore[attr-defined]  # (TCPStore has it)
         except (RuntimeError, NotImplementedError):
             own_client = store
         prefixed = dist.PrefixStore(f"{scope}{_STORE_PREFIX}{epoch}", own_client)
@@ -457,7 +457,7 @@ class EpochGroup:
 
     def _allreduce_options(self) -> dist.AllreduceOptions:
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # (the stubs differ)
         opts.timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
         return opts
 

@@ -248,7 +248,7 @@ class FaultInjector:
             os._exit(exits.FAULT_EXIT)
         elif spec.kind == "freeze":
             threading.Event().wait()  # never set: this thread is stuck, the others run on
-        elif spec.kind == "nan":
+        elif spec.kind == "nan" and self.corrupt is not None:  # (required for nan: __init__)
             self.corrupt()
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 
@@ -33,8 +34,9 @@ def laid_out_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         return local
     from torch.distributed.tensor import DTensor
 
+    d = cast(DTensor, p)
     return DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        local, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
     )
 
 
@@ -116,4 +118,5 @@ class GradientSum:
     def parameter_hash(self) -> str:
         """A cheap, exact fingerprint of this rank's parameters (sha256 of their bytes, 16 hex)."""
         # hashlib reads the array through the buffer protocol (no copy) and releases the GIL.
-        return hashlib.sha256(self.flat_parameters().numpy()).hexdigest()[:16]
+        flat = self.flat_parameters().numpy()
+        return hashlib.sha256(flat).hexdigest()[:16]  # type: ignore[arg-type]  # (a buffer)

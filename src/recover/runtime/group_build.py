@@ -46,7 +46,7 @@ _STORE_PREFIX = "recover/runtime/collective/epoch"
 
 def _gloo(prefixed, rank: int, world_size: int, config: CollectiveConfig) -> Callable[[], Any]:
     """The maker of one epoch's gloo group (host buffers)."""
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (not in the stubs)
     # The constructor's timeout bounds the rendezvous (full-mesh connect); ops get pg_timeout_s.
     options._timeout = datetime.timedelta(seconds=config.build_timeout_s)
     options._devices = gloo_devices(config)
@@ -178,7 +178,7 @@ def _reach_probe(
     def probe() -> dict[int, str]:
         try:
             try:
-                client = store.clone()
+                client = store.clone()  # type: ignore[attr-defined]  # (TCPStore has it)
             except (RuntimeError, NotImplementedError):
                 client = store
             view = dist.PrefixStore(prefix, client)

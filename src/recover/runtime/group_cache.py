@@ -44,15 +44,18 @@ class StoreFollower:
     standby that took over) hosts a new store, and the next epoch's group is built there.
     `address()` gives the store's current (host, port); a client is made once per address."""
 
-    def __init__(self, address: Callable[[], tuple[str, int]], timeout_s: float) -> None:
+    def __init__(self, address: Callable[[], tuple[str, int] | None], timeout_s: float) -> None:
         self._address = address
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._at: tuple[str, int] | None = None
         self._store: dist.Store | None = None
 
     def __call__(self) -> dist.Store:
-        at = tuple(self._address())
-        if at != self._at:
+        address = self._address()
+        if address is None:  # (the registration gives it, before any group is built)
+            raise RuntimeError("no store address: this replica has not registered")
+        at = (str(address[0]), int(address[1]))  # (a relayed address comes as a list)
+        if at != self._at or self._store is None:
             self._store = dist.TCPStore(at[0], at[1], is_master=False, timeout=self._timeout)
             self._at = at
         return self._store

@@ -48,17 +48,17 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from recover import exits
 from recover.coordinator.client import (
+    Channel,
     CoordinatorClient,
     CoordinatorUnreachable,
     Evicted,
+    Leader,
     Outcome,
     QuorumLost,
     RequestRefused,
     StepCommitted,
     StepRedo,
     Stopped,
-    _Channel,
-    _Leader,
 )
 from recover.coordinator.protocol import View
 from recover.runtime.env import RankEnv
@@ -164,7 +164,7 @@ class IntraReplica:
         interval = self.deadline_s / 5
         mates = [k for k in range(self.size) if k != self.rank]
         keys = [f"{_KEY}{k}" for k in mates]
-        seen = {k: (None, time.monotonic()) for k in mates}
+        seen: dict[int, tuple[str | None, float]] = {k: (None, time.monotonic()) for k in mates}
         tick = 0
         while not self._stop.wait(interval):
             tick += 1
@@ -238,7 +238,7 @@ class SoloLink:
         return self.client.register(**kw)
 
     @property
-    def store_address(self) -> tuple[str, int]:
+    def store_address(self) -> tuple[str, int] | None:
         return self.client.store_address
 
     @property
@@ -249,10 +249,10 @@ class SoloLink:
     def coordinator_lost(self) -> str | None:
         return self.client.lost
 
-    def live_view(self) -> View:
+    def live_view(self) -> View | None:
         return self.client.view
 
-    def step_view(self) -> View:
+    def step_view(self) -> View | None:
         return self.client.view
 
     def report(
@@ -328,7 +328,7 @@ class ReplicaLink:
         return self.intra.gather(obj)
 
     @property
-    def store_address(self) -> tuple[str, int]:
+    def store_address(self) -> tuple[str, int] | None:
         return self._store_address
 
     @property
@@ -341,14 +341,15 @@ class ReplicaLink:
         other ranks follow rank 0's stop through the relay."""
         return self.client.lost if self.client is not None else None
 
-    def live_view(self) -> View:
+    def live_view(self) -> View | None:
         """The newest view known on this rank (to abort collectives early); plans come from
         step_view() and outcomes, which are the same on every rank of the replica."""
         if self.client is not None:
             return self.client.view
-        return self._watcher.latest() or self._view
+        watcher = self._watcher  # (every rank but the first has one)
+        return (watcher.latest() if watcher is not None else None) or self._view
 
-    def step_view(self) -> View:
+    def step_view(self) -> View | None:
         return self._view
 
     # ---- the relayed calls -------------------------------------------------------------------
@@ -360,7 +361,7 @@ class ReplicaLink:
             except BaseException as e:
                 self.intra.relay(("raise", *_describe_error(e)))
                 raise
-            msg = ("view", view.to_dict(), list(self.client.store_address))
+            msg = ("view", view.to_dict(), list(self.client.store_address or ()))
         return self._absorb(self.intra.relay(msg), store=True)
 
     def report(
@@ -377,7 +378,7 @@ class ReplicaLink:
         rows = self.intra.gather((failure, param_hash, finite, unreachable or {}))
         failures = [f"rank {k}: {f}" for k, (f, _, _, _) in enumerate(rows) if f is not None]
         named = {r: why for *_, u in rows for r, why in u.items()}  # any rank's verdict
-        msg = None
+        msg: tuple[Any, ...] | None = None
         if self.client is not None:
             try:
                 if not failures:
@@ -404,21 +405,24 @@ class ReplicaLink:
             # With the store's address: a standby that took over hosts a new one (every rank
             # builds the next epoch's group there).
             store = list(self.client.store_address or ())
+            now = self.client.view
+            if now is None:  # (a report comes after the registration, which set it)
+                raise RuntimeError("a step report before this replica registered")
             if isinstance(out, StepCommitted):
-                msg = ("committed", out.step, self.client.view.to_dict(), store)
+                msg = ("committed", out.step, now.to_dict(), store)
             elif isinstance(out, StepRedo):
                 msg = ("redo", out.step, out.view.to_dict(), store)
             else:
-                msg = ("stopped", out.status, out.reason, self.client.view.to_dict(), store)
+                msg = ("stopped", out.status, out.reason, now.to_dict(), store)
         elif not failures:
             on_taken()
         msg = self.intra.relay(msg)
-        self._absorb(msg, store=True)
+        view = self._absorb(msg, store=True)
         kind = msg[0]
         if kind == "committed":
             return not failures, StepCommitted(msg[1])
         if kind == "redo":
-            return not failures, StepRedo(msg[1], self._view)
+            return not failures, StepRedo(msg[1], view)
         return not failures, Stopped(msg[1], msg[2])
 
     def agree(self, ok: bool) -> bool:
@@ -453,7 +457,7 @@ class _ViewWatcher:
         self, host: str, port: int, token: str | None, standbys: tuple[tuple[str, int], ...] = ()
     ) -> None:
         # every coordinator's address: after a takeover it follows the new leader
-        self._channel = _Channel(host, port, 5.0, _Leader([(host, port), *standbys]))
+        self._channel = Channel(host, port, 5.0, Leader([(host, port), *standbys]))
         self._token = token
         self._view: View | None = None
         self._stop = threading.Event()

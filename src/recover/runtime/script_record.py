@@ -177,9 +177,11 @@ def dashboards_for(spec, metrics, replica: int, config: Mapping[str, Any] | None
     first rank; each follows only the steps its replica wrote (recover.dashboards)."""
     if not (spec.tensorboard or spec.wandb):
         return []
-    from recover.dashboards import RecordMirror, TensorBoardBackend, WandbBackend
+    from recover.dashboards import Backend, RecordMirror, TensorBoardBackend, WandbBackend
 
-    backends = [TensorBoardBackend(Path(spec.tensorboard))] if spec.tensorboard else []
+    backends: list[Backend] = []
+    if spec.tensorboard:
+        backends.append(TensorBoardBackend(Path(spec.tensorboard)))
     if spec.wandb:
         backends.append(WandbBackend(spec.wandb, metrics.parent, config=dict(config or {})))
     return [RecordMirror(metrics, replica=replica, backend=b) for b in backends]

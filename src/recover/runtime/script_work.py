@@ -137,7 +137,7 @@ class ScriptWork:
         return {**optim, "state": state}
 
 
-def whole_state(model: torch.nn.Module, intra) -> dict[str, torch.Tensor]:
+def whole_state(model: torch.nn.Module, intra) -> dict[str, Any]:
     """The model's whole state on the CPU (on the first rank of a sharded replica: gathering
     it is a collective of the replica's ranks; the others get nothing)."""
     if intra is None:

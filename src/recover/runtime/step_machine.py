@@ -83,11 +83,12 @@ class Work(Protocol):
 class Link(Protocol):
     """The coordinator as one rank of a replica sees it (see recover.runtime.links)."""
 
-    rank: int
+    @property
+    def rank(self) -> int: ...  # this process's rank in its replica
 
     def register(self, *, fingerprint: dict, next_step: int, deadline_s: float) -> View: ...
-    def step_view(self) -> View: ...
-    def live_view(self) -> View: ...
+    def step_view(self) -> View | None: ...  # None: before the registration
+    def live_view(self) -> View | None: ...
     def report(
         self, *, step: int, epoch: int, failure, param_hash, throughput, leaving: bool = False,
         finite: bool = True, unreachable: dict[int, str] | None = None, deadline_s: float,
@@ -105,7 +106,7 @@ class Link(Protocol):
     def coordinator_lost(self) -> str | None: ...  # why none answered for the grace, or None
 
     @property
-    def store_address(self) -> tuple[str, int]: ...
+    def store_address(self) -> tuple[str, int] | None: ...
 
 
 def _no_phase(phase: str, step: int, index: int | None) -> None:
@@ -265,13 +266,20 @@ class StepMachine:
             except StopIteration as done:
                 return done.value
 
+    def _view(self) -> View:
+        """The view of the step in progress: the step machine runs once the replica registered."""
+        view = self.link.step_view()
+        if view is None:
+            raise RuntimeError("the step machine runs only after the replica registered")
+        return view
+
     def run_step(self, step: int) -> Generator[Todo, None, CommittedStep]:
         """Run step `step` until it commits: yields one `Todo` per attempt (possibly with no ids;
         in the deterministic mode one per id, or one without ids) and resumes when the caller has
         added their gradients to the local sum; returns the commit. The recovery loop lives
         here."""
         attempt = StepAttempt(step=step)
-        view = self.link.step_view()
+        view = self._view()
         hooks = self.hooks
         while True:
             if view.status in ("quorum_lost", "diverged", "finished"):
@@ -421,7 +429,7 @@ class StepMachine:
         recovered = None
         if attempt.t_first_fault is not None:
             recovered = time.perf_counter() - attempt.t_first_fault
-        latest = self.link.step_view()
+        latest = self._view()
         named = latest.committed_step == step and latest.records_from >= 0
         return CommittedStep(
             step=step,
@@ -462,6 +470,8 @@ class StepMachine:
             if lost:  # nothing in flight may outlive the grace (the coordinator-lost bounds)
                 return f"the coordinator is lost: {lost}"
             newer = link.live_view()
+            if newer is None:  # (not registered: nothing is in flight)
+                return None
             if newer.epoch > epoch or newer.status != "running":
                 return f"epoch {newer.epoch} announced ({newer.reason})"
             return None

@@ -91,7 +91,7 @@ def _flatten(obj, tensors: list[torch.Tensor], seen: dict | None = None):
             if key in seen:
                 return {"__tensor__": seen[key], "shape": list(obj.shape), "dtype": str(obj.dtype)}
         tensors.append(obj)
-        if key is not None:
+        if seen is not None and key is not None:
             seen[key] = len(tensors) - 1
         return {"__tensor__": len(tensors) - 1, "shape": list(obj.shape), "dtype": str(obj.dtype)}
     if isinstance(obj, dict):

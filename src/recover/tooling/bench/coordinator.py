@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from recover.coordinator.etcd_local import start_local_etcd
+from recover.coordinator.state_store import CoordinatorOptions
 
 __all__ = [
     "BenchCoordinatorConfig",
@@ -80,7 +81,7 @@ class BenchCoordinatorConfig:
     warmup_steps: int = 2
     compute_s: float = 1.0
     heartbeat_s: float = 0.1
-    lease_s: float = 1.0
+    lease_s: float = CoordinatorOptions.lease_s
     faults: bool = True
     hold: bool = True  # heartbeats ask for held replies (pushed epochs), like CoordinatorClient
     relays: int = 0  # 0: every replica speaks to the coordinator itself
@@ -412,9 +413,9 @@ def message_costs(replicas: int, microbatches: int = 0, repeats: int = 200) -> d
     formed replicas; seconds per heartbeat (alone, and per member of a batch of R), per done
     report (mean over one step's burst of R, one by one and as one batch), per whole-state JSON
     save, per view encoding (whole, and relative to the previous version after a commit)."""
-    from recover.coordinator import protocol as proto
+    from recover.coordinator import messages as proto
     from recover.coordinator.decide import decide, initial_state, view_of
-    from recover.coordinator.state_store import CoordinatorOptions, state_to_json
+    from recover.coordinator.state_store import state_to_json
     from recover.coordinator.views import ViewCache
 
     m = microbatches or 2 * replicas

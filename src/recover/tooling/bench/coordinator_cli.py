@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from recover.coordinator.state_store import CoordinatorOptions
 from recover.tooling.bench.common import machine_info
 from recover.tooling.bench.coordinator import (
     BenchCoordinatorConfig,
@@ -37,7 +38,12 @@ def add_coordinator_bench_parser(sub) -> None:
     p.add_argument("--ranks-per-replica", type=int, default=1, help="K: K-1 view watchers each")
     p.add_argument("--steps", type=int, default=8, help="failure-free steps measured")
     p.add_argument("--compute", type=float, default=1.0, help="seconds of 'compute' per step")
-    p.add_argument("--lease", type=float, default=1.0, help="lease in seconds")
+    p.add_argument(
+        "--lease",
+        type=float,
+        default=CoordinatorOptions.lease_s,
+        help=f"lease in seconds (default: {CoordinatorOptions.lease_s:g})",
+    )
     p.add_argument("--heartbeat", type=float, default=0.1, help="heartbeat period = hold (s)")
     p.add_argument(
         "--relays",

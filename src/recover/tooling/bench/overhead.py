@@ -53,7 +53,7 @@ ENDLESS_STEPS = 100_000
 # Failure-path deadlines raised for a job that is frozen for whole blocks: they act only on a
 # failure, which this benchmark has none of (and fails on), so the failure-free path is unchanged.
 # The lease stays at its default: the coordinator restarts the leases after its own pause
-# (server.py, _notice_pause), and --lease 600 made replicas be evicted at the first resume. One
+# (connections.py, _notice_pause), and --lease 600 made replicas be evicted at the first resume. One
 # resume in about 60 of a whole job did evict them at the default lease (a --deterministic run,
 # small preset): the bench then fails, it does not measure a failure.
 FROZEN_SAFE_FLAGS = [
