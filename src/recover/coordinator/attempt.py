@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import replace
+from typing import Protocol
 
 from recover.coordinator.decisions import Admitted, Committed, Diverged, EpochChanged, Redo
 from recover.coordinator.membership import (
@@ -69,13 +70,29 @@ from recover.coordinator.state_store import (
 )
 from recover.policy import WORKLOADS, reassign
 
-__all__ = ["attempt_outcome"]
+__all__ = ["AttemptProgress", "attempt_outcome"]
 
 # ---------------------------------------------------------------- public entry point
 
 
-def attempt_outcome(state: CoordinatorState, step: int, epoch: int) -> tuple[str, str] | None:
-    """The outcome of attempt (step, epoch): (committed|redo|stopped|stale, reason) or None."""
+class AttemptProgress(Protocol):
+    """What `attempt_outcome` reads: the coordinator's state, or a view of it (a relay's copy)."""
+
+    @property
+    def status(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def committed_step(self) -> int: ...
+    @property
+    def attempt_epoch(self) -> int: ...
+
+
+def attempt_outcome(state: AttemptProgress, step: int, epoch: int) -> tuple[str, str] | None:
+    """The outcome of attempt (step, epoch): (committed|redo|stopped|stale, reason) or None.
+    `state`: the coordinator's state, or a View of it (a relay answers from its copy)."""
     if state.status in (QUORUM_LOST, DIVERGED):
         return "stopped", state.reason
     if step <= state.committed_step:

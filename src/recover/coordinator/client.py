@@ -134,7 +134,7 @@ class CoordinatorClient(HeartbeatSession):
         )
         self._heartbeats.start()
         while True:
-            view = self.view
+            view = self._held_view()
             if view.status == "running" and self.replica_id in view.live:
                 return view
             if view.status not in ("forming", "running"):
@@ -171,7 +171,7 @@ class CoordinatorClient(HeartbeatSession):
             reply = self._rpc_call(self._member(req), wait)
             self._raise_refusal(reply)
             if not reply.get("timeout"):
-                return self._raise_status(self.view)
+                return self._raise_status(self._held_view())
 
     def report_done(
         self,
@@ -270,9 +270,9 @@ class CoordinatorClient(HeartbeatSession):
         if outcome == "committed":
             return StepCommitted(step)
         if outcome == "redo":
-            return StepRedo(step, self.view)
+            return StepRedo(step, self._held_view())
         if outcome == "stopped":
-            return Stopped(self.view.status, str(reply.get("reason", "")))
+            return Stopped(self._held_view().status, str(reply.get("reason", "")))
         if outcome not in ("timeout", None):
             raise CoordinatorUnreachable(f"unexpected outcome reply {reply!r}"[:300])
         return None
@@ -336,6 +336,14 @@ class CoordinatorClient(HeartbeatSession):
             raise Evicted(self._evicted)
         if self._unreachable is not None:
             raise CoordinatorUnreachable(self._unreachable)
+
+    def _held_view(self) -> View:
+        """The view, once a reply carried one: the accepted reply to register does, and so does
+        every reply that ends a wait or gives an outcome (a newer view of ours is kept)."""
+        view = self.view
+        if view is None:
+            raise RuntimeError(f"replica {self.replica_id}: the coordinator sent no view yet")
+        return view
 
     def _raise_status(self, view: View) -> View:
         if view.status == "quorum_lost":

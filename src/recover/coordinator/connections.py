@@ -95,7 +95,7 @@ _TAKEN = frame({"ok": True, "taken": True})  # a waiting report is on record (cl
 class _Conn:
     id: int
     peer: str
-    writer: asyncio.StreamWriter | None = None
+    writer: asyncio.StreamWriter
     peer_host: str | None = None  # the remote IP address
     local: str | None = None  # our IP address on this connection (what the peer dialled)
     session: tuple[int, str] | None = None  # (replica_id, incarnation) registered here
@@ -114,7 +114,7 @@ class _Relay:
 
 
 def _number(req: dict[str, Any], name: str) -> float:
-    v = req.get(name)
+    v: Any = req.get(name)  # a wire value of any type: checked here
     if not is_number(v) or not v >= 0:
         raise ProtocolError(f"field {name!r} must be a number >= 0, got {v!r}"[:200])
     return float(v)
@@ -138,7 +138,7 @@ class Connections(RulesDriver):
         self._views = ViewCache()
         # Relays: their replicas and their leases (one per relay, kept by its held relay_beat).
         self._relays: dict[str, _Relay] = {}
-        self._relay_leases = LeaseQueue(options.lease_s)
+        self._relay_leases: LeaseQueue[str] = LeaseQueue(options.lease_s)
         # Our own pauses (`_notice_pause`): when the loop last looked at the clock, and until
         # when a session that ends is no death (its replica gave up on us while we were paused).
         self._looked_at: float | None = None  # (set at the first tick)
@@ -189,13 +189,15 @@ class Connections(RulesDriver):
         version and sent relative to `known`, the view version the requester holds."""
         if reply.get("view") is not _VIEW:
             return frame(reply)
-        st = self._state
+        st = self.state()
         if self._views.version != st.view_version:
             self._views.publish(view_of(st), microbatches=st.options.microbatches)
         reply = {k: v for k, v in reply.items() if k != "view"}
         return frame(reply, self._views.encoded(known))
 
     def _session_lost(self, conn: _Conn) -> None:
+        if conn.session is None:  # (the server calls this for a session's connection only)
+            raise RuntimeError(f"connection {conn.id} from {conn.peer} has no session")
         r, inc = conn.session
         if self._sessions.get((r, inc)) != conn.id:
             return  # the replica re-registered on a newer connection
@@ -205,14 +207,16 @@ class Connections(RulesDriver):
         if now < self._revalidated_until:
             log.info("replica %s: its session ended while we were paused; its lease judges it", r)
             return
-        if not check_member(self._state, r, inc)[0]:
+        if not check_member(self.state(), r, inc)[0]:
             self._apply(ProcessExit(replica_id=r, incarnation=inc))
 
     async def _handle_heartbeat(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         msg = decode_message(req)
+        if not isinstance(msg, Heartbeat):  # (the server routes kind "heartbeat" only here)
+            raise ProtocolError(f"a heartbeat request decoded as {type(msg).__name__}")
         r, inc = msg.replica_id, msg.incarnation
         self._check_authority()
-        st, now = self._state, time.monotonic()
+        st, now = self.state(), time.monotonic()
         if check_member(st, r, inc)[0]:
             reply = self._handle_message(req, conn, msg)  # a refusal
         else:  # the common case: O(1) now, applied with the tick's batch
@@ -228,19 +232,19 @@ class Connections(RulesDriver):
             and isinstance(hold, int | float)
             and not isinstance(hold, bool)
             and hold > 0
-            and max(known, self._delivered.get(r, -1)) == self._state.view_version
+            and max(known, self._delivered.get(r, -1)) == self.state().view_version
         ):
             # A held session that the replica's death closes must end now, not after the hold:
             # its EOF is what declares the death.
             await self._held.park(min(float(hold), _MAX_HOLD_S), conn.gone)
             # While we held the reply the replica could not heartbeat: its lease runs from now.
-            if not check_member(self._state, r, inc)[0]:
+            if not check_member(self.state(), r, inc)[0]:
                 now = time.monotonic()
                 self._beats.append((r, inc, now))
                 self._leases.touch(r, now)
         if (
             not reply.get("ok")
-            or max(known, self._delivered.get(r, -1)) != self._state.view_version
+            or max(known, self._delivered.get(r, -1)) != self.state().view_version
         ):
             # Pushed to every replica at each epoch change, relative to the view it holds: a
             # delta of the live set, and no plan when it holds this plan (views.py).
@@ -271,7 +275,7 @@ class Connections(RulesDriver):
             relay.sessions.discard((msg.replica_id, msg.incarnation))
         if isinstance(msg, Leave) and relay is None:
             conn.left = True
-        if not isinstance(msg, Heartbeat) or req.get("view_version") != self._state.view_version:
+        if not isinstance(msg, Heartbeat) or req.get("view_version") != self.state().view_version:
             reply["view"] = _VIEW
         return reply
 
@@ -302,7 +306,7 @@ class Connections(RulesDriver):
         self._relay_leases.settle([relay_id], {relay_id: None})
         log.warning("relay %s lost (%s) with %d replicas", relay_id, how, len(relay.sessions))
         for r, inc in sorted(relay.sessions):
-            if not check_member(self._state, r, inc)[0]:
+            if not check_member(self.state(), r, inc)[0]:
                 msg = ProcessExit if how == "exit" else LeaseExpired
                 self._apply(msg(replica_id=r, incarnation=inc))
         for w in relay.writers:
@@ -323,13 +327,13 @@ class Connections(RulesDriver):
             isinstance(hold, int | float)
             and not isinstance(hold, bool)
             and hold > 0
-            and known == self._state.view_version
+            and known == self.state().view_version
         ):
             await self._relay_held.park(min(float(hold), _MAX_HOLD_S), conn.gone)
             if relay_id in self._relays:  # its lease runs from the reply
                 self._relay_leases.touch(relay_id, time.monotonic())
         reply: dict[str, Any] = {"ok": True, "lease_s": self._options.lease_s}
-        if known != self._state.view_version:
+        if known != self.state().view_version:
             reply["view"] = _VIEW
         return reply
 
@@ -344,12 +348,12 @@ class Connections(RulesDriver):
     async def _handle_wait_view(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
         after = check_field("epoch", req.get("newer_than_epoch"))
         deadline_s = _number(req, "deadline_s")
-        who = self._who(req, required=False)
+        who = self._who(req) if "replica_id" in req else None
 
         def ready() -> dict[str, Any] | None:
             if who is not None and (refusal := self._refusal(*who)):
                 return refusal
-            s = self._state
+            s = self.state()
             if s.epoch > after or s.status in TERMINAL:
                 return {"ok": True, "view": _VIEW}
             return None
@@ -358,7 +362,7 @@ class Connections(RulesDriver):
         return self._with_store(result or {"ok": True, "timeout": True, "view": _VIEW}, conn)
 
     async def _handle_wait_outcome(self, req: dict[str, Any], conn: _Conn) -> dict[str, Any]:
-        who = self._who(req, required=True)
+        who = self._who(req)
         step = check_field("step", req.get("step"))
         epoch = check_field("epoch", req.get("epoch"))
         deadline_s = _number(req, "deadline_s")
@@ -391,10 +395,10 @@ class Connections(RulesDriver):
         def ready() -> dict[str, Any] | None:
             refusal = self._refusal(*who)
             # A planned leaver is fenced as left by the very commit it waits for: it gets that.
-            left_now = refusal and refusal["code"] == "left" and step <= self._state.committed_step
+            left_now = refusal and refusal["code"] == "left" and step <= self.state().committed_step
             if refusal and not left_now:
                 return refusal
-            out = attempt_outcome(self._state, step, epoch)
+            out = attempt_outcome(self.state(), step, epoch)
             if out is None:
                 return None
             if out[0] == "stale":
@@ -417,15 +421,13 @@ class Connections(RulesDriver):
             reply["store"] = self._store_for(conn)
         return reply
 
-    def _who(self, req: dict[str, Any], *, required: bool) -> tuple[int, str] | None:
-        if not required and "replica_id" not in req:
-            return None
+    def _who(self, req: dict[str, Any]) -> tuple[int, str]:
         return check_field("replica_id", req.get("replica_id")), check_field(
             "incarnation", req.get("incarnation")
         )
 
     def _refusal(self, replica_id: int, incarnation: str) -> dict[str, Any] | None:
-        code, why = check_member(self._state, replica_id, incarnation)
+        code, why = check_member(self.state(), replica_id, incarnation)
         if not code:
             return None
         return {"ok": False, "code": code, "reason": f"refused ({code}): {why}"}

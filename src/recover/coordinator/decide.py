@@ -37,7 +37,9 @@ already live apart; splitting the handlers further would part a message's rule f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from recover.coordinator.attempt import (
     _evaluate_attempt,
@@ -317,7 +319,8 @@ def _on_resumed(s: CoordinatorState, now: float, m: Resumed, out: list) -> str:
     return why
 
 
-_HANDLERS = {
+# Each handler takes the message of its own type (the key): `Any` stands for "that type".
+_HANDLERS: dict[type, Callable[[CoordinatorState, float, Any, list[Decision]], str]] = {
     Register: _on_register,
     Heartbeat: _on_heartbeat,
     Heartbeats: _on_heartbeats,

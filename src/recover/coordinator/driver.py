@@ -84,7 +84,7 @@ class RulesDriver(LoopService):
         token: str | None,
         max_wait_s: float,
         body_timeout_s: float,
-        events_path: str | os.PathLike | None,
+        events_path: str | os.PathLike[str] | None,
         state_store: StateStore | None,
         log_size: int,
         save_interval_s: float,
@@ -102,13 +102,13 @@ class RulesDriver(LoopService):
         # after thousands of commits have pushed it out of the log.
         self._notable: deque[dict[str, Any]] = deque(maxlen=log_size)
         self._log_lock = threading.Lock()
-        self._state: CoordinatorState | None = None
+        self._state: CoordinatorState | None = None  # None until start() loads it (`state()`)
         self._events_fd: int | None = None
         self._save_interval_s = save_interval_s
         self._saver: threading.Thread | None = None
         self._save_stop = threading.Event()
         # Leases in deadline order: replica -> coordinator clock of its last heartbeat (read).
-        self._leases = LeaseQueue(options.lease_s)
+        self._leases: LeaseQueue[int] = LeaseQueue(options.lease_s)
         self._beats: list[tuple[int, str, float]] = []  # read, not yet applied (one per tick)
         self._held = Waiters()  # held heartbeats: woken by epoch or status changes only
         self._wake_key: tuple = ()
@@ -163,7 +163,7 @@ class RulesDriver(LoopService):
             try:
                 self._events_fd = os.open(self._events_path, flags, 0o644)
             except OSError as e:  # a read-only or full run folder: one line, status STORAGE
-                raise unwritable(self._events_path, e) from e
+                raise unwritable(os.fspath(self._events_path), e) from e
         for d in self._pending_records:
             self._record(d)
 
@@ -188,8 +188,12 @@ class RulesDriver(LoopService):
         return self._deposed
 
     def state(self) -> CoordinatorState:
-        """The current state (never mutated after publication: safe to read from any thread)."""
-        return self._state
+        """The current state (never mutated after publication: safe to read from any thread).
+        Loaded by start() before it serves; RuntimeError before that."""
+        state = self._state
+        if state is None:
+            raise RuntimeError(f"{self._what}: its state is read before start() loaded it")
+        return state
 
     def decisions(self) -> list[dict[str, Any]]:
         with self._log_lock:
@@ -209,7 +213,7 @@ class RulesDriver(LoopService):
 
     def _apply(self, msg: Any, now: float | None = None) -> tuple[list[Decision], str]:
         self._check_authority()
-        old = self._state
+        old = self.state()
         new, decisions, reason = decide(time.monotonic() if now is None else now, old, msg)
         self._state = new
         for d in decisions:
@@ -244,8 +248,8 @@ class RulesDriver(LoopService):
             self._apply(Heartbeats(seen=beats))
 
     def _requeue(self, due: list[int]) -> None:
-        members = self._state.members
-        alive = {}
+        members = self.state().members
+        alive: dict[int, float | None] = {}
         for r in due:
             m = members.get(r)
             alive[r] = m.last_seen if m is not None and m.state in (PENDING, LIVE) else None
@@ -290,8 +294,11 @@ class RulesDriver(LoopService):
                 return
 
     def _call_in_loop(self, fn: Callable, *args: Any) -> None:
+        loop = self._loop
+        if loop is None:  # set by `_main` once the loop thread runs (started before the saver)
+            raise RuntimeError(f"{self._what}: its loop has not started")
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
+            loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop has ended (stop): nobody waits any more
             pass
 
@@ -313,7 +320,7 @@ class RulesDriver(LoopService):
             return True
         if self._deposed is not None or self._stopping:
             return False
-        fut = self._loop.create_future()
+        fut = asyncio.get_running_loop().create_future()  # (the service's loop: we run on it)
         self._save_waiters.append((revision, fut))
         return await fut
 
@@ -331,7 +338,7 @@ class RulesDriver(LoopService):
             if not fut.done():
                 fut.set_result(False)
         self._save_waiters = []
-        self._stop_event.set()
+        self._request_stop()
 
     def _record(self, d: Decision) -> None:
         record = d.to_dict()
@@ -353,7 +360,7 @@ class RulesDriver(LoopService):
                 fields["replica"] = fields["replica_id"]
             # The step in flight when it was decided: the file's order cannot tell (a writer may
             # append the previous step's record after this line).
-            fields.setdefault("step", self._state.step)
+            fields.setdefault("step", self.state().step)
             line = {
                 "kind": "event",
                 "name": f"coordinator.{d.name}",
@@ -365,7 +372,7 @@ class RulesDriver(LoopService):
                 line["term"] = self._term
             data = (json.dumps(line) + "\n").encode()
             if self._durable:  # written once durable; never, if this leader is deposed first
-                self._unsaved_events.append((self._state.revision, data))
+                self._unsaved_events.append((self.state().revision, data))
             else:
                 self._write_event(data)
 
@@ -373,14 +380,15 @@ class RulesDriver(LoopService):
         """One whole line to the run's record. When it cannot be written (a full disk, a
         read-only folder) the coordinator stops: it decides nothing more that it cannot record
         (the replicas then stop as for a lost coordinator; the process exits exits.STORAGE)."""
-        if self._events_fd is None or self._error is not None:
+        path = self._events_path  # (set whenever the file is open)
+        if self._events_fd is None or path is None or self._error is not None:
             return
         try:
             written = os.write(self._events_fd, data)
             if written != len(data):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         except OSError as e:
-            self._error = unwritable(self._events_path, e)
+            self._error = unwritable(os.fspath(path), e)
             log.critical(f"{self._error}: the coordinator stops (it records every decision)")
             if self._loop is not None and self._stop_event is not None:
                 self._loop.call_soon_threadsafe(self._stop_event.set)

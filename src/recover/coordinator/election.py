@@ -147,6 +147,8 @@ class Election:
         """Put `info` (addresses) under the leader key, if this term still holds it."""
         value = json.dumps({"identity": self.identity, "term": self.term, **info})
         key, term = self.leader_key, self.term
+        if term is None:  # never elected: no term of ours holds the key
+            return False
         return self.client.put_under_term(self.term_key, term, key, value, lease=self._lease)[0]
 
     def resign(self) -> None:

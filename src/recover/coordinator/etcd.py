@@ -31,6 +31,7 @@ import http.client
 import json
 import threading
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,7 +134,8 @@ class EtcdClient:
                 out = json.loads(text) if text else {}
                 if reply.status != 200:
                     # etcd answered: an error of the request (or no leader), not of the endpoint
-                    why = out.get("error") or out.get("message") or text[:200]
+                    # (without either field: the body itself, shown as bytes: b'...')
+                    why = out.get("error") or out.get("message") or repr(text[:200])
                     if "no leader" in str(why) or reply.status >= 500:
                         errors.append(f"{host}:{port}: {reply.status} {why}")
                         continue
@@ -170,11 +172,11 @@ class EtcdClient:
     def delete(self, key: str) -> None:
         self.call("/v3/kv/deleterange", {"key": _b64(key)})
 
-    def txn(self, compare: list[dict], success: list[dict], failure: list[dict] = ()) -> bool:
+    def txn(self, compare: list[dict], success: list[dict], failure: Sequence[dict] = ()) -> bool:
         return self.txn_at(compare, success, failure)[0]
 
     def txn_at(
-        self, compare: list[dict], success: list[dict], failure: list[dict] = ()
+        self, compare: list[dict], success: list[dict], failure: Sequence[dict] = ()
     ) -> tuple[bool, int]:
         """(succeeded, the store's revision after it)."""
         body = {"compare": compare, "success": success, "failure": list(failure)}

@@ -41,6 +41,7 @@ socket; plan or judge an attempt (attempt.py does; this module only changes the 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from recover.checks import is_int
 from recover.coordinator.decisions import (
@@ -52,7 +53,15 @@ from recover.coordinator.decisions import (
     Revalidated,
     SuspectHardware,
 )
-from recover.coordinator.messages import Message, Register
+from recover.coordinator.messages import (
+    Heartbeat,
+    LeaseExpired,
+    Leave,
+    ProcessExit,
+    Register,
+    ReportDone,
+    ReportFailed,
+)
 from recover.coordinator.state_store import (
     DEAD,
     DIVERGED,
@@ -68,23 +77,31 @@ from recover.coordinator.state_store import (
     check_member,
 )
 
+# The messages a replica sends about itself: each names its replica_id and incarnation (what a
+# refusal names; the batches, ticks and takeovers that the server makes name no replica).
+FromReplica = Register | Heartbeat | ProcessExit | LeaseExpired | ReportDone | ReportFailed | Leave
+
 # ---------------------------------------------------------------- admission
 
 
 def _mismatch(s: CoordinatorState, m: Register) -> str:
     """Why `m` cannot join this run ("" if it can): its fingerprint or next_step differ."""
     if s.options.microbatches == 0:  # M comes from the replicas: each must declare it
-        declared = m.fingerprint.get("microbatches")
+        declared: Any = m.fingerprint.get("microbatches")  # what the replica sent: checked here
         if not is_int(declared) or declared < 1:
             return f"fingerprint field 'microbatches' must be an int >= 1, got {declared!r}"
     first = _first_pending(s) if s.status != RUNNING else None
-    peers = [first] if first is not None else []
-    ref = s.fingerprint if s.status == RUNNING else (peers[0].fingerprint if peers else None)
-    for key in sorted(set(ref) | set(m.fingerprint)) if ref is not None else ():
-        if ref.get(key) != m.fingerprint.get(key):
-            theirs, mine = ref.get(key), m.fingerprint.get(key)
-            return f"fingerprint field {key!r} differs: run has {theirs!r}, replica has {mine!r}"
-    if s.status == FORMING and peers and peers[0].next_step != m.next_step:
+    ref = (
+        s.fingerprint if s.status == RUNNING else (first.fingerprint if first is not None else None)
+    )
+    if ref is not None:
+        for key in sorted(set(ref) | set(m.fingerprint)):
+            if ref.get(key) != m.fingerprint.get(key):
+                theirs, mine = ref.get(key), m.fingerprint.get(key)
+                return (
+                    f"fingerprint field {key!r} differs: run has {theirs!r}, replica has {mine!r}"
+                )
+    if s.status == FORMING and first is not None and first.next_step != m.next_step:
         return f"next_step differs: replica {first.replica_id} has {first.next_step}, not {m.next_step}"
     return ""
 
@@ -306,7 +323,7 @@ def _release_leavers(s: CoordinatorState, out: list, survivors: list[int]) -> No
 # ---------------------------------------------------------------- small helpers
 
 
-def _refuse(out: list, m: Message, code: str, why: str) -> str:
+def _refuse(out: list, m: FromReplica, code: str, why: str) -> str:
     r, inc = m.replica_id, m.incarnation
     out.append(Refused(replica_id=r, incarnation=inc, code=code, reason=f"refused ({code}): {why}"))
     return ""

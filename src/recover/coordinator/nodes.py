@@ -55,7 +55,7 @@ class NodeAgents(Connections):
         # Node agents (recover.agent): name -> what it hosts, and one lease each, kept by its
         # beats. Not in the replicated state: after a takeover the agents' claims rebuild it.
         self._nodes: dict[str, _Node] = {}
-        self._node_leases = LeaseQueue(node_lease_s)
+        self._node_leases: LeaseQueue[str] = LeaseQueue(node_lease_s)
         self._nodes_joined = itertools.count()
         self._placed = True  # False: the table changed since the ids were last placed
         self._placed_at = 0.0
@@ -76,7 +76,7 @@ class NodeAgents(Connections):
             isinstance(r, int) and not isinstance(r, bool) for r in holds
         ):
             raise ProtocolError(f"field 'holds' must be a list of replica ids, got {holds!r}"[:200])
-        st = self._state
+        st = self.state()
         if req.get("leaving") is True:
             node = self._nodes.pop(name, None)
             self._placed = False
@@ -112,7 +112,7 @@ class NodeAgents(Connections):
 
     def _place_nodes(self) -> None:
         placed = place(
-            self._state.options.expected_replicas,
+            self.state().options.expected_replicas,
             [NodeClaim(n, x.slots, x.joined, x.holds) for n, x in self._nodes.items()],
         )
         for n, ids in placed.items():
@@ -143,7 +143,7 @@ class NodeAgents(Connections):
         if self._events_fd is not None:
             line = {
                 "kind": "event", "name": f"coordinator.{what}", "t_wall": time.time(),
-                "node": node, "step": self._state.step, **fields,
+                "node": node, "step": self.state().step, **fields,
             }  # fmt: skip
             self._write_event((json.dumps(line) + "\n").encode())
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 __all__ = ["LeaseQueue", "StreamProtocol", "Waiters", "resolve"]
+
+K = TypeVar("K")  # what holds a lease: a replica id (int), a relay id or a node name (str)
 
 
 def resolve(fut: asyncio.Future) -> None:
@@ -29,32 +31,33 @@ def resolve(fut: asyncio.Future) -> None:
         fut.set_result(None)
 
 
-class LeaseQueue:
-    """Replica -> coordinator clock of its last heartbeat read, in that order."""
+class LeaseQueue(Generic[K]):
+    """Replica -> coordinator clock of its last heartbeat read, in that order. The same for
+    the other holders of a lease, by their key `K` (relays, node agents)."""
 
-    def __init__(self, lease_s: float, seen: Iterable[tuple[int, float]] = ()) -> None:
+    def __init__(self, lease_s: float, seen: Iterable[tuple[K, float]] = ()) -> None:
         self.lease_s = lease_s
-        self._at: OrderedDict[int, float] = OrderedDict()
+        self._at: OrderedDict[K, float] = OrderedDict()
         for r, at in sorted(seen, key=lambda x: x[1]):
             self._at[r] = at
 
-    def touch(self, r: int, at: float) -> None:
+    def touch(self, r: K, at: float) -> None:
         self._at[r] = at
         self._at.move_to_end(r)
 
-    def get(self, r: int, default: float) -> float:
+    def get(self, r: K, default: float) -> float:
         return self._at.get(r, default)
 
-    def due(self, now: float) -> list[int]:
+    def due(self, now: float) -> list[K]:
         """Replicas whose lease ran out by `now`: the front of the map, nothing else."""
-        out = []
+        out: list[K] = []
         for r, at in self._at.items():
             if now - at <= self.lease_s:
                 break
             out.append(r)
         return out
 
-    def settle(self, due: list[int], alive: dict[int, float | None]) -> None:
+    def settle(self, due: list[K], alive: dict[K, float | None]) -> None:
         """After the rules judged `due`: forget the dead (alive[r] is None), re-queue the rest
         at the time the rules hold for them."""
         for r in due:
@@ -85,15 +88,18 @@ class Waiters:
         fut = loop.create_future()
         self._parked.add(fut)
         timer = loop.call_later(timeout_s, resolve, fut)
-        wake = (lambda _: resolve(fut)) if gone is not None else None
-        if wake is not None:
+
+        def wake(_: asyncio.Future) -> None:
+            resolve(fut)
+
+        if gone is not None:
             gone.add_done_callback(wake)
         try:
             await fut
         finally:
             timer.cancel()
             self._parked.discard(fut)
-            if wake is not None:
+            if gone is not None:
                 gone.remove_done_callback(wake)
 
 
@@ -104,10 +110,10 @@ class StreamProtocol(asyncio.StreamReaderProtocol):
         super().__init__(reader, cb, loop=loop)
         self.gone: asyncio.Future = loop.create_future()
 
-    def eof_received(self) -> bool:
+    def eof_received(self) -> bool | None:
         resolve(self.gone)
         return super().eof_received()
 
-    def connection_lost(self, exc: BaseException | None) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         resolve(self.gone)
         super().connection_lost(exc)

@@ -103,11 +103,14 @@ class _Upstream:
         )
 
     async def call(self, req: dict[str, Any], wait_s: float = 0.0) -> tuple[dict, bytes | None]:
+        reader, writer = self.reader, self.writer
+        if reader is None or writer is None:  # (the relay's `_main` opens both before any call)
+            raise RuntimeError(f"upstream {self.host}:{self.port} called before open()")
         async with self.lock:
-            self.writer.write(frame(req))
+            writer.write(frame(req))
             async with asyncio.timeout(wait_s + self.timeout_s):
-                (n,) = _HEADER.unpack(await self.reader.readexactly(4))
-                body = await self.reader.readexactly(n)
+                (n,) = _HEADER.unpack(await reader.readexactly(4))
+                body = await reader.readexactly(n)
         at = body.find(_VIEW_AT)  # the view is spliced in last; quotes in strings are escaped
         if at < 0:
             return json.loads(body), None
@@ -149,14 +152,17 @@ class RelayServer(LoopService):
         self._beat_s, self._batch_s, self._tick_s = beat_s, batch_s, tick_s
         self._up_timeout_s = upstream_timeout_s
         self._members: dict[int, _Member] = {}
-        self._leases = LeaseQueue(DEFAULT_LEASE_S)  # (the coordinator says its own)
+        # Replica -> its lease; the length is the coordinator's, told at each beat (`_beat`).
+        self._leases: LeaseQueue[int] = LeaseQueue(DEFAULT_LEASE_S)
         self._heard: dict[int, float] = {}  # replica -> when its last heartbeat was read
         self._n_live = 0  # our replicas in the current view's live set (a done batch's size)
         self._view: View | None = None  # the coordinator's view, without its plan
         self._views = ViewCache()
         self._plan = b""
         self._held = Waiters()  # held heartbeats: epoch or status changes
-        self._batches: dict[tuple[int, int], list[tuple[dict, asyncio.Future]]] = {}
+        # (step, epoch) -> its done reports not yet sent up: a done_batch row each, and the
+        # future its reply resolves.
+        self._batches: dict[tuple[int, int], list[tuple[list[Any], asyncio.Future]]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self._ids = itertools.count()
@@ -232,7 +238,7 @@ class RelayServer(LoopService):
         except Exception as e:  # the coordinator is gone (or refused us): stop, loudly
             log.error("relay %s: upstream lost: %r; stopping", self.relay_id, e)
             self._error = e
-            self._stop_event.set()
+            self._request_stop()
 
     def _absorb(self, body: bytes) -> None:
         """A view from upstream (relative to ours) -> our copy, encoded for our replicas."""
@@ -275,7 +281,7 @@ class RelayServer(LoopService):
         except (OSError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:
             log.error("relay %s: could not tell the coordinator %s: %r", self.relay_id, req, e)
             self._error = e
-            self._stop_event.set()
+            self._request_stop()
 
     # ------------------------------------------------------------ leases
 
@@ -297,8 +303,9 @@ class RelayServer(LoopService):
                 self._spawn(self._tell(req))
             self._leases.settle(due, {})
 
-    def _lost(self, conn: _Conn) -> None:
-        r, inc = conn.session
+    def _lost(self, session: tuple[int, str]) -> None:
+        """The session `session` (replica, incarnation) ended: its connection's EOF."""
+        r, inc = session
         m = self._members.get(r)
         if m is None or m.incarnation != inc or m.state not in ("pending", "live"):
             return
@@ -310,8 +317,11 @@ class RelayServer(LoopService):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Conn(gone=getattr(writer.transport.get_protocol(), "gone", None), writer=writer)
+        task = asyncio.current_task()
+        if task is None:  # (asyncio runs each connection's callback as a task of its own)
+            raise RuntimeError("a relay connection handled outside a task")
         self._writers.add(writer)
-        self._tasks.add(asyncio.current_task())
+        self._tasks.add(task)
         peer = str(writer.get_extra_info("peername"))
         try:
             await self._serve_requests(reader, writer, lambda req: self._dispatch(req, conn), peer)
@@ -319,9 +329,9 @@ class RelayServer(LoopService):
             pass
         finally:
             self._writers.discard(writer)
-            self._tasks.discard(asyncio.current_task())
+            self._tasks.discard(task)
             if conn.session is not None and not conn.left and not self._stopping:
-                self._lost(conn)
+                self._lost(conn.session)
             writer.close()
 
     def _reply(self, reply: dict[str, Any], known: Any = -1) -> bytes:
@@ -369,6 +379,8 @@ class RelayServer(LoopService):
         kind = req.get("kind")
         r, inc = req.get("replica_id"), req.get("incarnation")
         if head.get("ok") and kind == "register":
+            # Accepted: the coordinator checked both fields (an int, a non-empty string).
+            r, inc = check_field("replica_id", r), check_field("incarnation", inc)
             m = self._members.get(r)
             if m is None or m.incarnation != inc or m.state == "expired":
                 m = self._members[r] = _Member(incarnation=inc)
@@ -429,6 +441,8 @@ class RelayServer(LoopService):
         ready = self._outcome_ready((report["replica_id"], report["incarnation"]), step, epoch)
         result = ready()
         if result is None:
+            if conn.writer is None:  # (a replica's connection: `_handle` gave it its writer)
+                raise RuntimeError("a waiting report on a connection without a writer")
             conn.writer.write(_TAKEN)
             result = await self._wait_for(ready, deadline_s)
         result = result or {"ok": True, "outcome": "timeout", "reason": "deadline passed"}
@@ -469,7 +483,9 @@ class RelayServer(LoopService):
         if batch:
             self._spawn(self._send_batch(attempt, batch))
 
-    async def _send_batch(self, attempt: tuple[int, int], batch: list) -> None:
+    async def _send_batch(
+        self, attempt: tuple[int, int], batch: list[tuple[list[Any], asyncio.Future]]
+    ) -> None:
         req = {"kind": "done_batch", "step": attempt[0], "epoch": attempt[1]}
         req.update(reports=[row for row, _ in batch], view_version=self._views.version)
         try:
@@ -479,13 +495,20 @@ class RelayServer(LoopService):
         except (OSError, ConnectionError, asyncio.IncompleteReadError, TimeoutError) as e:
             head = {"refused": {str(row[0]): ["unreachable", repr(e)] for row, _ in batch}}
             self._error = e
-            self._stop_event.set()
+            self._request_stop()
         for _, fut in batch:
             if not fut.done():
                 fut.set_result(head)
 
+    def _held_view(self) -> View:
+        """Our copy of the coordinator's view: there from `_main`'s first beat on, before any
+        replica is served (that beat asks with version -1, so its reply carries the view)."""
+        if self._view is None:
+            raise RuntimeError(f"relay {self.relay_id}: no view from the coordinator yet")
+        return self._view
+
     def _deadline(self, req: dict[str, Any]) -> float:
-        v = req.get("deadline_s")
+        v: Any = req.get("deadline_s")  # a wire value of any type: checked here
         if not is_number(v) or not v >= 0:
             raise ProtocolError(f"field 'deadline_s' must be a number >= 0, got {v!r}"[:200])
         return float(v)
@@ -502,7 +525,7 @@ class RelayServer(LoopService):
         def ready() -> dict[str, Any] | None:
             if who is not None and (refusal := self._refusal(*who)):
                 return refusal
-            v = self._view
+            v = self._held_view()
             if v.epoch > after or v.status in ("quorum_lost", "finished", "diverged"):
                 return {"ok": True}
             return None
@@ -525,7 +548,7 @@ class RelayServer(LoopService):
         def ready() -> dict[str, Any] | None:
             if refusal := self._refusal(*who):
                 return refusal
-            out = attempt_outcome(self._view, step, epoch)  # the view has the fields it reads
+            out = attempt_outcome(self._held_view(), step, epoch)  # (the fields it reads)
             if out is None:
                 return None
             if out[0] == "stale":

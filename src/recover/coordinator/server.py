@@ -80,7 +80,7 @@ class CoordinatorServer(NodeAgents):
         port: int = 0,
         store_port: int | None = 0,
         token: str | None = None,
-        events_path: str | os.PathLike | None = None,
+        events_path: str | os.PathLike[str] | None = None,
         *,
         state_store: StateStore | None = None,
         tick_s: float = 0.02,
@@ -156,8 +156,10 @@ class CoordinatorServer(NodeAgents):
             self._fixed_loopback = not is_wildcard(fixed) and _resolves_to_loopback(fixed)
         self._open_record()
         self._start_loop()
-        self._start_saver()
         self._wait_ready(timeout_s)
+        # The saver hands each durable revision to the loop (`_on_saved` wakes the replies that
+        # wait for it): it starts once the loop runs, or a first save could find no loop to tell.
+        self._start_saver()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop_loop(timeout_s)
@@ -212,7 +214,7 @@ class CoordinatorServer(NodeAgents):
                 self._flush_beats()
                 now = time.monotonic()
                 due = self._leases.due(now)
-                st = self._state
+                st = self.state()
                 if due or st.status == "forming":
                     self._apply(Tick(due=tuple(due)), now)
                     self._requeue(due)
@@ -227,12 +229,15 @@ class CoordinatorServer(NodeAgents):
             except Exception as e:  # a broken rule must stop the service loudly
                 log.critical("coordinator tick failed; stopping", exc_info=True)
                 self._error = e
-                self._stop_event.set()
+                self._request_stop()
                 return
 
     # ------------------------------------------------------------ accept, answer, route
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is None:  # asyncio runs each connection's handler as a task of its own
+            raise RuntimeError("a connection's handler runs outside a task")
         peer = writer.get_extra_info("peername")
         local = writer.get_extra_info("sockname")
         conn = _Conn(
@@ -244,7 +249,7 @@ class CoordinatorServer(NodeAgents):
         )
         conn.gone = getattr(writer.transport.get_protocol(), "gone", None)
         self._writers.add(writer)
-        self._tasks.add(asyncio.current_task())
+        self._tasks.add(task)
         try:
             await self._serve_requests(
                 reader, writer, lambda req: self._answer(req, conn), str(peer)
@@ -256,7 +261,7 @@ class CoordinatorServer(NodeAgents):
             await reply_and_close(writer, "internal", "internal coordinator error")
         finally:
             self._writers.discard(writer)
-            self._tasks.discard(asyncio.current_task())
+            self._tasks.discard(task)
             if self._deposed is None:
                 if conn.session is not None and not conn.left and not self._stopping:
                     self._session_lost(conn)
@@ -269,7 +274,7 @@ class CoordinatorServer(NodeAgents):
         stopping before what it shows is durable)."""
         reply = await self._dispatch(req, conn)
         if reply.get("view") is _VIEW and isinstance(req.get("replica_id"), int):
-            self._delivered[req["replica_id"]] = self._state.view_version
+            self._delivered[req["replica_id"]] = self.state().view_version
         shows = self._durable and ("view" in reply or "outcome" in reply)
         revision = self._view_revision
         data = self._frame(reply, req.get("view_version"))
@@ -306,7 +311,7 @@ class CoordinatorServer(NodeAgents):
         raise ProtocolError(f"unknown request kind {kind!r}"[:200])
 
     def _status(self, conn: _Conn | None = None) -> dict[str, Any]:
-        s, now = self._state, time.monotonic()
+        s, now = self.state(), time.monotonic()
         members = [
             {
                 "replica_id": m.replica_id,

@@ -66,12 +66,23 @@ class LoopService:
             raise RuntimeError(f"{self._what} failed to start: {self._error!r}") from self._error
 
     def _stop_loop(self, timeout_s: float) -> None:
-        if self._loop is not None and self._stop_event is not None and self._thread.is_alive():
+        if (
+            self._loop is not None
+            and self._stop_event is not None
+            and self._thread is not None  # (always, with a loop: the thread made it)
+            and self._thread.is_alive()
+        ):
             self._loop.call_soon_threadsafe(self._stop_event.set)
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.error("%s thread did not stop within %s s", self._what, timeout_s)
+
+    def _request_stop(self) -> None:
+        """Ask the loop to end, from the loop's own thread (`_main` made `_stop_event`)."""
+        if self._stop_event is None:
+            raise RuntimeError(f"{self._what}: a stop asked for before its loop started")
+        self._stop_event.set()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop_loop(timeout_s)
