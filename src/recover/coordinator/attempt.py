@@ -48,7 +48,14 @@ import statistics
 from dataclasses import replace
 from typing import Protocol
 
-from recover.coordinator.decisions import Admitted, Committed, Diverged, EpochChanged, Redo
+from recover.coordinator.decisions import (
+    Admitted,
+    Committed,
+    Decision,
+    Diverged,
+    EpochChanged,
+    Redo,
+)
 from recover.coordinator.membership import (
     _alive_in_attempt,
     _awaiting_voters,
@@ -112,7 +119,7 @@ def attempt_outcome(state: AttemptProgress, step: int, epoch: int) -> tuple[str,
 # ---------------------------------------------------------------- reports
 
 
-def _check_report(s: CoordinatorState, m: ReportDone | ReportFailed, out: list) -> bool:
+def _check_report(s: CoordinatorState, m: ReportDone | ReportFailed, out: list[Decision]) -> bool:
     member, code, why = _lookup(s, m.replica_id, m.incarnation)
     if member is None:
         _refuse(out, m, code, why)
@@ -133,7 +140,7 @@ def _check_report(s: CoordinatorState, m: ReportDone | ReportFailed, out: list) 
     return False
 
 
-def _take_done(s: CoordinatorState, m: ReportDone, out: list) -> bool:
+def _take_done(s: CoordinatorState, m: ReportDone, out: list[Decision]) -> bool:
     """Record one done report (False: refused, with the refusal in `out`)."""
     if not _check_report(s, m, out):
         return False
@@ -147,14 +154,14 @@ def _take_done(s: CoordinatorState, m: ReportDone, out: list) -> bool:
     return True
 
 
-def _on_done(s: CoordinatorState, now: float, m: ReportDone, out: list) -> str:
+def _on_done(s: CoordinatorState, now: float, m: ReportDone, out: list[Decision]) -> str:
     if not _take_done(s, m, out):
         return ""
     _evaluate_attempt(s, out)
     return f"replica {m.replica_id} reported done ({m.step}, {m.epoch})"
 
 
-def _on_done_batch(s: CoordinatorState, now: float, m: ReportsDone, out: list) -> str:
+def _on_done_batch(s: CoordinatorState, now: float, m: ReportsDone, out: list[Decision]) -> str:
     """Each report as `_on_done` takes it (refusals per report), the attempt judged once."""
     taken = sum(_take_done(s, d, out) for d in m.reports)
     if taken:
@@ -164,7 +171,7 @@ def _on_done_batch(s: CoordinatorState, now: float, m: ReportsDone, out: list) -
     return f"{taken} of {len(m.reports)} batched done reports taken{at}"
 
 
-def _on_failed(s: CoordinatorState, now: float, m: ReportFailed, out: list) -> str:
+def _on_failed(s: CoordinatorState, now: float, m: ReportFailed, out: list[Decision]) -> str:
     if not _check_report(s, m, out):
         return ""
     r = m.replica_id
@@ -206,7 +213,7 @@ def _record_leaving(s: CoordinatorState, r: int, leaving: bool) -> None:
 # ---------------------------------------------------------------- judgment
 
 
-def _evaluate_attempt(s: CoordinatorState, out: list) -> None:
+def _evaluate_attempt(s: CoordinatorState, out: list[Decision]) -> None:
     if s.status != RUNNING:
         return
     # The live set is the attempt's surviving members (joiners enter only at a commit), so
@@ -233,7 +240,7 @@ def _evaluate_attempt(s: CoordinatorState, out: list) -> None:
         _redo(s, out, survivors)
 
 
-def _commit(s: CoordinatorState, out: list, survivors: list[int]) -> None:
+def _commit(s: CoordinatorState, out: list[Decision], survivors: list[int]) -> None:
     t, a = s.step, s.attempt_epoch
     alive = set(survivors)
     gone = [r for r in s.attempt_members if r not in alive]
@@ -296,7 +303,7 @@ def _name_writer(s: CoordinatorState, t: int, survivors: list[int]) -> None:
     s.committed_writer = min(seen or staying)
 
 
-def _redo(s: CoordinatorState, out: list, survivors: list[int]) -> None:
+def _redo(s: CoordinatorState, out: list[Decision], survivors: list[int]) -> None:
     t, a = s.step, s.attempt_epoch
     alive = set(survivors)
     dead = [r for r in s.attempt_members if r not in alive]
@@ -323,7 +330,7 @@ def _redo(s: CoordinatorState, out: list, survivors: list[int]) -> None:
     out.append(Redo(step=t, epoch=s.epoch, lost=lost, reassigned=moved, reason=why))
 
 
-def _verify(s: CoordinatorState, out: list, survivors: list[int], bad: list[int]) -> None:
+def _verify(s: CoordinatorState, out: list[Decision], survivors: list[int], bad: list[int]) -> None:
     """Replicas `bad` reported a non-finite part where the others' was finite: redo the step in a
     new epoch with their ids recomputed by the others (reassign, as for the dead), while they stay
     members holding nothing and drop their sums (the view's `discard`)."""

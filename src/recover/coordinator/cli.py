@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from recover import exits
@@ -52,7 +53,9 @@ __all__ = [
 log = logging.getLogger("recover.coordinator")
 
 
-def add_coordinator_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_coordinator_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     p = subparsers.add_parser("coordinator", help="run or inspect the membership coordinator")
     sub = p.add_subparsers(dest="coordinator_command", required=True)
 
@@ -369,7 +372,7 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def bind_host(host: str | None, ifname: str | None, environ) -> str:
+def bind_host(host: str | None, ifname: str | None, environ: Mapping[str, str]) -> str:
     """Where `coordinator serve` binds: --host; else the IPv4 address of --ifname (else
     RECOVER_IFNAME, else GLOO_SOCKET_IFNAME; the first interface of a list); else 127.0.0.1.
     ValueError naming the flag for both flags at once or an interface without an address."""

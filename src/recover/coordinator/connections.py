@@ -100,7 +100,7 @@ class _Conn:
     local: str | None = None  # our IP address on this connection (what the peer dialled)
     session: tuple[int, str] | None = None  # (replica_id, incarnation) registered here
     left: bool = False
-    gone: asyncio.Future | None = None  # resolved when the peer closes (StreamProtocol)
+    gone: asyncio.Future[None] | None = None  # resolved when the peer closes (StreamProtocol)
     relay: str | None = None  # the relay that speaks on this connection (relay.py)
 
 
@@ -144,7 +144,7 @@ class Connections(RulesDriver):
         self._looked_at: float | None = None  # (set at the first tick)
         self._revalidated_until = 0.0
 
-    def _store_for(self, conn: _Conn | None) -> list | None:
+    def _store_for(self, conn: _Conn | None) -> list[str | int] | None:
         """The store's address as the peer on `conn` is told it (see the module docstring)."""
         if self._store_address is None:
             return None

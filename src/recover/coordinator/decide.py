@@ -143,7 +143,7 @@ def tick(now: float, state: CoordinatorState) -> tuple[CoordinatorState, list[De
 # ---------------------------------------------------------------- handlers
 
 
-def _on_register(s: CoordinatorState, now: float, m: Register, out: list) -> str:
+def _on_register(s: CoordinatorState, now: float, m: Register, out: list[Decision]) -> str:
     r, inc = m.replica_id, m.incarnation
     fence = s.fenced.get(inc)
     if fence:
@@ -194,14 +194,14 @@ def _on_register(s: CoordinatorState, now: float, m: Register, out: list) -> str
     return ""
 
 
-def _on_heartbeat(s: CoordinatorState, now: float, m: Heartbeat, out: list) -> str:
+def _on_heartbeat(s: CoordinatorState, now: float, m: Heartbeat, out: list[Decision]) -> str:
     member, code, why = _lookup(s, m.replica_id, m.incarnation)
     if member is None:
         return _refuse(out, m, code, why)
     return _heard(s, m.replica_id, member, now)
 
 
-def _on_heartbeats(s: CoordinatorState, now: float, m: Heartbeats, out: list) -> str:
+def _on_heartbeats(s: CoordinatorState, now: float, m: Heartbeats, out: list[Decision]) -> str:
     """Heartbeats the transport read since its last batch, each at the time it was read. Not a
     current member any more: skipped (it was answered already; its next heartbeat is refused)."""
     for r, inc, at in m.seen:
@@ -219,7 +219,7 @@ def _heard(s: CoordinatorState, r: int, member: Member, at: float) -> str:
     return "heartbeat"
 
 
-def _on_process_exit(s: CoordinatorState, now: float, m: ProcessExit, out: list) -> str:
+def _on_process_exit(s: CoordinatorState, now: float, m: ProcessExit, out: list[Decision]) -> str:
     member, code, why = _lookup(s, m.replica_id, m.incarnation)
     if member is None:
         return _refuse(out, m, code, why)
@@ -227,7 +227,7 @@ def _on_process_exit(s: CoordinatorState, now: float, m: ProcessExit, out: list)
     return ""
 
 
-def _on_lease_expired(s: CoordinatorState, now: float, m: LeaseExpired, out: list) -> str:
+def _on_lease_expired(s: CoordinatorState, now: float, m: LeaseExpired, out: list[Decision]) -> str:
     """A relay judged the lease (its replicas heartbeat the relay, not us): as a Tick would."""
     member, code, why = _lookup(s, m.replica_id, m.incarnation)
     if member is None:
@@ -243,7 +243,7 @@ def _on_lease_expired(s: CoordinatorState, now: float, m: LeaseExpired, out: lis
     return ""
 
 
-def _on_leave(s: CoordinatorState, now: float, m: Leave, out: list) -> str:
+def _on_leave(s: CoordinatorState, now: float, m: Leave, out: list[Decision]) -> str:
     member, code, why = _lookup(s, m.replica_id, m.incarnation)
     if member is None:
         return _refuse(out, m, code, why)
@@ -252,7 +252,7 @@ def _on_leave(s: CoordinatorState, now: float, m: Leave, out: list) -> str:
     return f"replica {m.replica_id} left"
 
 
-def _on_tick(s: CoordinatorState, now: float, m: Tick, out: list) -> str:
+def _on_tick(s: CoordinatorState, now: float, m: Tick, out: list[Decision]) -> str:
     opts = s.options
     due = sorted(s.members) if m.due is None else sorted(set(m.due))
     if _suspects_itself(s, now, due, out):
@@ -277,7 +277,7 @@ def _on_tick(s: CoordinatorState, now: float, m: Tick, out: list) -> str:
     return ""
 
 
-def _on_takeover(s: CoordinatorState, now: float, m: Takeover, out: list) -> str:
+def _on_takeover(s: CoordinatorState, now: float, m: Takeover, out: list[Decision]) -> str:
     """A new leader's first rule: nobody is dead for the coordinator's absence (each member's
     lease runs `grace_s` from now, time to find the new leader), and the in-flight attempt is
     resolved by the commit rule. Reports are not durable, so an attempt is committed here only
@@ -300,7 +300,7 @@ def _on_takeover(s: CoordinatorState, now: float, m: Takeover, out: list) -> str
     return why
 
 
-def _on_resumed(s: CoordinatorState, now: float, m: Resumed, out: list) -> str:
+def _on_resumed(s: CoordinatorState, now: float, m: Resumed, out: list[Decision]) -> str:
     """The coordinator itself was not running for `paused_s`: a silence nobody else caused. Each
     live or pending member's lease restarts from now, so the
     leases judged next judge only what happens after the pause (a member that died meanwhile
@@ -338,7 +338,7 @@ _HANDLERS: dict[type, Callable[[CoordinatorState, float, Any, list[Decision]], s
 # ---------------------------------------------------------------- state transitions
 
 
-def _form(s: CoordinatorState, out: list, why: str) -> None:
+def _form(s: CoordinatorState, out: list[Decision], why: str) -> None:
     ids = pending_ids(s)
     s.fingerprint = dict(s.members[ids[0]].fingerprint)
     if s.options.microbatches == 0:  # learned from the replicas (checked at registration)
@@ -356,7 +356,7 @@ def _form(s: CoordinatorState, out: list, why: str) -> None:
     out.append(EpochChanged(epoch=s.epoch, live=s.live, reason=f"epoch {s.epoch}: {why}"))
 
 
-def _kill(s: CoordinatorState, r: int, how: str, why: str, out: list) -> None:
+def _kill(s: CoordinatorState, r: int, how: str, why: str, out: list[Decision]) -> None:
     member = s.members[r]
     was_live = member.state == LIVE
     left = how == "leave"

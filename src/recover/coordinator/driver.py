@@ -45,7 +45,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVarTuple
 
 from recover.coordinator.decide import decide, initial_state, resume_state
 from recover.coordinator.decisions import Decision
@@ -66,6 +66,10 @@ from recover.record import unwritable
 __all__ = ["RulesDriver"]
 
 log = logging.getLogger("recover.coordinator")
+
+_Ts = TypeVarTuple("_Ts")
+# What long-polls wait for (`_key`): (epoch, status, attempt_epoch, step, committed_step).
+_WakeKey = tuple[int, str, int, int, int]
 
 # Decisions made at every step of a healthy run; the others are worth a person's look.
 ROUTINE_DECISIONS = frozenset({"committed", "registered"})
@@ -111,7 +115,7 @@ class RulesDriver(LoopService):
         self._leases: LeaseQueue[int] = LeaseQueue(options.lease_s)
         self._beats: list[tuple[int, str, float]] = []  # read, not yet applied (one per tick)
         self._held = Waiters()  # held heartbeats: woken by epoch or status changes only
-        self._wake_key: tuple = ()
+        self._wake_key: _WakeKey | tuple[()] = ()
         # Relays' held beats (connections.py): woken at every view change.
         self._relay_held = Waiters()
         # High availability (docs/coordinator.md, "The control plane in etcd"). `term`: this
@@ -123,7 +127,7 @@ class RulesDriver(LoopService):
         self._takeover_grace_s = takeover_grace_s
         self._durable = bool(getattr(self._state_store, "durable", False))
         self._saved_revision = -1
-        self._save_waiters: list[tuple[int, asyncio.Future]] = []
+        self._save_waiters: list[tuple[int, asyncio.Future[bool]]] = []
         self._dirty = threading.Event()
         self._deposed: str | None = None
         self.last_tick = time.monotonic()  # the loop's liveness (election.py stops renewing)
@@ -234,7 +238,7 @@ class RulesDriver(LoopService):
         return decisions, reason
 
     @staticmethod
-    def _key(s: CoordinatorState) -> tuple:
+    def _key(s: CoordinatorState) -> _WakeKey:
         """What long-polls wait for: a new epoch, attempt, step or status. Held heartbeats wait
         for the first two fields only: commits and redos reach a replica as the answer to its
         report (a redo moves the epoch too), so a commit does not send every replica its view twice."""
@@ -293,7 +297,7 @@ class RulesDriver(LoopService):
             if stopping:
                 return
 
-    def _call_in_loop(self, fn: Callable, *args: Any) -> None:
+    def _call_in_loop(self, fn: Callable[[*_Ts], object], *args: *_Ts) -> None:
         loop = self._loop
         if loop is None:  # set by `_main` once the loop thread runs (started before the saver)
             raise RuntimeError(f"{self._what}: its loop has not started")
@@ -305,7 +309,7 @@ class RulesDriver(LoopService):
     def _on_saved(self, revision: int) -> None:
         self._saved_revision = max(self._saved_revision, revision)
         self._flush_events(self._saved_revision)
-        keep = []
+        keep: list[tuple[int, asyncio.Future[bool]]] = []
         for rev, fut in self._save_waiters:
             if rev <= self._saved_revision:
                 if not fut.done():
@@ -320,7 +324,8 @@ class RulesDriver(LoopService):
             return True
         if self._deposed is not None or self._stopping:
             return False
-        fut = asyncio.get_running_loop().create_future()  # (the service's loop: we run on it)
+        # (the service's loop: we run on it)
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._save_waiters.append((revision, fut))
         return await fut
 

@@ -172,11 +172,19 @@ class EtcdClient:
     def delete(self, key: str) -> None:
         self.call("/v3/kv/deleterange", {"key": _b64(key)})
 
-    def txn(self, compare: list[dict], success: list[dict], failure: Sequence[dict] = ()) -> bool:
+    def txn(
+        self,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: Sequence[dict[str, Any]] = (),
+    ) -> bool:
         return self.txn_at(compare, success, failure)[0]
 
     def txn_at(
-        self, compare: list[dict], success: list[dict], failure: Sequence[dict] = ()
+        self,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: Sequence[dict[str, Any]] = (),
     ) -> tuple[bool, int]:
         """(succeeded, the store's revision after it)."""
         body = {"compare": compare, "success": success, "failure": list(failure)}

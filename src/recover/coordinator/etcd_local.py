@@ -46,12 +46,13 @@ def _die_with_parent() -> None:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # AF_INET: (host, port)
+        return port
 
 
 @dataclass
 class LocalEtcd:
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     client_port: int
     peer_port: int
     data_dir: Path
@@ -77,7 +78,7 @@ class LocalEtcd:
 
 
 def start_local_etcd(
-    data_dir: str | os.PathLike, *, binary: str | None = None, timeout_s: float = 15.0,
+    data_dir: str | os.PathLike[str], *, binary: str | None = None, timeout_s: float = 15.0,
     client_port: int = 0, peer_port: int = 0,
 ) -> LocalEtcd:  # fmt: skip
     """Start etcd with its data in `data_dir`; returns once it answers requests.

@@ -45,6 +45,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from recover.checks import is_int
@@ -81,7 +82,7 @@ class HeartbeatSession:
         rpc_timeout_s: float = 5.0,
         coordinator_grace_s: float = 10.0,
         incarnation: str | None = None,
-        standbys: list[tuple[str, int]] | tuple = (),
+        standbys: Sequence[tuple[str, int]] = (),
     ) -> None:
         if not is_int(replica_id) or replica_id < 0:
             raise ValueError(f"replica_id must be an int >= 0, got {replica_id!r}")

@@ -45,6 +45,7 @@ from typing import Any
 
 from recover.checks import is_int
 from recover.coordinator.decisions import (
+    Decision,
     EpochChanged,
     MemberDead,
     QuorumLost,
@@ -114,7 +115,7 @@ def _first_pending(s: CoordinatorState) -> Member | None:
     return next((m for m in s.members.values() if m.state == PENDING), None)
 
 
-def _reform(s: CoordinatorState, now: float, out: list, r: int) -> None:
+def _reform(s: CoordinatorState, now: float, out: list[Decision], r: int) -> None:
     """A run that lost its quorum forms again, as a fresh coordinator would, from the replicas
     that register now (restarted with --resume: their checkpoints say where it goes on). Every
     incarnation of the old run is fenced; epochs and versions go on increasing."""
@@ -141,7 +142,7 @@ def _reform(s: CoordinatorState, now: float, out: list, r: int) -> None:
 # ---------------------------------------------------------------- leases
 
 
-def _suspects_itself(s: CoordinatorState, now: float, due: list[int], out: list) -> bool:
+def _suspects_itself(s: CoordinatorState, now: float, due: list[int], out: list[Decision]) -> bool:
     """The self-suspicion rule. When a lease runs out while more than half of the watched members
     (live or pending; at least two) have been silent for over half a lease, the likelier fault is
     the coordinator's own network (or host), not theirs: each silent member's lease restarts now
@@ -184,7 +185,7 @@ def _suspects_itself(s: CoordinatorState, now: float, due: list[int], out: list)
 # ---------------------------------------------------------------- epochs, eviction and the quorum
 
 
-def _bump_epoch(s: CoordinatorState, out: list, why: str) -> None:
+def _bump_epoch(s: CoordinatorState, out: list[Decision], why: str) -> None:
     s.epoch += 1
     # Joiners keep getting the state transfer at the start of every attempt of their first step
     # (a failure may have cut the first transfer short) until that step commits.
@@ -192,7 +193,7 @@ def _bump_epoch(s: CoordinatorState, out: list, why: str) -> None:
     out.append(EpochChanged(epoch=s.epoch, live=s.live, reason=f"epoch {s.epoch}: {why}"))
 
 
-def _lose_quorum(s: CoordinatorState, out: list, why: str) -> None:
+def _lose_quorum(s: CoordinatorState, out: list[Decision], why: str) -> None:
     s.status = QUORUM_LOST
     m, c = s.options.min_replicas, s.committed_step
     why = f"{why} (min_replicas={m}, last committed step {c})"
@@ -200,7 +201,7 @@ def _lose_quorum(s: CoordinatorState, out: list, why: str) -> None:
 
 
 def _evict(
-    s: CoordinatorState, out: list, survivors: list[int], how: str, whys: dict[int, str],
+    s: CoordinatorState, out: list[Decision], survivors: list[int], how: str, whys: dict[int, str],
     what: str,
 ) -> list[int]:  # fmt: skip
     """Evict the live members `whys` names at once (dead, fenced for good: a new incarnation may
@@ -232,7 +233,7 @@ def _no_state_left(s: CoordinatorState) -> bool:
     return s.status == RUNNING and bool(s.live) and all(r in s.joined for r in s.live)
 
 
-def _evict_suspects(s: CoordinatorState, out: list, survivors: list[int]) -> list[int]:
+def _evict_suspects(s: CoordinatorState, out: list[Decision], survivors: list[int]) -> list[int]:
     """The suspects of this attempt computed wrongly (their ids were finite elsewhere): evict each
     (fenced for good, a new incarnation may join) and return the survivors without them."""
     t, suspects = s.step, s.verifying
@@ -272,7 +273,7 @@ def _votes(s: CoordinatorState, alive: set[int]) -> dict[int, set[int]]:
     return votes
 
 
-def _evict_unreachable(s: CoordinatorState, out: list, survivors: list[int]) -> list[int]:
+def _evict_unreachable(s: CoordinatorState, out: list[Decision], survivors: list[int]) -> list[int]:
     """Judge the failed attempt's unreachable reports (the rule in the module docstring) and
     return the survivors without the members evicted now. O(R + named) per failed attempt."""
     alive = set(survivors)
@@ -304,7 +305,7 @@ def _evict_unreachable(s: CoordinatorState, out: list, survivors: list[int]) -> 
     return _evict(s, out, survivors, "unreachable", whys, "evicted: they cannot be dialled")
 
 
-def _release_leavers(s: CoordinatorState, out: list, survivors: list[int]) -> None:
+def _release_leavers(s: CoordinatorState, out: list[Decision], survivors: list[int]) -> None:
     """Members whose done report of the committed step asked to leave leave now, at the step
     boundary: fenced as left (they write their last records and exit), the epoch moves, and the
     next step is planned without them, so no attempt waits for them (no redo). Not when that
@@ -323,7 +324,7 @@ def _release_leavers(s: CoordinatorState, out: list, survivors: list[int]) -> No
 # ---------------------------------------------------------------- small helpers
 
 
-def _refuse(out: list, m: FromReplica, code: str, why: str) -> str:
+def _refuse(out: list[Decision], m: FromReplica, code: str, why: str) -> str:
     r, inc = m.replica_id, m.incarnation
     out.append(Refused(replica_id=r, incarnation=inc, code=code, reason=f"refused ({code}): {why}"))
     return ""

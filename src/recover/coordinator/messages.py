@@ -179,7 +179,7 @@ Message = (
     | Takeover
 )
 
-MESSAGE_KINDS: dict[str, type] = {
+MESSAGE_KINDS: dict[str, type[Message]] = {
     "register": Register,
     "heartbeat": Heartbeat,
     "process_exit": ProcessExit,

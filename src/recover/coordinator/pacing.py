@@ -26,7 +26,7 @@ __all__ = ["LeaseQueue", "StreamProtocol", "Waiters", "resolve"]
 K = TypeVar("K")  # what holds a lease: a replica id (int), a relay id or a node name (str)
 
 
-def resolve(fut: asyncio.Future) -> None:
+def resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
 
@@ -72,7 +72,7 @@ class Waiters:
     """Futures parked until `wake()` or their own timeout."""
 
     def __init__(self) -> None:
-        self._parked: set[asyncio.Future] = set()
+        self._parked: set[asyncio.Future[None]] = set()
 
     def __len__(self) -> int:
         return len(self._parked)
@@ -82,14 +82,14 @@ class Waiters:
         for fut in parked:
             resolve(fut)
 
-    async def park(self, timeout_s: float, gone: asyncio.Future | None = None) -> None:
+    async def park(self, timeout_s: float, gone: asyncio.Future[None] | None = None) -> None:
         """Until the next wake, timeout_s, or (given `gone`) the peer closing its connection."""
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut: asyncio.Future[None] = loop.create_future()
         self._parked.add(fut)
         timer = loop.call_later(timeout_s, resolve, fut)
 
-        def wake(_: asyncio.Future) -> None:
+        def wake(_: asyncio.Future[None]) -> None:
             resolve(fut)
 
         if gone is not None:
@@ -108,7 +108,7 @@ class StreamProtocol(asyncio.StreamReaderProtocol):
 
     def __init__(self, reader: asyncio.StreamReader, cb: Any, *, loop: Any) -> None:
         super().__init__(reader, cb, loop=loop)
-        self.gone: asyncio.Future = loop.create_future()
+        self.gone: asyncio.Future[None] = loop.create_future()
 
     def eof_received(self) -> bool | None:
         resolve(self.gone)

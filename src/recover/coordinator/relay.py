@@ -37,7 +37,7 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,10 @@ from recover.coordinator.views import ViewCache, frame, split_plan
 __all__ = ["RelayServer"]
 
 log = logging.getLogger("recover.coordinator.relay")
+
+# A done report waiting in a batch: its done_batch row (replica_id, incarnation, param_hash,
+# throughput), and the future that the batch's reply (its head) resolves.
+_BatchRow = tuple[list[Any], asyncio.Future[dict[str, Any]]]
 
 _HEADER = struct.Struct(">I")
 _VIEW_AT = b',"view":'
@@ -82,7 +86,7 @@ class _Member:
 
 @dataclass
 class _Conn:
-    gone: asyncio.Future | None
+    gone: asyncio.Future[None] | None
     session: tuple[int, str] | None = None
     left: bool = False
     writer: asyncio.StreamWriter | None = None
@@ -102,7 +106,9 @@ class _Upstream:
             asyncio.open_connection(self.host, self.port, limit=MAX_FRAME + 8), self.timeout_s
         )
 
-    async def call(self, req: dict[str, Any], wait_s: float = 0.0) -> tuple[dict, bytes | None]:
+    async def call(
+        self, req: dict[str, Any], wait_s: float = 0.0
+    ) -> tuple[dict[str, Any], bytes | None]:
         reader, writer = self.reader, self.writer
         if reader is None or writer is None:  # (the relay's `_main` opens both before any call)
             raise RuntimeError(f"upstream {self.host}:{self.port} called before open()")
@@ -162,8 +168,8 @@ class RelayServer(LoopService):
         self._held = Waiters()  # held heartbeats: epoch or status changes
         # (step, epoch) -> its done reports not yet sent up: a done_batch row each, and the
         # future its reply resolves.
-        self._batches: dict[tuple[int, int], list[tuple[list[Any], asyncio.Future]]] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._batches: dict[tuple[int, int], list[_BatchRow]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self._ids = itertools.count()
 
@@ -263,13 +269,16 @@ class RelayServer(LoopService):
                     m.state, m.why = "dead", f"epoch {view.epoch} no longer holds replica {r}"
                     self._leases.settle([r], {r: None})
             self._n_live = sum(r in live for r in self._members)
-        key = lambda v: (v.epoch, v.status, v.attempt_epoch, v.step, v.committed_step)  # noqa: E731
+
+        def key(v: View) -> tuple[int, str, int, int, int]:
+            return (v.epoch, v.status, v.attempt_epoch, v.step, v.committed_step)
+
         if old is None or key(old) != key(view):
             if old is None or key(old)[:2] != key(view)[:2]:
                 self._held.wake()
             self._waiters.wake()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -374,7 +383,9 @@ class RelayServer(LoopService):
     async def _forward(self, req: dict[str, Any], conn: _Conn) -> bytes:
         return frame(*await self._forward_call(req, conn))
 
-    async def _forward_call(self, req: dict[str, Any], conn: _Conn) -> tuple[dict, bytes | None]:
+    async def _forward_call(
+        self, req: dict[str, Any], conn: _Conn
+    ) -> tuple[dict[str, Any], bytes | None]:
         head, view = await self._rpc_up.call(self._up(req))
         kind = req.get("kind")
         r, inc = req.get("replica_id"), req.get("incarnation")
@@ -452,7 +463,7 @@ class RelayServer(LoopService):
         head, view = await self._done_call(req)
         return frame(head, view) if view is not None else self._reply(head, req.get("view_version"))
 
-    async def _done_call(self, req: dict[str, Any]) -> tuple[dict, bytes | None]:
+    async def _done_call(self, req: dict[str, Any]) -> tuple[dict[str, Any], bytes | None]:
         """A done report, batched up (or alone): (its reply, the view bytes to send with it:
         None for ours, relative to the version the replica holds)."""
         r = check_field("replica_id", req.get("replica_id"))
@@ -465,7 +476,7 @@ class RelayServer(LoopService):
             return refusal, None
         if set(req) - _BATCHED_FIELDS:  # a field a batch row does not carry: send it alone
             return await self._forward_call(req, _Conn(gone=None))
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         batch = self._batches.setdefault((step, epoch), [])
         batch.append(([r, inc, h, tp], fut))
         if len(batch) == 1:
@@ -483,9 +494,7 @@ class RelayServer(LoopService):
         if batch:
             self._spawn(self._send_batch(attempt, batch))
 
-    async def _send_batch(
-        self, attempt: tuple[int, int], batch: list[tuple[list[Any], asyncio.Future]]
-    ) -> None:
+    async def _send_batch(self, attempt: tuple[int, int], batch: list[_BatchRow]) -> None:
         req = {"kind": "done_batch", "step": attempt[0], "epoch": attempt[1]}
         req.update(reports=[row for row, _ in batch], view_version=self._views.version)
         try:
@@ -542,7 +551,9 @@ class RelayServer(LoopService):
         result = await self._wait_for(self._outcome_ready(who, step, epoch), self._deadline(req))
         return result or {"ok": True, "outcome": "timeout", "reason": "deadline passed"}
 
-    def _outcome_ready(self, who: tuple[int, str], step: int, epoch: int) -> Callable:
+    def _outcome_ready(
+        self, who: tuple[int, str], step: int, epoch: int
+    ) -> Callable[[], dict[str, Any] | None]:
         """The predicate of a wait for attempt (step, epoch)'s outcome, on our copy of the view."""
 
         def ready() -> dict[str, Any] | None:

@@ -129,7 +129,7 @@ class CoordinatorServer(NodeAgents):
         self._tcp_store: Any = None
         self._conn_ids = itertools.count(1)
         self._writers: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -139,7 +139,9 @@ class CoordinatorServer(NodeAgents):
             raise RuntimeError("CoordinatorServer.start() called twice")
         self._load_state()
         if self._store_port is not None:
-            from torch.distributed import TCPStore  # the only torch use; clients stay torch-free
+            # The only torch use; clients stay torch-free. (torch re-exports TCPStore without
+            # listing it: only mypy --strict objects, hence both codes.)
+            from torch.distributed import TCPStore  # type: ignore[attr-defined, unused-ignore]
 
             # torch's TCPStore listens on every interface, whatever host it is given; it takes no
             # token. Bound here, on the coordinator's own address, it is reachable only where the

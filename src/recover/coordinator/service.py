@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from recover.coordinator.pacing import Waiters
 from recover.coordinator.protocol import ProtocolError, read_frame_async
@@ -29,6 +29,8 @@ from recover.coordinator.views import frame
 __all__ = ["LoopService"]
 
 log = logging.getLogger("recover.coordinator")
+
+_T = TypeVar("_T")  # what a long-poll's predicate returns once it holds
 
 
 class LoopService:
@@ -148,7 +150,7 @@ class LoopService:
             writer.write(data)
             await writer.drain()
 
-    async def _wait_for(self, pred: Callable[[], Any], deadline_s: float) -> Any:
+    async def _wait_for(self, pred: Callable[[], _T | None], deadline_s: float) -> _T | None:
         """Poll `pred` at every wake of the long-polls until it returns non-None or the
         deadline (capped at max_wait_s) passes; None then."""
         end = time.monotonic() + min(deadline_s, self._max_wait_s)

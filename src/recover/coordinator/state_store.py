@@ -28,7 +28,7 @@ import json
 import math
 import threading
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, overload
 
 from recover.checks import is_int, is_number
 from recover.coordinator.protocol import DEFAULT_LEASE_S, View
@@ -194,13 +194,30 @@ class CoordinatorState:
         out.__dict__["_owned"] = set()
         return out
 
-    def own(self, name: str) -> dict:
+    # One overload per container field: `own` returns that field's own type.
+    @overload
+    def own(self, name: Literal["plan"]) -> dict[int, tuple[int, ...]]: ...
+    @overload
+    def own(self, name: Literal["weights"]) -> dict[int, float]: ...
+    @overload
+    def own(self, name: Literal["reports", "param_hashes"]) -> dict[int, str]: ...
+    @overload
+    def own(self, name: Literal["members"]) -> dict[int, Member]: ...
+    @overload
+    def own(self, name: Literal["fenced"]) -> dict[str, str]: ...
+    @overload
+    def own(self, name: Literal["unreachable"]) -> dict[int, tuple[tuple[int, str], ...]]: ...
+    @overload
+    def own(self, name: Literal["unreachable_strikes"]) -> dict[int, int]: ...
+
+    def own(self, name: str) -> dict[Any, Any]:
         """Container `name` of this (cloned) state, copied on its first change since the clone."""
-        owned = self.__dict__.setdefault("_owned", set())
+        owned: set[str] = self.__dict__.setdefault("_owned", set())
         if name not in owned:
             setattr(self, name, dict(getattr(self, name)))
             owned.add(name)
-        return getattr(self, name)
+        container: dict[Any, Any] = getattr(self, name)
+        return container
 
 
 _INT_KEYED = (

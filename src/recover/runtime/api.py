@@ -45,9 +45,8 @@ import contextlib
 import hashlib
 import logging
 import os
-import sys
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -68,7 +67,13 @@ from recover.runtime.script_work import (
     sum_inside_fsdp,
     whole_state,
 )
-from recover.runtime.session import STOPS, ReplicaSession, stop_of
+from recover.runtime.session import (
+    STOPS,
+    ReplicaSession,
+    end_quietly_on,
+    stop_of,
+    stop_on_lost_mate,
+)
 from recover.runtime.stall import StallGuard
 from recover.runtime.step_machine import (
     StepHooks,
@@ -76,6 +81,9 @@ from recover.runtime.step_machine import (
     StepOptions,
 )
 from recover.runtime.update_guard import UpdateGuard
+
+if TYPE_CHECKING:
+    from recover.dashboards import RecordMirror
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +155,8 @@ class Replica:
             from recover.runtime.env import die_with_launcher
 
             die_with_launcher()  # started by the local launcher: die with it, never orphaned
-            _end_quietly_on(CoordinatorLost, exits.COORDINATOR_LOST)
-            _end_quietly_on(AddressError, exits.ADDRESS)
+            end_quietly_on(CoordinatorLost, exits.COORDINATOR_LOST)
+            end_quietly_on(AddressError, exits.ADDRESS)
             # torch's own gloo groups (the replica's own, a Checkpointer's) take only its variable
             export_for_torch(self.env.interfaces, os.environ)
             ranks = self.env.ranks
@@ -190,13 +198,14 @@ class Replica:
             # A mate's death surfaces as an error of a collective inside the replica, often in the
             # script's own code (an FSDP2 all-gather in its forward): end with the watchdog's
             # status and one line, not a traceback, wherever it is raised.
-            _stop_on_lost_mate(self.intra)
+            stop_on_lost_mate(self.intra)
         self.rank = self.intra.rank if self.intra is not None else 0
         self.mesh = self.intra.mesh if self.intra is not None else None
         self.step: int | None = None  # the step in progress (or the last one handed out)
         self.loss: float | None = None  # the committed mean loss of the last committed step
         self.save_final = save_final
-        self._mirrors: list = []  # the dashboards' mirrors of the record (--tensorboard, --wandb)
+        # The dashboards' mirrors of the record (--tensorboard, --wandb).
+        self._mirrors: list[RecordMirror] = []
         if self._writer is not None and self.rank == 0:
             self._mirrors = dashboards_for(
                 self.env.spec, self._writer.path, self.replica_id, config
@@ -217,7 +226,8 @@ class Replica:
         self._machine: StepMachine | None = None
         self._work: ScriptWork | None = None
         self._committed = -1
-        self._pending: tuple | None = None  # (step, j, index, weight) awaiting backward()
+        # (step, j, index, weight) awaiting backward()
+        self._pending: tuple[int, int, int | None, float] | None = None
         self._in_step = False
         self._closed = False
 
@@ -238,7 +248,7 @@ class Replica:
         return self._work
 
     # ---- set-up --------------------------------------------------------------------------------
-    def event(self, name: str, **fields) -> None:
+    def event(self, name: str, **fields: Any) -> None:
         """Record a library event in RECOVER_EVENTS (when the launcher named a file)."""
         if self._writer is not None:
             with self._stops():
@@ -273,7 +283,9 @@ class Replica:
         self._update_guard = UpdateGuard(optimizer)
         optimizer.register_step_pre_hook(self._before_optimizer_step)
 
-    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+    def _before_optimizer_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         if self._in_step:
             raise UsageError(
                 "optimizer.step() was called inside replica.microbatches(): step the optimizer "
@@ -283,7 +295,7 @@ class Replica:
             self._guard.tick()
             self._faults("optimizer", self._committed, None)
 
-    def _fingerprint(self, total_steps: int) -> dict:
+    def _fingerprint(self, total_steps: int) -> dict[str, Any]:
         model = self._attached.model
         shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in model.named_parameters())
         return {
@@ -402,7 +414,7 @@ class Replica:
         except ValueError as e:
             raise UsageError(str(e)) from None
 
-    def committed_steps(self) -> list[dict]:
+    def committed_steps(self) -> list[dict[str, Any]]:
         """For a script that keeps a log of its own: the records this rank must write in it now
         ([] unless it is the writer): a lost writer's steps first (committed, not in the run's
         record), then the step that just committed, each a dict of `step`, `loss`,
@@ -562,7 +574,8 @@ class Replica:
         step, j, index, weight = self._pending
         if index is not None:
             self._faults("backward", step, index)
-        (loss * weight if weight != 1.0 else loss).backward()
+        # (torch's Tensor.backward has no annotations: an untyped call to mypy --strict only)
+        (loss * weight if weight != 1.0 else loss).backward()  # type: ignore[no-untyped-call, unused-ignore]
         if weight:
             self._attached.grads.add_loss(j, float(loss.detach()))
             self._faults("done", step, index)
@@ -659,35 +672,6 @@ class Replica:
         self._mirrors = []
         # The events file stays open to the end of the process: what ends it after this (a lost
         # replica-mate, seen by the watchdog or an error) is still recorded.
-
-
-def _stop_on_lost_mate(intra) -> None:
-    previous = sys.excepthook
-
-    def hook(kind, error, tb) -> None:
-        if isinstance(error, Exception):
-            intra.on_error(error)  # exits (status 7) when a mate is lost; returns otherwise
-        previous(kind, error, tb)
-
-    sys.excepthook = hook
-
-
-def _end_quietly_on(kind: type[BaseException], status: int) -> None:
-    """An uncaught `kind` ends the script with its message as one line and `status`, instead
-    of a traceback (the script may catch it to save first; see CoordinatorLost)."""
-    previous = sys.excepthook
-
-    def hook(error_kind, error, tb) -> None:
-        if not isinstance(error, kind):
-            previous(error_kind, error, tb)
-            return
-        log.error(str(error))
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-
-    sys.excepthook = hook
 
 
 __all__ = ["CoordinatorLost", "NonFinite", "QuorumLost", "Replica", "UsageError"]

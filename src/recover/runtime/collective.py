@@ -65,7 +65,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,9 @@ from recover.runtime.group_build import (
 )
 from recover.runtime.reach import KEY as _REACH_KEY
 from recover.runtime.reach import ReachListener
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import Store
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +210,7 @@ class EpochGroup:
     @classmethod
     def build(
         cls,
-        store: dist.Store,
+        store: Store,
         *,
         epoch: int,
         rank: int,
@@ -257,7 +260,10 @@ class EpochGroup:
             own_client = store.clone()  # type: ignore[attr-defined]  # (TCPStore has it)
         except (RuntimeError, NotImplementedError):
             own_client = store
-        prefixed = dist.PrefixStore(f"{scope}{_STORE_PREFIX}{epoch}", own_client)
+        # (torch.distributed re-exports PrefixStore implicitly: unseen by mypy --strict only)
+        prefixed = dist.PrefixStore(  # type: ignore[attr-defined, unused-ignore]
+            f"{scope}{_STORE_PREFIX}{epoch}", own_client
+        )
         device = _as_device(device)
         if device.type == "cuda":
             make, bounded = _nccl(prefixed, rank, world_size, config, device), False

@@ -50,11 +50,15 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from recover import exits
+
+if TYPE_CHECKING:
+    import torch  # (annotations only: this module stays torch-free at import)
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +157,7 @@ def parse_fault(text: str) -> FaultSpec:
         raise ValueError(f"--fault {text!r}: {e}. Grammar: {GRAMMAR}") from None
 
 
-def check_faults_fit(specs, *, steps: int, microbatches: int) -> None:
+def check_faults_fit(specs: Iterable[FaultSpec], *, steps: int, microbatches: int) -> None:
     """ValueError naming the field when a fault could never fire in a run of `steps` steps of
     `microbatches` (M) microbatches: its step is not below `steps`, or its microbatch index (the
     K-th microbatch a rank computes in the step, at most M of them) is not below M. M = 0 (the
@@ -271,7 +275,7 @@ def read_fired(path: Path) -> set[str]:
     return set(text.split("\n")[:-1]) - {""}
 
 
-def poison_gradient(params) -> None:
+def poison_gradient(params: Iterable[torch.Tensor]) -> None:
     """A NaN in the local gradient sum (the `nan` fault): in the first parameter's gradient,
     which the next backward adds to (made if the sum is still empty)."""
     p = next(iter(params))

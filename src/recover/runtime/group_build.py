@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,12 +39,17 @@ from recover.runtime.collective_config import CollectiveAborted, CollectiveConfi
 from recover.runtime.reach import KEY as _REACH_KEY
 from recover.runtime.reach import probe_peers
 
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import Store
+
 logger = logging.getLogger(__name__)
 
 _STORE_PREFIX = "recover/runtime/collective/epoch"
 
 
-def _gloo(prefixed, rank: int, world_size: int, config: CollectiveConfig) -> Callable[[], Any]:
+def _gloo(
+    prefixed: Store, rank: int, world_size: int, config: CollectiveConfig
+) -> Callable[[], Any]:
     """The maker of one epoch's gloo group (host buffers)."""
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (not in the stubs)
     # The constructor's timeout bounds the rendezvous (full-mesh connect); ops get pg_timeout_s.
@@ -70,7 +75,7 @@ _NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 def _nccl(
-    prefixed, rank: int, world_size: int, config: CollectiveConfig, device: torch.device
+    prefixed: Store, rank: int, world_size: int, config: CollectiveConfig, device: torch.device
 ) -> Callable[[], Any]:
     """The maker of one epoch's NCCL group (buffers on this rank's GPU).
 
@@ -170,7 +175,7 @@ def _unreachable(
 
 
 def _reach_probe(
-    store: dist.Store, prefix: str, rank: int, world_size: int, config: CollectiveConfig
+    store: Store, prefix: str, rank: int, world_size: int, config: CollectiveConfig
 ) -> Callable[[], dict[int, str]]:
     """The probe of one build: dial the peers that published an endpoint under `prefix`. It
     reads the store through a connection of its own (the build's is blocked in the rendezvous)."""
@@ -181,7 +186,8 @@ def _reach_probe(
                 client = store.clone()  # type: ignore[attr-defined]  # (TCPStore has it)
             except (RuntimeError, NotImplementedError):
                 client = store
-            view = dist.PrefixStore(prefix, client)
+            # (torch.distributed re-exports PrefixStore implicitly: unseen by mypy --strict only)
+            view = dist.PrefixStore(prefix, client)  # type: ignore[attr-defined, unused-ignore]
             endpoints = {}
             for k in range(world_size):
                 key = f"{_REACH_KEY}{k}"

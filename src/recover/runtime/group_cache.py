@@ -24,6 +24,7 @@ import datetime
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ from recover.runtime.collective_config import (
 from recover.runtime.group_build import reach_host
 from recover.runtime.reach import ReachListener
 
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import Store
+
 
 class StoreFollower:
     """The TCPStore of the coordinator that leads now, for `GroupCache`: a new leader (a
@@ -48,15 +52,18 @@ class StoreFollower:
         self._address = address
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._at: tuple[str, int] | None = None
-        self._store: dist.Store | None = None
+        self._store: Store | None = None
 
-    def __call__(self) -> dist.Store:
+    def __call__(self) -> Store:
         address = self._address()
         if address is None:  # (the registration gives it, before any group is built)
             raise RuntimeError("no store address: this replica has not registered")
         at = (str(address[0]), int(address[1]))  # (a relayed address comes as a list)
         if at != self._at or self._store is None:
-            self._store = dist.TCPStore(at[0], at[1], is_master=False, timeout=self._timeout)
+            # (torch.distributed re-exports TCPStore implicitly: unseen by mypy --strict only)
+            self._store = dist.TCPStore(  # type: ignore[attr-defined, unused-ignore]
+                at[0], at[1], is_master=False, timeout=self._timeout
+            )
             self._at = at
         return self._store
 
@@ -70,7 +77,7 @@ class GroupCache:
 
     def __init__(
         self,
-        store: dist.Store | Callable[[], dist.Store],
+        store: Store | Callable[[], Store],
         *,
         config: CollectiveConfig | None = None,
         scope: str = "",

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from recover import exits
 from recover.coordinator.client import (
@@ -124,7 +124,8 @@ class IntraReplica:
             mesh_dim_names=tuple(layout.dims),
         )
         # The watchdog's own store client (a blocked main-thread call never delays it).
-        self._store = dist.TCPStore(
+        # (torch.distributed re-exports TCPStore implicitly: unseen by mypy --strict only)
+        self._store = dist.TCPStore(  # type: ignore[attr-defined, unused-ignore]
             ranks.master_addr,
             ranks.master_port,
             is_master=False,
@@ -144,7 +145,7 @@ class IntraReplica:
         """This rank's index along mesh dimension `dim` (0 when the layout lacks it)."""
         return self.mesh.get_local_rank(dim) if dim in self.layout.dims else 0
 
-    def submesh(self, dim: str):
+    def submesh(self, dim: str) -> DeviceMesh:
         return self.mesh[dim] if len(self.layout.dims) > 1 else self.mesh
 
     # ---- collectives of the replica's control flow ---------------------------------------------
@@ -234,8 +235,10 @@ class SoloLink:
         """`obj` of every rank of the replica, in rank order: this one's only."""
         return [obj]
 
-    def register(self, **kw) -> View:
-        return self.client.register(**kw)
+    def register(self, *, fingerprint: dict[str, Any], next_step: int, deadline_s: float) -> View:
+        return self.client.register(
+            fingerprint=fingerprint, next_step=next_step, deadline_s=deadline_s
+        )
 
     @property
     def store_address(self) -> tuple[str, int] | None:
@@ -256,8 +259,8 @@ class SoloLink:
         return self.client.view
 
     def report(
-        self, *, step: int, epoch: int, failure: str | None, param_hash, throughput,
-        leaving: bool = False, finite: bool = True, unreachable: dict[int, str] | None = None,
+        self, *, step: int, epoch: int, failure: str | None, param_hash: str | None,
+        throughput: float | None, leaving: bool = False, finite: bool = True, unreachable: dict[int, str] | None = None,
         deadline_s: float, on_taken: Callable[[], None] = lambda: None,
     ) -> tuple[bool, Outcome]:  # fmt: skip
         if failure is None:
@@ -282,7 +285,7 @@ class SoloLink:
 _RAISES = {"evicted": Evicted, "quorum_lost": QuorumLost, "unreachable": CoordinatorUnreachable}
 
 
-def _describe_error(e: BaseException) -> tuple:
+def _describe_error(e: BaseException) -> tuple[str, str, str]:
     if isinstance(e, RequestRefused):
         return ("refused", e.code, str(e))
     for kind, cls in _RAISES.items():
@@ -353,11 +356,13 @@ class ReplicaLink:
         return self._view
 
     # ---- the relayed calls -------------------------------------------------------------------
-    def register(self, **kw) -> View:
+    def register(self, *, fingerprint: dict[str, Any], next_step: int, deadline_s: float) -> View:
         msg = None
         if self.client is not None:
             try:
-                view = self.client.register(**kw)
+                view = self.client.register(
+                    fingerprint=fingerprint, next_step=next_step, deadline_s=deadline_s
+                )
             except BaseException as e:
                 self.intra.relay(("raise", *_describe_error(e)))
                 raise
@@ -365,8 +370,8 @@ class ReplicaLink:
         return self._absorb(self.intra.relay(msg), store=True)
 
     def report(
-        self, *, step: int, epoch: int, failure: str | None, param_hash, throughput,
-        leaving: bool = False, finite: bool = True, unreachable: dict[int, str] | None = None,
+        self, *, step: int, epoch: int, failure: str | None, param_hash: str | None,
+        throughput: float | None, leaving: bool = False, finite: bool = True, unreachable: dict[int, str] | None = None,
         deadline_s: float, on_taken: Callable[[], None] = lambda: None,
     ) -> tuple[bool, Outcome]:  # fmt: skip
         """Agree inside the replica, then (leader) report for all of it and wait for the
@@ -441,7 +446,7 @@ class ReplicaLink:
         if self._watcher is not None:
             self._watcher.close()
 
-    def _absorb(self, msg: tuple, *, store: bool = False) -> View:
+    def _absorb(self, msg: tuple[Any, ...], *, store: bool = False) -> View:
         if msg[0] == "raise":
             _raise_relayed(*msg[1:])
         self._view = View.from_dict(msg[-2] if store else msg[-1])

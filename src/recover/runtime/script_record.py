@@ -31,9 +31,13 @@ import time
 from collections.abc import Callable, Mapping
 from numbers import Real
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from recover.record import MetricsWriter, read_metrics
+
+if TYPE_CHECKING:
+    from recover.dashboards import RecordMirror
+    from recover.runtime.spec import ReplicaSpec
 
 # Commits whose records every replica keeps (the gap a run of dead writers can leave).
 RECENT_KEPT = 64
@@ -63,7 +67,7 @@ class StepRecords:
         self.writer, self.replica, self.leads = writer, replica, leads
         self.on_written = on_written
         self.named = False  # the coordinator named this replica the writer of the last commit
-        self._recent: dict[int, dict] = {}
+        self._recent: dict[int, dict[str, Any]] = {}
         self._due: list[int] = []  # steps this rank writes at the next boundary
         self._t_start = self._t_last = time.perf_counter()
         self._t_wall_start = time.time()  # older records are another process's (a resumed run's)
@@ -140,7 +144,7 @@ class StepRecords:
     def skipped(self, step: int, reason: str) -> None:
         self._recent[step]["skipped"] = reason
 
-    def due(self) -> list[dict]:
+    def due(self) -> list[dict[str, Any]]:
         """Copies of the records this rank writes at the next boundary ([] on the other
         replicas): a lost writer's steps first, then the current one."""
         return [dict(self._recent[s]) for s in self._due] if self.writes() else []
@@ -172,7 +176,9 @@ class StepRecords:
         return time.perf_counter() - self._t_start
 
 
-def dashboards_for(spec, metrics, replica: int, config: Mapping[str, Any] | None) -> list:
+def dashboards_for(
+    spec: ReplicaSpec, metrics: Path, replica: int, config: Mapping[str, Any] | None
+) -> list[RecordMirror]:
     """The mirrors of the record asked for (`--tensorboard`, `--wandb`), held by a replica's
     first rank; each follows only the steps its replica wrote (recover.dashboards)."""
     if not (spec.tensorboard or spec.wandb):

@@ -21,13 +21,25 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from recover.runtime.grads import GradientSum, laid_out_like, local_part
+
+if TYPE_CHECKING:
+    from recover.runtime.links import IntraReplica
+
+
+class ReplicaProgress(Protocol):
+    """What the data check reads of the script's replica (a `recover.Replica`)."""
+
+    @property
+    def step(self) -> int | None: ...  # the step in progress
+    @property
+    def microbatches_per_step(self) -> int: ...
 
 
 def _to_local(state: Any) -> Any:
@@ -56,7 +68,14 @@ def _like(template: Any, received: Any) -> Any:
 class ScriptWork:
     """The step machine's `Work` for a script's model and optimizer (recover.runtime.step_machine)."""
 
-    def __init__(self, model, optimizer, extra: Mapping[str, Any], check_data, replica) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: Mapping[str, Any],
+        check_data: Callable[[int, int], Any] | None,
+        replica: ReplicaProgress | None,
+    ) -> None:
         self.model, self.optimizer, self.extra = model, optimizer, dict(extra)
         device = next(p.device for p in model.parameters())
         self.grads = GradientSum(model.parameters(), device=device)
@@ -78,8 +97,11 @@ class ScriptWork:
             return phash
         # The opt-in contract check: every replica replays one microbatch of this step itself;
         # a different hash means (step, j) is not a pure function of (step, j) somewhere.
-        step = self.replica.step
-        j = step % self.replica.microbatches_per_step
+        replica = self.replica
+        step = replica.step if replica is not None else None
+        if replica is None or step is None:  # (a Replica's check runs inside its steps)
+            raise RuntimeError("the data check of parameter_hash() needs a replica inside a step")
+        j = step % replica.microbatches_per_step
         batch = self.check_data(step, j)
         tensors = batch if isinstance(batch, list | tuple) else (batch,)
         digest = hashlib.sha256()
@@ -87,22 +109,23 @@ class ScriptWork:
             digest.update(torch.as_tensor(t).detach().cpu().contiguous().numpy().tobytes())
         return f"{phash}/data({step},{j}):{digest.hexdigest()[:12]}"
 
-    def transfer_state_dict(self) -> dict:
+    def transfer_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         # The optimizer's own state dict, by position: the joiner runs the same script, so its
         # parameters come in the same order. One that never stepped has no state: None is sent
         # (creating it would take a zero step and change this replica's bias correction).
         optim = self.optimizer.state_dict() if self.optimizer.state else None
-        return _to_local(
+        local: dict[str, Any] = _to_local(  # (a dict stays a dict)
             {
                 "model": get_model_state_dict(self.model),
                 "optimizer": optim,
                 "extra": {name: obj.state_dict() for name, obj in self.extra.items()},
             }
         )
+        return local
 
-    def load_transfer_state(self, state: dict) -> None:
+    def load_transfer_state(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             set_model_state_dict,
@@ -119,7 +142,7 @@ class ScriptWork:
         for name, obj in self.extra.items():
             obj.load_state_dict(state["extra"][name])
 
-    def _laid_out(self, optim: dict) -> dict:
+    def _laid_out(self, optim: dict[str, Any]) -> dict[str, Any]:
         """A received optimizer state dict (local parts, by position) laid out like this rank's
         parameters: a value shaped like a sharded (DTensor) parameter's local part becomes a
         DTensor like that parameter; every other value is loaded as it came."""
@@ -137,7 +160,7 @@ class ScriptWork:
         return {**optim, "state": state}
 
 
-def whole_state(model: torch.nn.Module, intra) -> dict[str, Any]:
+def whole_state(model: torch.nn.Module, intra: IntraReplica | None) -> dict[str, Any]:
     """The model's whole state on the CPU (on the first rank of a sharded replica: gathering
     it is a collective of the replica's ranks; the others get nothing)."""
     if intra is None:

@@ -16,6 +16,8 @@ a user's own loop) and the built-in GPT trainer (`recover.training.worker`). A `
 - names how a job stops a replica (`stop_of`): each exception the coordinator's client, the step
   machine or the record raise, with its exit status and its line. Each driver then does what is
   its own (the trainer saves a checkpoint and returns the status; the API raises for the script).
+- in a script's process, turns an uncaught named stop (`end_quietly_on`) or a lost replica-mate
+  (`stop_on_lost_mate`) into one line and the exit status, instead of a traceback.
 
 What it must not do: decide anything (the coordinator does), run a step (the step machine does), or
 know the model (the drivers' work objects do).
@@ -23,9 +25,13 @@ know the model (the drivers' work objects do).
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass, replace
+from types import TracebackType
 from typing import Any
 
 from recover import exits
@@ -42,6 +48,8 @@ from recover.runtime.env import ReplicaEnv
 from recover.runtime.group_cache import GroupCache, StoreFollower
 from recover.runtime.links import IntraReplica, ReplicaLink, SoloLink
 from recover.runtime.step_machine import DivergedError, StepHooks, StepMachine, StepOptions
+
+log = logging.getLogger(__name__)
 
 # Every exception by which a job stops a replica (`ReplicaSession.stop_of` names each).
 STOPS = (
@@ -115,7 +123,7 @@ class ReplicaSession:
         return client
 
     # ---- set-up --------------------------------------------------------------------------------
-    def join(self, fingerprint: dict, *, next_step: int) -> View:
+    def join(self, fingerprint: dict[str, Any], *, next_step: int) -> View:
         """Register with the job (within the spec's register deadline); the view says whether
         this replica joins a running job (`replica_id in view.joined`)."""
         return self.link.register(
@@ -236,4 +244,37 @@ def stop_of(error: BaseException, *, joined_without_state: bool = False) -> Stop
     raise TypeError(f"not a way a job stops a replica: {error!r}")
 
 
-__all__ = ["STOPS", "ReplicaSession", "Stop", "stop_of"]
+def stop_on_lost_mate(intra: IntraReplica) -> None:
+    """An uncaught error in a replica of several ranks goes to the watchdog first: a lost
+    replica-mate ends the process with its status and one line, wherever it surfaced."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        if isinstance(error, Exception):
+            intra.on_error(error)  # exits (status 7) when a mate is lost; returns otherwise
+        previous(kind, error, tb)
+
+    sys.excepthook = hook
+
+
+def end_quietly_on(kind: type[BaseException], status: int) -> None:
+    """An uncaught `kind` ends the script with its message as one line and `status`, instead
+    of a traceback (the script may catch it to save first; see CoordinatorLost)."""
+    previous = sys.excepthook
+
+    def hook(
+        error_kind: type[BaseException], error: BaseException, tb: TracebackType | None
+    ) -> None:
+        if not isinstance(error, kind):
+            previous(error_kind, error, tb)
+            return
+        log.error(str(error))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+    sys.excepthook = hook
+
+
+__all__ = ["STOPS", "ReplicaSession", "Stop", "end_quietly_on", "stop_of", "stop_on_lost_mate"]

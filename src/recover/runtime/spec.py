@@ -15,10 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from recover.logs import LOG_LEVELS
 from recover.runtime.layout import ReplicaLayout
+
+if TYPE_CHECKING:
+    from recover.addresses import PeerAddress
+    from recover.runtime.collective_config import CollectiveConfig
 
 MODES = ("recover", "checkpoint-restart", "shrink")
 DEVICES = ("auto", "cpu", "cuda")
@@ -27,7 +33,19 @@ DEVICES = ("auto", "cpu", "cuda")
 CROSS_REDUCES = ("gloo", "nccl")
 
 
-def _setting(default, flag: str, help: str, *, metavar=None, choices=None, low=None, scripts=False):
+_T = TypeVar("_T")
+
+
+def _setting(
+    default: _T,
+    flag: str,
+    help: str,
+    *,
+    metavar: str | None = None,
+    choices: Sequence[str] | None = None,
+    low: tuple[float, bool] | None = None,
+    scripts: bool = False,
+) -> _T:
     """A spec field with its flag. `low`: (bound, inclusive) for numbers; `scripts`: the setting
     holds for a user's script too (`recover run` offers its flag, `recover.Replica` obeys it)."""
     meta = {"flag": flag, "help": help, "metavar": metavar, "choices": choices, "low": low}
@@ -180,7 +198,7 @@ class ReplicaSpec:
             )
 
     # ---- what the components take ----------------------------------------------------------
-    def collective(self, peer=None):
+    def collective(self, peer: PeerAddress | None = None) -> CollectiveConfig:
         """The deadlines of the cross-replica collective (recover.runtime.collective), and the
         gloo devices of this process (`peer`, a recover.addresses.PeerAddress resolved at the
         entry point; None: gloo's default). The devices are the process's, not the job's: each
@@ -189,7 +207,7 @@ class ReplicaSpec:
 
         # gloo's own timeout stays a backstop behind the deadline (it must not fire first).
         backstop = max(CollectiveConfig.pg_timeout_s, 2 * self.reduce_deadline_s)
-        devices = {}
+        devices: dict[str, Any] = {}
         if peer is not None:
             devices = {"gloo_interfaces": peer.interfaces, "gloo_hostname": peer.hostname}
         return CollectiveConfig(
@@ -230,7 +248,7 @@ class ReplicaSpec:
         return cls(layout=ReplicaLayout.from_dims(layout), **raw)
 
 
-def _settings():
+def _settings() -> list[Field[Any]]:
     """The fields that have a flag (all but the layout, whose flags are its three sizes)."""
     return [f for f in fields(ReplicaSpec) if "flag" in f.metadata]
 
@@ -260,6 +278,9 @@ def add_spec_flags(parser: argparse.ArgumentParser, *, scripts: bool = False) ->
         if f.type == "bool":
             group.add_argument(meta["flag"], dest=f.name, action="store_true", help=meta["help"])
             continue
+        # (an annotation is text: this module has `from __future__ import annotations`)
+        if not isinstance(f.type, str):
+            raise TypeError(f"ReplicaSpec.{f.name}: annotation {f.type!r} is not text")
         kind = {"int": int, "float": float}.get(f.type, str)
         default = f.default if f.default is not MISSING else None
         extra = {"choices": meta["choices"]} if meta["choices"] else {"metavar": meta["metavar"]}

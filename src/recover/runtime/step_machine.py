@@ -40,13 +40,21 @@ import contextlib
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 
-from recover.coordinator.client import Evicted, QuorumLost, StepCommitted, StepRedo, Stopped
+from recover.coordinator.client import (
+    Evicted,
+    Outcome,
+    QuorumLost,
+    StepCommitted,
+    StepRedo,
+    Stopped,
+)
 from recover.coordinator.protocol import View
-from recover.runtime.collective_config import CollectiveAborted
+from recover.runtime.collective import EpochGroup
+from recover.runtime.collective_config import CollectiveAborted, ShouldAbort
 from recover.runtime.group_cache import GroupCache
 from recover.runtime.links import replica_hash
 from recover.runtime.transfer import transfer_state
@@ -73,10 +81,10 @@ class Work(Protocol):
     def nonfinite_ids(self) -> list[int]:
         """Ids of the step (computed here) whose loss was not finite."""
 
-    def transfer_state_dict(self) -> dict:
+    def transfer_state_dict(self) -> dict[str, Any]:
         """The committed state a joiner receives (this rank's part of it)."""
 
-    def load_transfer_state(self, state: dict) -> None:
+    def load_transfer_state(self, state: dict[str, Any]) -> None:
         """Load what transfer_state_dict() of a live replica gave."""
 
 
@@ -86,14 +94,17 @@ class Link(Protocol):
     @property
     def rank(self) -> int: ...  # this process's rank in its replica
 
-    def register(self, *, fingerprint: dict, next_step: int, deadline_s: float) -> View: ...
+    def register(
+        self, *, fingerprint: dict[str, Any], next_step: int, deadline_s: float
+    ) -> View: ...
     def step_view(self) -> View | None: ...  # None: before the registration
     def live_view(self) -> View | None: ...
     def report(
-        self, *, step: int, epoch: int, failure, param_hash, throughput, leaving: bool = False,
-        finite: bool = True, unreachable: dict[int, str] | None = None, deadline_s: float,
+        self, *, step: int, epoch: int, failure: str | None, param_hash: str | None,
+        throughput: float | None, leaving: bool = False, finite: bool = True,
+        unreachable: dict[int, str] | None = None, deadline_s: float,
         on_taken: Callable[[], None] = ...,
-    ) -> tuple[bool, Any]: ...  # fmt: skip
+    ) -> tuple[bool, Outcome]: ...  # fmt: skip
     def agree(self, ok: bool) -> bool: ...
     def gather(self, obj: Any) -> list[Any]: ...
     def leave(self, *, step: int) -> None: ...
@@ -113,7 +124,7 @@ def _no_phase(phase: str, step: int, index: int | None) -> None:
     return None
 
 
-def _no_event(name: str, **fields) -> None:
+def _no_event(name: str, **fields: Any) -> None:
     return None
 
 
@@ -264,7 +275,8 @@ class StepMachine:
             try:
                 todo = attempts.send(None)
             except StopIteration as done:
-                return done.value
+                committed: CommittedStep = done.value  # (run_step's return value)
+                return committed
 
     def _view(self) -> View:
         """The view of the step in progress: the step machine runs once the replica registered."""
@@ -285,7 +297,7 @@ class StepMachine:
             if view.status in ("quorum_lost", "diverged", "finished"):
                 _stop(view.status, view.reason)
             epoch = view.attempt_epoch
-            reduced = None
+            reduced: torch.Tensor | None = None
             attempt.failure, attempt.unreachable = None, {}
             transferred = self._transfer_if_needed(view, step, attempt)
             if view.joined:  # every rank of the replica goes on only if all of them got it
@@ -318,7 +330,7 @@ class StepMachine:
             phash = self.work.parameter_hash() if check else None
             failure = None if reduced is not None else attempt.failure or "a replica-mate failed"
             part_finite = True
-            if failure is None:
+            if reduced is not None:  # (failure is None)
                 part_finite = self._part_finite(step, reduced, attempt)
                 hooks.before_done()
             # One round trip: the report, answered with the attempt's outcome. The "commit"
@@ -357,7 +369,7 @@ class StepMachine:
                 _stop(outcome.status, outcome.reason)
             raise RuntimeError(f"unexpected outcome {outcome!r}")
 
-    def _part_finite(self, step: int, reduced, attempt: StepAttempt) -> bool:
+    def _part_finite(self, step: int, reduced: torch.Tensor, attempt: StepAttempt) -> bool:
         """Whether this rank's own part of the attempt's sum is finite (reported with `done`, so
         that the coordinator can tell the replicas' parts apart). One pass over the reduced sum;
         only when it is not finite, one over a fresh copy of the local sum. A non-finite part
@@ -375,7 +387,7 @@ class StepMachine:
         )  # fmt: skip
         return False
 
-    def _local_finite(self, attempt: StepAttempt, device) -> bool:
+    def _local_finite(self, attempt: StepAttempt, device: torch.device) -> bool:
         """Whether this rank's local sum is finite (the tree's nodes in the deterministic mode)."""
         if self.options.deterministic:
             nodes = attempt.tree.nodes.values() if attempt.tree is not None else ()
@@ -392,7 +404,7 @@ class StepMachine:
         self.work.clear()
         attempt.tree.add_leaf(j, leaf)
 
-    def _reduce_ordered(self, view: View, step: int, attempt: StepAttempt):
+    def _reduce_ordered(self, view: View, step: int, attempt: StepAttempt) -> torch.Tensor | None:
         """The deterministic reduce: the root of the tree over the attempt's plan, in a fresh
         buffer (the attempt's tree is never touched); None if it aborted."""
         epoch = view.attempt_epoch
@@ -424,7 +436,13 @@ class StepMachine:
             return None
 
     def _committed(
-        self, step: int, view: View, epoch: int, reduced, attempt, finite: bool
+        self,
+        step: int,
+        view: View,
+        epoch: int,
+        reduced: torch.Tensor,
+        attempt: StepAttempt,
+        finite: bool,
     ) -> CommittedStep:
         recovered = None
         if attempt.t_first_fault is not None:
@@ -445,7 +463,7 @@ class StepMachine:
             finite=finite,
         )
 
-    def _with_fault(self, phase: str, step: int, should_abort):
+    def _with_fault(self, phase: str, step: int, should_abort: ShouldAbort) -> ShouldAbort:
         """`should_abort`, plus the `phase` hook fired at its first call: while the collective
         of that phase is in flight (the callback is polled during it)."""
         fired = False
@@ -459,7 +477,7 @@ class StepMachine:
 
         return wrapped
 
-    def _should_abort(self, epoch: int):
+    def _should_abort(self, epoch: int) -> ShouldAbort:
         link, guard = self.link, self.hooks.guard
 
         def should_abort() -> str | None:
@@ -478,7 +496,7 @@ class StepMachine:
 
         return should_abort
 
-    def _group(self, view: View, should_abort):
+    def _group(self, view: View, should_abort: ShouldAbort) -> tuple[EpochGroup, list[int]]:
         # The attempt's members are its plan's keys (the view's live set can
         # already lack one that died during the attempt).
         members = sorted(view.plan)
@@ -491,8 +509,8 @@ class StepMachine:
         return group, members
 
     def _failed(
-        self, step: int, epoch: int, error: CollectiveAborted, t0: float, what: str, attempt,
-        view: View,
+        self, step: int, epoch: int, error: CollectiveAborted, t0: float, what: str,
+        attempt: StepAttempt, view: View,
     ) -> None:  # fmt: skip
         if attempt.t_first_fault is None:
             attempt.t_first_fault = t0
@@ -545,7 +563,9 @@ class StepMachine:
             )  # fmt: skip
         return True
 
-    def _reduce(self, buffer: torch.Tensor, view: View, step: int, attempt: StepAttempt):
+    def _reduce(
+        self, buffer: torch.Tensor, view: View, step: int, attempt: StepAttempt
+    ) -> torch.Tensor | None:
         """All-reduce the attempt's buffer in place in its epoch; None if it aborted (the buffer
         is then dropped: what it holds is unusable)."""
         epoch = view.attempt_epoch
@@ -588,7 +608,7 @@ def _writer(step: int, attempt: View, latest: View) -> int:
     return min(attempt.plan)
 
 
-def _stop(status: str, reason: str) -> None:
+def _stop(status: str, reason: str) -> NoReturn:
     if status == "quorum_lost":
         raise QuorumLost(f"quorum lost: {reason}. Resume from the last checkpoint")
     if status == "diverged":

@@ -58,6 +58,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -65,6 +66,13 @@ from recover.runtime.collective import EpochGroup
 from recover.runtime.collective_config import ShouldAbort
 
 _DIGEST_WORDS = 5  # the header's length, then its sha256 as four int64
+
+
+class TransferableState(Protocol):
+    """What the transfer needs of a replica's model side (recover.runtime.step_machine.Work)."""
+
+    def transfer_state_dict(self) -> dict[str, Any]: ...
+    def load_transfer_state(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -81,11 +89,13 @@ class TransferStats:
     prepare_s: float = 0.0  # of `seconds`, this member's own: its state as bytes on the device
 
 
-def _flatten(obj, tensors: list[torch.Tensor], seen: dict | None = None):
+def _flatten(
+    obj: object, tensors: list[torch.Tensor], seen: dict[tuple[object, ...], int] | None = None
+) -> object:
     """The structure of a state dict with each tensor replaced by its index in `tensors`; a
     tensor that is the very same view as an earlier one (tied weights) gets the earlier index."""
     if isinstance(obj, torch.Tensor):
-        key = None
+        key: tuple[object, ...] | None = None
         if seen is not None and obj.numel() > 0:
             key = (obj.data_ptr(), obj.device, obj.dtype, tuple(obj.shape), tuple(obj.stride()))
             if key in seen:
@@ -108,7 +118,7 @@ def _flatten(obj, tensors: list[torch.Tensor], seen: dict | None = None):
     return obj
 
 
-def _unflatten(obj, parts: list[torch.Tensor]):
+def _unflatten(obj: Any, parts: list[torch.Tensor]) -> Any:
     """The state dict of `_flatten`'s structure, each tensor a view of its received bytes."""
     if isinstance(obj, dict) and "__tensor__" in obj:
         dtype = getattr(torch, obj["dtype"].removeprefix("torch."))
@@ -121,7 +131,7 @@ def _unflatten(obj, parts: list[torch.Tensor]):
     return obj
 
 
-def _bytes_where_they_lie(work) -> tuple[bytes, list[torch.Tensor]]:
+def _bytes_where_they_lie(work: TransferableState) -> tuple[bytes, list[torch.Tensor]]:
     """(header, parts): a JSON header that describes `work.transfer_state_dict()`, and each
     distinct tensor's bytes as a flat uint8 tensor on the tensor's own device (a view when it is
     contiguous, no copy)."""
@@ -154,7 +164,9 @@ def _staged(pieces: list[torch.Tensor], device: torch.device) -> list[torch.Tens
     return staged
 
 
-def describe_state(work, device: torch.device) -> tuple[bytes, list[torch.Tensor]]:
+def describe_state(
+    work: TransferableState, device: torch.device
+) -> tuple[bytes, list[torch.Tensor]]:
     """The committed state of `work` (its `transfer_state_dict()`) as (header, parts): a JSON
     header that describes the state dict, and each distinct tensor's bytes on `device` (views
     where possible)."""
@@ -184,7 +196,7 @@ def compute_shares(sizes: list[int], servers: int) -> list[list[tuple[int, int, 
     return shares
 
 
-def _load(work, meta: dict, parts: list[torch.Tensor]) -> float:
+def _load(work: TransferableState, meta: dict[str, Any], parts: list[torch.Tensor]) -> float:
     """A joiner's load of the received state (its header's structure over the received bytes)
     into `work`; returns how long it took."""
     t0 = time.perf_counter()
@@ -199,7 +211,7 @@ def _digest(header: bytes) -> torch.Tensor:
 
 def transfer_state(
     group: EpochGroup,
-    work,
+    work: TransferableState,
     *,
     members: list[int],
     joined: list[int],
@@ -267,7 +279,7 @@ def transfer_state(
 
 def broadcast_state(
     group: EpochGroup,
-    work,
+    work: TransferableState,
     *,
     members: list[int],
     joined: list[int],

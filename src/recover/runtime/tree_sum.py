@@ -40,10 +40,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from recover.checks import is_int
+
+if TYPE_CHECKING:
+    from recover.runtime.collective import EpochGroup
 
 Node = tuple[int, int]  # (level, index): the ids [index * 2**level, (index + 1) * 2**level) < M
 
@@ -133,7 +137,7 @@ def shard_bounds(numel: int, world_size: int) -> tuple[int, int]:
 
 
 def ordered_reduce(
-    group,
+    group: EpochGroup,
     local: TreeSum,
     plan: Sequence[Sequence[int]],
     *,

@@ -32,7 +32,9 @@ import torch.distributed as dist
 from recover.runtime.grads import local_part
 
 
-def on_every_rank(ok: bool, group, device: torch.device | str = "cpu") -> bool:
+def on_every_rank(
+    ok: bool, group: dist.ProcessGroup | None, device: torch.device | str = "cpu"
+) -> bool:
     """Whether `ok` holds on every rank of `group` (one MIN all-reduce; None: this rank only)."""
     if group is None:
         return ok
@@ -63,7 +65,8 @@ class UpdateGuard:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self._params: list[torch.Tensor] = []  # backups of the parameters' local parts
-        self._state: dict[int, dict] = {}  # param index -> its optimizer state's backup
+        # param index -> its optimizer state's backup
+        self._state: dict[int, dict[str, object]] = {}
         self.saved = False
 
     @property
@@ -79,7 +82,7 @@ class UpdateGuard:
         else:
             for backup, p in zip(self._params, params, strict=True):
                 backup.copy_(local_part(p).detach())
-        kept: dict[int, dict] = {}
+        kept: dict[int, dict[str, object]] = {}
         for i, p in enumerate(params):
             state = self.optimizer.state.get(p)
             if not state:
@@ -118,7 +121,7 @@ class UpdateGuard:
                     state[k] = v.clone() if torch.is_tensor(v) else v
 
 
-def _backup(value, old):
+def _backup(value: object, old: object) -> object:
     """A copy of one optimizer-state entry, reusing `old`'s memory where it fits."""
     if not torch.is_tensor(value):
         return value
