@@ -94,8 +94,9 @@ def add_supervision_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--min-replicas",
         type=int,
-        default=1,
-        help="stop (and checkpoint) when fewer replicas survive (default: 1)",
+        default=CoordinatorOptions.min_replicas,
+        help="stop (and checkpoint) when fewer replicas survive "
+        f"(default: {CoordinatorOptions.min_replicas})",
     )
     group.add_argument(
         "--lease",

@@ -117,8 +117,9 @@ def add_coordinator_parser(
     serve.add_argument(
         "--min-replicas",
         type=int,
-        default=1,
-        help="the run stops (quorum lost) when fewer replicas are live (default 1)",
+        default=CoordinatorOptions.min_replicas,
+        help="the run stops (quorum lost) when fewer replicas are live "
+        f"(default {CoordinatorOptions.min_replicas})",
     )
     serve.add_argument(
         "--lease",
@@ -146,9 +147,9 @@ def add_coordinator_parser(
     serve.add_argument(
         "--start-deadline",
         type=float,
-        default=300.0,
+        default=CoordinatorOptions.start_deadline_s,
         help="seconds for the expected replicas to register; after it the run forms with those "
-        "there if they are at least --min-replicas (default 300)",
+        f"there if they are at least --min-replicas (default {CoordinatorOptions.start_deadline_s:g})",
     )
     serve.add_argument(
         "--mode",

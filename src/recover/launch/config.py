@@ -37,7 +37,7 @@ class LaunchConfig:
     replicas: int
     # What every replica is and how it behaves (the same object the replicas get, as JSON).
     replica: ReplicaSpec = field(default_factory=ReplicaSpec)
-    min_replicas: int = 1
+    min_replicas: int = CoordinatorOptions.min_replicas
     lease_s: float = CoordinatorOptions.lease_s
     faults: tuple[FaultSpec, ...] = ()
     start_timeout_s: float = 60.0  # coordinator up and every replica registered by then
