@@ -37,10 +37,12 @@ from pathlib import Path
 from recover.coordinator.client import CoordinatorClient
 
 
-def _replica(r: int, address: tuple[str, int], schedule: list[str], block: int, out) -> None:
+def _replica(
+    r: int, replicas: int, address: tuple[str, int], schedule: list[str], block: int, out
+) -> None:
     c = CoordinatorClient(*address, replica_id=r)
     try:
-        view = c.register(fingerprint={}, next_step=0, deadline_s=60)
+        view = c.register(fingerprint={"microbatches": 2 * replicas}, next_step=0, deadline_s=60)
         rows = []
         for b, way in enumerate(schedule):
             for _ in range(block):
@@ -82,7 +84,7 @@ def main() -> None:
         cmd = [
             sys.executable, "-c", "import sys; from recover.cli import main; sys.exit(main())",
             "coordinator", "serve",
-            "--replicas", str(args.replicas), "--microbatches", str(2 * args.replicas),
+            "--replicas", str(args.replicas),
             "--no-store", "--port", "0", "--address-file", str(addr_file), "--lease", "5",
             "--log-level", "warning",
         ]  # fmt: skip
@@ -98,7 +100,9 @@ def main() -> None:
             ctx = mp.get_context("spawn")
             out = ctx.Queue()
             procs = [
-                ctx.Process(target=_replica, args=(r, address, schedule, args.block, out))
+                ctx.Process(
+                    target=_replica, args=(r, args.replicas, address, schedule, args.block, out)
+                )
                 for r in range(args.replicas)
             ]
             for proc in procs:

@@ -104,7 +104,7 @@ def one_run(data: Path, run: Path, delay_ms: float, loss: float, steps: int, tim
             t0 = time.monotonic()
             coordinator = net.host(0).popen(
                 [*py, "coordinator", "serve", "--host", "0.0.0.0", "--port", str(PORT),
-                 "--replicas", "2", "--microbatches", str(M), "--lease", str(LEASE_S),
+                 "--replicas", "2", "--lease", str(LEASE_S),
                  "--events", str(run / "metrics.jsonl")],
                 env=env, stdout=logs[0], stderr=subprocess.STDOUT,
             )  # fmt: skip

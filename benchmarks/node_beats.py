@@ -68,7 +68,7 @@ def main() -> int:
         env = {**os.environ, "RECOVER_TOKEN": "bench"}
         server = subprocess.Popen(
             [sys.executable, "-m", "recover.cli", "coordinator", "serve", "--port", "0",
-             "--no-store", "--replicas", str(args.replicas), "--microbatches", "1",
+             "--no-store", "--replicas", str(args.replicas),
              "--address-file", str(address), "--log-level", "warning", "--keep-serving"],
             env=env,
         )  # fmt: skip

@@ -29,6 +29,7 @@ LEAVES = {
     "addresses",
     "dashboards",
     "processes",
+    "settings",
 }
 # Every other part (a package, or a module of the top level) -> the parts it may import besides
 # itself and the leaves. "recover" is the package's own __init__.

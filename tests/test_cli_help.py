@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 
 import pytest
 
@@ -46,11 +47,50 @@ def test_help_prints(path):
     assert "usage: recover" in out.getvalue()
 
 
-def test_coordinator_serve_balances_like_train():
+def test_the_coordinators_settings_are_declared_once_and_travel_as_json():
+    """A setting that `recover train` and `coordinator serve` both offer has one default, one
+    help and one check (CoordinatorOptions); the launcher hands its coordinator the object as
+    JSON, which `serve --options` reads back whole; M is the replicas' to declare."""
+    from recover.coordinator.cli import serve_options
+    from recover.coordinator.options import CoordinatorOptions
+    from recover.launch.config import LaunchConfig
+
     parser = build_parser()
-    serve = parser.parse_args(["coordinator", "serve", "--replicas", "2"])
+    serve = serve_options(parser.parse_args(["coordinator", "serve", "--replicas", "2"]))
     train = parser.parse_args(["train"])
-    assert serve.balance == train.balance == "throughput"
+    assert serve == CoordinatorOptions(expected_replicas=2)
+    launcher_flags = ("min_replicas", "lease_s", "balance")
+    assert {n: getattr(train, n) for n in launcher_flags} == {
+        n: getattr(serve, n) for n in launcher_flags
+    }
+    helps = {}
+    for argv in (["coordinator", "serve", "--help"], ["train", "--help"]):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        text = " ".join(out.getvalue().split())
+        helps[argv[0]] = text[text.index("--lease S ") :].split(" --", 1)[0]
+    assert helps["coordinator"] == helps["train"]
+    assert "(default: 1)" in helps["train"]
+
+    # The launcher's coordinator: the job's settings, one JSON object, M not among them.
+    lc = LaunchConfig(replicas=3, min_replicas=2, lease_s=2.5, balance="equal")
+    text = lc.coordinator_options().settings_json()
+    assert "microbatches" not in json.loads(text)
+    args = parser.parse_args(["coordinator", "serve", "--options", text, "--lease", "3"])
+    got = serve_options(args)
+    assert (got.expected_replicas, got.min_replicas, got.balance) == (3, 2, "equal")
+    assert got.lease_s == 3.0 and got.microbatches == 0  # a flag said over it; M learned
+    for argv, message in (
+        (["--options", '{"expected_replicas": 2, "microbatches": 8}'], "M comes from the replicas"),
+        (["--options", '{"expected_replicas": 2, "lease": 2}'], r"unknown fields \['lease'\]"),
+        (["--options", "[2]"], "must be a JSON object"),
+        (["--replicas", "2", "--lease", "0"], "--lease must be a finite number > 0"),
+        (["--replicas", "2", "--min-replicas", "3"], "--min-replicas .3. must be <="),
+        ([], "--replicas is required"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            serve_options(parser.parse_args(["coordinator", "serve", *argv]))
 
 
 def test_recover_help_names_every_benchmark():

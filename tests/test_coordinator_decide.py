@@ -523,7 +523,7 @@ def test_everyone_leaving_finishes_without_quorum_loss():
 
 def test_throughput_weights_and_joiners_start_at_the_median():
     sim = Sim(
-        expected_replicas=3, microbatches=12, throughput_weights=True, throughput_ema_alpha=0.3
+        expected_replicas=3, microbatches=12, balance="throughput", throughput_ema_alpha=0.3
     ).formed(n=3)
     sim.reg(5)
     for r, tp in ((0, 1.0), (1, 1.0), (2, 2.0)):
@@ -621,9 +621,10 @@ def test_random_histories_keep_every_invariant(ops):
     [
         (dict(expected_replicas=0), "expected_replicas"),
         (dict(microbatches=-1), "microbatches"),
-        (dict(min_replicas=5), "min_replicas"),
-        (dict(lease_s=0.0), "lease_s"),
-        (dict(start_deadline_s=float("nan")), "start_deadline_s"),
+        (dict(min_replicas=5), "--min-replicas"),  # a setting: named by its flag
+        (dict(lease_s=0.0), "--lease"),
+        (dict(start_deadline_s=float("nan")), "--start-deadline"),
+        (dict(balance="fastest"), "--balance"),
         (dict(throughput_ema_alpha=2.0), "throughput_ema_alpha"),
     ],
 )

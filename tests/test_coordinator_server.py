@@ -379,7 +379,7 @@ def test_a_client_silent_longer_than_its_lease_may_not_write_until_confirmed():
 def test_coordinator_process_and_status_cli(tmp_path, capsys):
     addr_file = tmp_path / "addr.json"
     cmd = [sys.executable, "-m", "recover.coordinator.cli", "coordinator", "serve"]
-    cmd += ["--replicas", "1", "--microbatches", "2", "--port", "0", "--token", TOKEN]
+    cmd += ["--replicas", "1", "--port", "0", "--token", TOKEN]
     cmd += ["--address-file", str(addr_file)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     client = None
@@ -388,7 +388,7 @@ def test_coordinator_process_and_status_cli(tmp_path, capsys):
         info = json.loads(addr_file.read_text())
         assert info["store_port"] > 0
         client = CoordinatorClient(info["host"], info["port"], replica_id=0, token=TOKEN)
-        client.register(fingerprint={}, next_step=0, deadline_s=10)
+        client.register(fingerprint={"microbatches": 2}, next_step=0, deadline_s=10)
         parser = argparse.ArgumentParser()
         add_coordinator_parser(parser.add_subparsers(dest="command"))
         args = parser.parse_args(

@@ -51,7 +51,7 @@ def test_a_job_file_sets_every_group_and_flags_override_it(tmp_path):
     assert (a.preset, a.steps, a.warmup_steps, a.lr) == ("tiny", 12, 2, 1e-3)
     assert a.data == Path("datasets/tiny") and a.quiet is True
     assert (a.shard, a.stall_s, a.reduce_deadline_s) == (2, 60.0, 12.5)
-    assert (a.lease, a.balance, a.replicas) == (2.0, "equal", 3)
+    assert (a.lease_s, a.balance, a.replicas) == (2.0, "equal", 3)
     assert a.fault == ["kill:replica=1,step=3,phase=backward"]
     assert a.min_replicas == 1 and a.seed == TrainConfig().seed  # what the file leaves out
     b = parse_args(["train", "--config", str(path), "--steps", "7", "--balance", "throughput"])
@@ -151,7 +151,7 @@ def test_coordinator_serve_takes_a_job_file_with_one_table(tmp_path):
     text = '[coordinator]\nreplicas = 3\nlease = 2.5\nbalance = "equal"\nlog-level = "debug"\n'
     path = job(tmp_path, text)
     a = parse_args(["coordinator", "serve", "--config", str(path), "--lease", "4"])
-    assert (a.replicas, a.lease, a.balance, a.log_level) == (3, 4.0, "equal", "debug")
+    assert (a.replicas, a.lease_s, a.balance, a.log_level) == (3, 4.0, "equal", "debug")
     assert a.resolved_job["coordinator"]["lease"] == 4.0
     for bad, message in (
         ("[launch]\nreplicas = 3\n", r"unknown table \[launch\]"),

@@ -73,7 +73,7 @@ def start_coordinator(
     run.mkdir(parents=True, exist_ok=True)
     return host.popen(
         [sys.executable, "-m", "recover.cli", "coordinator", "serve", "--host", "0.0.0.0",
-         "--port", str(PORT), "--replicas", str(replicas), "--microbatches", str(M),
+         "--port", str(PORT), "--replicas", str(replicas),
          "--lease", str(lease),
          "--events", str(run / "metrics.jsonl"), *args],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -77,8 +77,8 @@ def beat(link: NodeLink, expect: list[int] | None = None, **claim) -> dict:
 def test_the_server_hands_a_lost_nodes_ids_to_a_standby_and_a_drained_node_leaves(tmp_path):
     events = tmp_path / "events.jsonl"
     server = CoordinatorServer(
-        CoordinatorOptions(expected_replicas=2, microbatches=4), store_port=None, token="t",
-        events_path=events, node_lease_s=0.5,
+        CoordinatorOptions(expected_replicas=2, microbatches=4, node_lease_s=0.5),
+        store_port=None, token="t", events_path=events,
     )  # fmt: skip
     server.start()
     try:

@@ -145,7 +145,9 @@ def run_replica(
 def run_job(
     replicas: int, leave_at: dict[int, tuple[int, str]], *, gate_step=None, det=False
 ) -> dict:
-    opts = CoordinatorOptions(expected_replicas=replicas, microbatches=0, lease_s=2.0)
+    opts = CoordinatorOptions(
+        expected_replicas=replicas, microbatches=0, lease_s=2.0, balance="equal"
+    )  # equal shares: the tests name who holds which ids
     results: dict = {}
     gate = None if gate_step is None else (gate_step, threading.Event())
     with CoordinatorServer(opts, store_port=0) as server:

@@ -17,7 +17,7 @@ from recover.zygote import Zygote
 
 # A long-lived child that needs no peers: a coordinator that waits (up to 30 s) for a replica.
 SERVE = ["coordinator", "serve", "--port", "0", "--no-store", "--replicas", "1",
-         "--microbatches", "1", "--start-deadline", "30"]  # fmt: skip
+         "--start-deadline", "30"]  # fmt: skip
 
 
 @pytest.fixture

@@ -45,8 +45,8 @@ SECTIONS = {
     "supervision": "supervision",
     "options": "launch",
 }
-# `recover coordinator serve` has one flag group: its job file has one table
-COORDINATOR_SECTIONS = {"options": "coordinator"}
+# `recover coordinator serve`: its job file has one table, of its flags and the run's settings
+COORDINATOR_SECTIONS = {"options": "coordinator", "the run's settings": "coordinator"}
 NOT_IN_FILES = {"help", "config"}  # flags a job file cannot set
 
 

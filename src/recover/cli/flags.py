@@ -18,7 +18,8 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from recover.coordinator.state_store import CoordinatorOptions
+from recover.coordinator.options import CoordinatorOptions
+from recover.settings import add_flags, given
 from recover.training.config import TrainConfig
 
 DEFAULT_DATA_ROOT = Path("data")
@@ -91,31 +92,13 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
 def add_supervision_flags(parser: argparse.ArgumentParser) -> None:
     """How a local launcher supervises its replicas (`recover train` and `recover run`)."""
     group = parser.add_argument_group("supervision")
-    group.add_argument(
-        "--min-replicas",
-        type=int,
-        default=CoordinatorOptions.min_replicas,
-        help="stop (and checkpoint) when fewer replicas survive "
-        f"(default: {CoordinatorOptions.min_replicas})",
-    )
-    group.add_argument(
-        "--lease",
-        type=float,
-        default=CoordinatorOptions.lease_s,
-        metavar="S",
-        help=f"a replica silent this long is declared dead (default: {CoordinatorOptions.lease_s})",
-    )
+    # the coordinator's settings a launcher offers (--min-replicas, --lease, --balance), declared
+    # once in CoordinatorOptions; the launcher hands them to its coordinator as they are
+    add_flags(group, CoordinatorOptions, tag="launcher")
     add_restart_flags(
         group,
         "restart a dead replica after DELAY seconds; it joins the running job at a step "
         "boundary and gets the state from a live replica (default: never)",
-    )
-    group.add_argument(
-        "--balance",
-        choices=("throughput", "equal"),
-        default="throughput",
-        help="microbatch shares by each replica's measured throughput, or equal (default: "
-        "throughput)",
     )
     group.add_argument(
         "--coordinators",
@@ -172,11 +155,9 @@ def add_start_flags(parser: argparse.ArgumentParser) -> None:
 def supervision(args: argparse.Namespace) -> dict:
     """The supervision flags (add_supervision_flags) as LaunchConfig takes them."""
     return dict(
-        min_replicas=args.min_replicas,
-        lease_s=args.lease,
+        **given(CoordinatorOptions, args, tag="launcher"),
         respawn_s=args.respawn,
         max_restarts=args.max_restarts,
-        balance=args.balance,
         coordinators=args.coordinators,
         state=args.state,
     )

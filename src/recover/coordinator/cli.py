@@ -38,10 +38,11 @@ from recover.addresses import (
 from recover.checks import is_int
 from recover.coordinator.channel import request_once
 from recover.coordinator.outcomes import CoordinatorUnreachable
-from recover.coordinator.protocol import COORDINATOR_ENV, DEFAULT_LEASE_S, TOKEN_ENV
+from recover.coordinator.protocol import COORDINATOR_ENV, TOKEN_ENV
 from recover.coordinator.state_store import CoordinatorOptions
 from recover.logs import LOG_LEVELS, process_prefix, setup_logging
 from recover.record import RecordUnwritable
+from recover.settings import add_flags, given
 
 __all__ = [
     "add_coordinator_parser",
@@ -104,66 +105,20 @@ def add_coordinator_parser(
         action="store_true",
         help="host no torch TCPStore (load tests and tools that build no process groups)",
     )
-    serve.add_argument(  # required, from the flag or the job file (checked once both are read)
+    serve.add_argument(  # required, from the flag, the job file or --options
         "--replicas", type=int, default=None, help="replicas expected at start (required)"
     )
+    # Every setting of the run (recover.coordinator.options), declared once there; absent from
+    # the parsed flags unless said (so --options fills them, and the field's default after it).
+    add_flags(serve.add_argument_group("the run's settings"), CoordinatorOptions,
+              keep_defaults=False)  # fmt: skip
     serve.add_argument(
-        "--microbatches",
-        type=int,
-        default=0,
-        help="M, microbatches per step (default 0: the value the replicas declare when they "
-        "register; every replica must declare the same)",
-    )
-    serve.add_argument(
-        "--min-replicas",
-        type=int,
-        default=CoordinatorOptions.min_replicas,
-        help="the run stops (quorum lost) when fewer replicas are live "
-        f"(default {CoordinatorOptions.min_replicas})",
-    )
-    serve.add_argument(
-        "--lease",
-        type=float,
-        default=DEFAULT_LEASE_S,
-        help=f"a replica silent this long is declared dead, in seconds (default {DEFAULT_LEASE_S:g})",
-    )
-    serve.add_argument(
-        "--node-lease",
-        type=float,
-        default=5.0,
-        metavar="S",
-        help="a node agent (recover agent) silent this long is lost: its replica ids go to "
-        "another node with a free slot (default 5)",
-    )
-    serve.add_argument(
-        "--self-suspicion",
-        type=float,
-        default=CoordinatorOptions.self_suspicion_s,
-        metavar="S",
-        help="when more than half of the replicas go silent together, suspect this "
-        "coordinator's own network and restart their leases for at most S seconds before "
-        "judging them (default %(default)s: the replicas' default --coordinator-grace; 0: never)",
-    )
-    serve.add_argument(
-        "--start-deadline",
-        type=float,
-        default=CoordinatorOptions.start_deadline_s,
-        help="seconds for the expected replicas to register; after it the run forms with those "
-        f"there if they are at least --min-replicas (default {CoordinatorOptions.start_deadline_s:g})",
-    )
-    serve.add_argument(
-        "--mode",
-        choices=("recover", "shrink"),
-        default="recover",
-        help="recover: reassign a dead replica's microbatches (default); shrink: drop them (a "
-        "baseline for comparison: the global batch shrinks)",
-    )
-    serve.add_argument(
-        "--balance",
-        choices=("throughput", "equal"),
-        default="throughput",
-        help="microbatch shares: by each replica's measured throughput, or equal (default: "
-        "throughput, as recover train)",
+        "--options",
+        default=None,
+        metavar="JSON",
+        help="the run's settings as one JSON object of CoordinatorOptions' fields (what a local "
+        "launcher hands its coordinator); flags said as well override it, and what neither "
+        "says keeps its default",
     )
     serve.add_argument("--token", default=None, help=f"shared secret (default: ${TOKEN_ENV})")
     serve.add_argument("--events", default=None, metavar="PATH", help="append decisions here")
@@ -293,10 +248,10 @@ def format_status(
 def run_coordinator_cli(args: argparse.Namespace) -> int:
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     if args.coordinator_command == "serve":
-        if args.replicas is None:
-            print(
-                "error: --replicas is required (or replicas in --config's table)", file=sys.stderr
-            )
+        try:
+            options = serve_options(args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 2
         prefix = process_prefix("coordinator", os.environ)
         setup_logging(args.log_level, prefix=prefix, timestamps=True)
@@ -304,23 +259,11 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             log.debug("job: %s", json.dumps(args.resolved_job, sort_keys=True))
         try:
             host = bind_host(args.host, args.ifname, os.environ)
-            if not args.node_lease > 0:
-                raise ValueError(f"--node-lease must be > 0 seconds, got {args.node_lease:g}")
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         if not is_loopback(host) and host != "localhost" and token is None:
             log.warning(f"warning: serving on {host} without a token; set --token or {TOKEN_ENV}")
-        options = CoordinatorOptions(
-            expected_replicas=args.replicas,
-            microbatches=args.microbatches,
-            min_replicas=args.min_replicas,
-            lease_s=args.lease,
-            self_suspicion_s=args.self_suspicion,
-            start_deadline_s=args.start_deadline,
-            throughput_weights=args.balance == "throughput",
-            mode=args.mode,
-        )
         return run_coordinator_process(
             options,
             host=host,
@@ -333,7 +276,6 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             address_file=args.address_file,
             state=args.state,
             leader_ttl_s=args.leader_ttl,
-            node_lease_s=args.node_lease,
         )
     if args.coordinator_command == "relay":
         setup_logging("info", prefix=process_prefix("relay", os.environ), timestamps=True)
@@ -371,6 +313,16 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(reply, indent=2) if args.json else format_status(reply, args.decisions))
     return 0
+
+
+def serve_options(args: argparse.Namespace) -> CoordinatorOptions:
+    """The run's settings of `serve`'s flags: --options, then the flags said (or set by the job
+    file) over it, then the defaults. ValueError naming the flag, or saying that M is the
+    replicas' to declare (M is not a setting: every replica declares it when it registers)."""
+    said = given(CoordinatorOptions, args)
+    if args.replicas is not None:
+        said["expected_replicas"] = args.replicas
+    return CoordinatorOptions.from_settings(args.options or "{}", **said)
 
 
 def bind_host(host: str | None, ifname: str | None, environ: Mapping[str, str]) -> str:
@@ -411,7 +363,6 @@ def run_coordinator_process(
     state: str | None = None,
     leader_ttl_s: int = 1,
     exit_when_finished: bool = False,
-    node_lease_s: float = 5.0,
 ) -> int:
     """Serve until SIGTERM/SIGINT, or (`exit_when_finished`, without `state`) until
     FINISHED_LINGER_S after the run finished. Usable as a multiprocessing target or a subprocess
@@ -451,12 +402,11 @@ def run_coordinator_process(
     if state is not None:
         serve = dict(
             host=host, port=port, store_port=store_port, token=token, advertise=advertise,
-            node_lease_s=node_lease_s,
         )  # fmt: skip
         return _serve_ha(options, url, leader_ttl_s, serve, events_path, address_file, stop)
     server = CoordinatorServer(
         options, host=host, port=port, store_port=store_port, token=token,
-        events_path=events_path, advertise=advertise, node_lease_s=node_lease_s,
+        events_path=events_path, advertise=advertise,
     )  # fmt: skip
     try:
         server.start()

@@ -92,7 +92,6 @@ class CoordinatorServer(NodeAgents):
         authority: Callable[[], bool] | None = None,
         takeover_grace_s: float = 5.0,
         advertise: str | None = None,
-        node_lease_s: float = 5.0,
     ) -> None:
         if not isinstance(options, CoordinatorOptions):
             raise ValueError(f"options must be CoordinatorOptions, got {type(options).__name__}")
@@ -104,7 +103,6 @@ class CoordinatorServer(NodeAgents):
             ("tick_s", tick_s),
             ("max_wait_s", max_wait_s),
             ("save_interval_s", save_interval_s),
-            ("node_lease_s", node_lease_s),
         ):
             if not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
@@ -113,7 +111,7 @@ class CoordinatorServer(NodeAgents):
             host=host,
             advertise=advertise,
             tick_s=tick_s,
-            node_lease_s=node_lease_s,
+            node_lease_s=options.node_lease_s,
             token=token,
             max_wait_s=max_wait_s,
             body_timeout_s=body_timeout_s,

@@ -1,6 +1,6 @@
-"""The coordinator's state: its options, its shape, its JSON form, and where it is kept.
+"""The coordinator's state: its shape, its JSON form, and where it is kept.
 
-Job: define `CoordinatorOptions` (validated once), the `CoordinatorState` that the pure rules in
+Job: define the `CoordinatorState` that the pure rules in
 `decide.py` (with attempt.py and membership.py) map to a new state, and the `StateStore` interface
 the server saves it through, with an in-memory implementation. A later etcd-backed store implements
 the same two methods.
@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import threading
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal, Protocol, overload
 
-from recover.checks import is_int, is_number
-from recover.coordinator.protocol import DEFAULT_LEASE_S, View
+from recover.coordinator.options import CoordinatorOptions, options_from_stored
+from recover.coordinator.protocol import View
 
 __all__ = [
     "CoordinatorOptions",
@@ -57,77 +56,6 @@ FORMING, RUNNING, QUORUM_LOST, FINISHED, DIVERGED = (
     "diverged",
 )
 TERMINAL = (QUORUM_LOST, FINISHED, DIVERGED)
-
-
-def _positive(name: str, value: float) -> None:
-    if not is_number(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be positive and finite, got {value!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CoordinatorOptions:
-    expected_replicas: int  # R: the run forms when R replicas have registered
-    # M: microbatch ids 0..M-1 are summed in every step. 0: learned when the run forms, from the
-    # fingerprint's "microbatches" (the replicas declare it; `recover run` does not know it).
-    microbatches: int
-    min_replicas: int = 1  # fewer live replicas than this -> quorum_lost (resume from checkpoint)
-    lease_s: float = DEFAULT_LEASE_S  # no heartbeat for this long -> dead (how="lease")
-    start_deadline_s: float = 300.0  # forming gives up (or starts with >= min_replicas) after this
-    throughput_weights: bool = False  # weight shares by measured throughput instead of equally
-    # Weight of the newest sample (one per step, itself a mean over the step's microbatches) in
-    # the throughput average: a straggler's share falls within two or three steps.
-    throughput_ema_alpha: float = 0.5
-    # Re-plan on measured throughput only when some replica's share of the weights moved by more
-    # than this fraction: measurement noise must not reshuffle plans (and summation order) at
-    # every step.
-    rebalance_threshold: float = 0.1
-    # "recover": lost ids are reassigned (the constant-batch invariant). "shrink" is a baseline
-    # for comparison only (torchft's semantics): a dead replica's ids are dropped, each replica
-    # keeps the fixed slot of ids it had in a full job, so the global batch shrinks.
-    mode: str = "recover"
-    # When more than half of the members go silent together, the coordinator suspects its own
-    # network and restarts their leases, for at most this long (membership._suspects_itself); it
-    # matches the replicas' default coordinator grace, after which they give up. 0: never.
-    self_suspicion_s: float = 10.0
-    # A member that a majority of the others cannot dial (their groups would not form, and their
-    # probes say why: recover.runtime.reach) in this many consecutive failed attempts of a step
-    # is evicted (how="unreachable"): one failed probe may be a blip, an endless redo is not.
-    unreachable_attempts: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("expected_replicas", "microbatches", "min_replicas", "unreachable_attempts"):
-            v = getattr(self, name)
-            low = 0 if name == "microbatches" else 1
-            if not is_int(v) or v < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
-        if self.min_replicas > self.expected_replicas:
-            raise ValueError(
-                f"min_replicas ({self.min_replicas}) must be <= expected_replicas "
-                f"({self.expected_replicas})"
-            )
-        for name in ("lease_s", "start_deadline_s"):
-            _positive(name, getattr(self, name))
-        if not isinstance(self.throughput_weights, bool):
-            raise ValueError(f"throughput_weights must be a bool, got {self.throughput_weights!r}")
-        _positive("throughput_ema_alpha", self.throughput_ema_alpha)
-        if isinstance(self.rebalance_threshold, bool) or not (
-            isinstance(self.rebalance_threshold, int | float) and self.rebalance_threshold >= 0
-        ):
-            raise ValueError(
-                f"rebalance_threshold must be a number >= 0, got {self.rebalance_threshold!r}"
-            )
-        if not is_number(self.self_suspicion_s) or not 0 <= self.self_suspicion_s < math.inf:
-            raise ValueError(
-                f"self_suspicion_s must be a number >= 0, got {self.self_suspicion_s!r}"
-            )
-        if self.mode not in ("recover", "shrink"):
-            raise ValueError(f"mode must be recover or shrink, got {self.mode!r}")
-        if self.throughput_ema_alpha > 1:
-            raise ValueError(
-                f"throughput_ema_alpha must be in (0, 1], got {self.throughput_ema_alpha!r}"
-            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,7 +155,6 @@ _MEMBER_FIELDS = tuple(f.name for f in fields(Member))
 # What a state saved by an older version may hold that this one has no use for: the accusation
 # rule's open accusations and its grace (removed: no replica ever named a suspect).
 _DROPPED_FIELDS = ("accusations",)
-_DROPPED_OPTIONS = ("suspect_grace_s",)
 
 
 def _record(obj: Any, names: tuple[str, ...]) -> dict[str, Any]:
@@ -255,8 +182,7 @@ def state_from_json(text: str) -> CoordinatorState:
     d = json.loads(text)
     for name in _DROPPED_FIELDS:
         d.pop(name, None)
-    options = {k: v for k, v in d["options"].items() if k not in _DROPPED_OPTIONS}
-    d["options"] = CoordinatorOptions(**options)
+    d["options"] = options_from_stored(d["options"])
     d["members"] = {int(k): Member(**m) for k, m in d["members"].items()}
     # "holdings": the plan's key in a state saved before it was named `plan`; still read, so a
     # state kept in etcd outlives the upgrade.

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import glob
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from recover.coordinator.etcd import parse_state_url
 from recover.coordinator.etcd_local import find_etcd
-from recover.coordinator.state_store import CoordinatorOptions
+from recover.coordinator.options import CoordinatorOptions
 from recover.runtime.faults import FaultSpec, fault_flag
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.spec import ReplicaSpec
@@ -43,7 +43,7 @@ class LaunchConfig:
     start_timeout_s: float = 60.0  # coordinator up and every replica registered by then
     respawn_s: float | None = None  # restart a dead replica after this many seconds (None: never)
     max_restarts: int = 3  # per replica
-    balance: str = "throughput"  # microbatch shares: "equal" or by measured "throughput"
+    balance: str = CoordinatorOptions.balance  # microbatch shares: "equal" or by "throughput"
     stop_grace_s: float = 30.0  # on a stop: how long replicas get to save and leave
     # Fork `recover train`'s replica processes from one that has imported torch already
     # (recover.zygote), instead of paying the import in each one; False: start each afresh.
@@ -65,12 +65,12 @@ class LaunchConfig:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
         if not isinstance(self.replica, ReplicaSpec):
             raise ValueError(f"replica must be a ReplicaSpec, got {self.replica!r}")
-        if not 1 <= self.min_replicas <= self.replicas:
+        self.coordinator_options()  # --min-replicas, --lease and --balance, checked as declared
+        if not self.replica.heartbeat_s < self.lease_s:
             raise ValueError(
-                f"--min-replicas must be in 1..{self.replicas} (--replicas), got {self.min_replicas}"
+                f"--lease ({self.lease_s:g} s) must be longer than the heartbeat interval "
+                f"(--heartbeat {self.replica.heartbeat_s:g} s)"
             )
-        if not self.lease_s > 0 or not self.replica.heartbeat_s < self.lease_s:
-            raise ValueError("--lease must be > 0 and larger than the heartbeat interval")
         if self.respawn_s is not None and self.respawn_s < 0:
             raise ValueError(f"--respawn must be >= 0 seconds, got {self.respawn_s}")
         if self.max_restarts < 0:
@@ -95,8 +95,6 @@ class LaunchConfig:
                 "no etcd binary is installed: apt-get install etcd-server, or give --state "
                 "etcd://HOST:PORT"
             )
-        if self.balance not in ("equal", "throughput"):
-            raise ValueError(f"--balance must be equal or throughput, got {self.balance!r}")
         for f in self.faults:
             if f.replica >= self.replicas:
                 raise ValueError(
@@ -111,6 +109,21 @@ class LaunchConfig:
                     f"--fault {fault_flag(f)} fires in a state transfer to a joiner, and this job "
                     "never has one: add --respawn S or --standby N (it would never fire)"
                 )
+
+    def coordinator_options(self) -> CoordinatorOptions:
+        """The settings of this job's coordinator: R, the supervision flags it offers, the start
+        timeout as the forming deadline, and its mode (M it learns from the replicas)."""
+        options = CoordinatorOptions(
+            expected_replicas=self.replicas,
+            min_replicas=self.min_replicas,
+            lease_s=self.lease_s,
+            start_deadline_s=self.start_timeout_s,
+            balance=self.balance,
+            mode="shrink" if self.mode == "shrink" else "recover",
+        )
+        if self.mode == "checkpoint-restart":  # any death stops the job, which then restarts
+            return replace(options, min_replicas=self.replicas)
+        return options
 
     @property
     def mode(self) -> str:

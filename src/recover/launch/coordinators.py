@@ -1,7 +1,7 @@
 """The coordinators of a local job: one, or N that share the run's state in etcd.
 
 Job: start the job's coordinator processes on ports drawn for it (`start`), each one `recover
-coordinator serve` on 127.0.0.1 with the job's settings; with --coordinators N, put their state in
+coordinator serve` on 127.0.0.1 with the job's settings (one JSON object); with --coordinators N, put their state in
 etcd (under --state, or in a private etcd started for the run and ended with it, `stop`), so that
 the first elected leads and the others stand by; start a dead one again as a standby while another
 still leads (`restart_dead`, at most --max-restarts times each).
@@ -32,23 +32,22 @@ class CoordinatorFleet:
 
     def __init__(self, host: ProcessHost, lcfg: LaunchConfig, paths: RunPaths) -> None:
         self.host, self.lcfg, self.paths = host, lcfg, paths
-        self.microbatches = 0
         self.standbys: tuple[tuple[str, int], ...] = ()  # the standbys' addresses (-coordinators N)
         self._etcd: LocalEtcd | None = None  # the private etcd of --coordinators N
         self._specs: dict[str, tuple] = {}  # name -> its _spawn arguments
         self._restarts: dict[str, int] = {}
 
-    def start(self, ports: list[int], microbatches: int) -> tuple[str, int]:
+    def start(self, ports: list[int]) -> tuple[str, int]:
         """Start the coordinator on a free loopback port; return its address at once.
 
         The replicas are started right after, without waiting for it: they retry registering
         until it listens, so torch's import in every process overlaps (start-up is CPU-bound).
         With --coordinators N, N of them share the state in etcd (`_ha_state`): the first
         elected leads, the others stand by (`self.standbys`: their addresses). `ports`: drawn
-        for the job's processes (one is taken per coordinator); `microbatches`: M, or 0 when the
-        coordinator learns it from the replicas' fingerprints.
+        for the job's processes (one is taken per coordinator). Each is handed the job's
+        settings as one JSON object (`LaunchConfig.coordinator_options`); M it learns from the
+        replicas' fingerprints.
         """
-        self.microbatches = microbatches
         address_file = self.paths.out / COORDINATOR_FILE
         address_file.unlink(missing_ok=True)
         lc = self.lcfg
@@ -113,14 +112,7 @@ class CoordinatorFleet:
             name,
             [
                 *_RECOVER, "coordinator", "serve", "--host", "127.0.0.1", "--port", str(port),
-                "--store-port", "0", "--replicas", str(lc.replicas),
-                "--microbatches", str(self.microbatches),
-                # checkpoint-restart: any death stops the job (the launcher then restarts it)
-                "--min-replicas",
-                str(lc.replicas if lc.mode == "checkpoint-restart" else lc.min_replicas),
-                "--lease", str(lc.lease_s),
-                "--start-deadline", str(lc.start_timeout_s), "--balance", lc.balance,
-                "--mode", "shrink" if lc.mode == "shrink" else "recover",
+                "--store-port", "0", "--options", lc.coordinator_options().settings_json(),
                 "--events", str(self.paths.metrics), "--address-file", str(address_file),
                 "--keep-serving",
                 "--log-level", lc.replica.log_level, *(ha or ()),

@@ -139,11 +139,6 @@ class LocalLauncher(ProcessHost):
         if self.lcfg.warm_start:
             self.start_zygote(str(self.paths.out))
 
-    @property
-    def microbatches(self) -> int:
-        """M for the coordinator (0: it learns M from the replicas' fingerprints)."""
-        return self.cfg.microbatches
-
     def _replica_command(self, r: int, host: str, port: int, *, fresh: bool) -> list[str]:
         """The command of every process of replica r: a `recover worker` of the built-in
         trainer here (a script's command under `recover run`: ScriptLauncher). The job itself
@@ -310,7 +305,7 @@ class LocalLauncher(ProcessHost):
         self._ports = free_ports(
             self.lcfg.coordinators + (self.lcfg.replicas if self.lcfg.ranks > 1 else 0)
         )
-        host, port = self.coordinators.start(self._ports, self.microbatches)
+        host, port = self.coordinators.start(self._ports)
         self.coordinator_address = (host, port)
         self.say(f"coordinator at {host}:{port}; starting {self.lcfg.replicas} replicas")
         for r in range(self.lcfg.replicas):
@@ -618,10 +613,6 @@ class ScriptLauncher(LocalLauncher):
             raise ValueError("--standby is for recover train (a script builds its own model)")
         self.command = list(command)
         self.job = job  # the resolved job file (recover.jobconfig.resolved_job), saved as job.json
-
-    @property
-    def microbatches(self) -> int:
-        return 0  # the script declares M (Replica(microbatches=M)); the coordinator learns it
 
     def _open_run_folder(self) -> None:
         self.paths.out.mkdir(parents=True, exist_ok=True)

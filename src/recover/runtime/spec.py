@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Sequence
-from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from recover.logs import LOG_LEVELS
 from recover.runtime.layout import ReplicaLayout
+from recover.settings import add_flags, check_settings, given, setting
 
 if TYPE_CHECKING:
     from recover.addresses import PeerAddress
@@ -46,10 +46,10 @@ def _setting(
     low: tuple[float, bool] | None = None,
     scripts: bool = False,
 ) -> _T:
-    """A spec field with its flag. `low`: (bound, inclusive) for numbers; `scripts`: the setting
-    holds for a user's script too (`recover run` offers its flag, `recover.Replica` obeys it)."""
-    meta = {"flag": flag, "help": help, "metavar": metavar, "choices": choices, "low": low}
-    return field(default=default, metadata={**meta, "scripts": scripts})
+    """A spec field with its flag (recover.settings). `scripts`: the setting holds for a user's
+    script too (`recover run` offers its flag, `recover.Replica` obeys it)."""
+    tags = ("scripts",) if scripts else ()
+    return setting(default, flag, help, metavar=metavar, choices=choices, low=low, tags=tags)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,30 +161,7 @@ class ReplicaSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.layout, ReplicaLayout):
             raise ValueError(f"layout must be a ReplicaLayout, got {self.layout!r}")
-        for f in _settings():
-            value, meta = getattr(self, f.name), f.metadata
-            if f.type == "bool":  # a switch
-                if not isinstance(value, bool):
-                    raise ValueError(f"{meta['flag']} must be true or false, got {value!r}")
-                continue
-            if meta["choices"] is not None:
-                if value not in meta["choices"]:
-                    allowed = ", ".join(meta["choices"])
-                    raise ValueError(f"{meta['flag']} must be one of {allowed}, got {value!r}")
-                continue
-            if meta["low"] is None:  # a text setting (a path; empty: none)
-                if not isinstance(value, str):
-                    raise ValueError(f"{meta['flag']} must be text, got {value!r}")
-                continue
-            number = f.type == "int" and not isinstance(value, bool) and isinstance(value, int)
-            if f.type == "float":
-                number = isinstance(value, int | float) and not isinstance(value, bool)
-                number = number and math.isfinite(value)
-            bound, inclusive = meta["low"]
-            if not number or value < bound or (value == bound and not inclusive):
-                kind = "an int" if f.type == "int" else "a finite number"
-                rel = ">=" if inclusive else ">"
-                raise ValueError(f"{meta['flag']} must be {kind} {rel} {bound}, got {value!r}")
+        check_settings(self)
         if self.deterministic and self.layout.ranks > 1:
             raise ValueError(
                 f"--deterministic supports replicas of one rank; not yet {self.layout.describe()} "
@@ -221,8 +198,7 @@ class ReplicaSpec:
         layout = ReplicaLayout(
             **{n: getattr(args, n) for n in ("pp", "shard", "tp") if hasattr(args, n)}
         )
-        given = {f.name: getattr(args, f.name) for f in _settings() if hasattr(args, f.name)}
-        return cls(layout=layout, **given)
+        return cls(layout=layout, **given(cls, args))
 
     # ---- the one serialised form ---------------------------------------------------------------
     def to_json(self) -> str:
@@ -248,11 +224,6 @@ class ReplicaSpec:
         return cls(layout=ReplicaLayout.from_dims(layout), **raw)
 
 
-def _settings() -> list[Field[Any]]:
-    """The fields that have a flag (all but the layout, whose flags are its three sizes)."""
-    return [f for f in fields(ReplicaSpec) if "flag" in f.metadata]
-
-
 def add_spec_flags(parser: argparse.ArgumentParser, *, scripts: bool = False) -> None:
     """Add the spec's flags to a parser group (`scripts`: only those of the settings a user's
     script obeys, for `recover run`); `ReplicaSpec.from_args` reads them back."""
@@ -271,19 +242,4 @@ def add_spec_flags(parser: argparse.ArgumentParser, *, scripts: bool = False) ->
             group.add_argument(
                 f"--{name}", type=int, default=1, metavar=metavar, help=f"{text} (default: 1)"
             )
-    for f in _settings():
-        if scripts and not f.metadata["scripts"]:
-            continue
-        meta = f.metadata
-        if f.type == "bool":
-            group.add_argument(meta["flag"], dest=f.name, action="store_true", help=meta["help"])
-            continue
-        # (an annotation is text: this module has `from __future__ import annotations`)
-        if not isinstance(f.type, str):
-            raise TypeError(f"ReplicaSpec.{f.name}: annotation {f.type!r} is not text")
-        kind = {"int": int, "float": float}.get(f.type, str)
-        default = f.default if f.default is not MISSING else None
-        extra = {"choices": meta["choices"]} if meta["choices"] else {"metavar": meta["metavar"]}
-        group.add_argument(
-            meta["flag"], dest=f.name, type=kind, default=default, help=meta["help"], **extra
-        )
+    add_flags(group, ReplicaSpec, tag="scripts" if scripts else None)

@@ -190,7 +190,7 @@ def start_coordinator(
     cmd = [
         sys.executable, "-m", "recover.cli", "coordinator", "serve",
         "--port", "0", "--no-store", "--replicas", str(cfg.replicas),
-        "--microbatches", str(cfg.m), "--lease", str(cfg.lease_s), "--min-replicas", "1",
+        "--lease", str(cfg.lease_s), "--min-replicas", "1",
         "--start-deadline", str(cfg.form_timeout_s), "--events", str(workdir / "events.jsonl"),
         "--address-file", str(workdir / "address.json"),
         *(["--state", state] if state else []),
