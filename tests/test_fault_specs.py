@@ -159,7 +159,7 @@ def test_a_fault_in_a_respawned_incarnation_still_exits_0_when_every_step_commit
 ):
     # Replica 1 dies at step 1; its respawn dies while receiving the state (the fault of the
     # transfer phase fires only in a joiner); the next respawn joins and the run ends.
-    out, steps = tmp_path / "run", 300
+    out, steps = tmp_path / "run", 80  # the second respawn joined at step 7 (2 cores, loaded)
     r = finish(
         start(
             tiny_dataset, out, "--replicas", "2", "--steps", str(steps), "--respawn", "0",
@@ -266,7 +266,7 @@ def test_a_fault_fires_once_per_run_wherever_the_script_writes_its_events(
             "--fault", "kill:replica=1,step=1,phase=transfer",
             "--", sys.executable, str(script), "--out", str(out / "result"),
             "--data", str(custom_token_file),
-            "--steps", "300", "--microbatches", "4",
+            "--steps", "80", "--microbatches", "4",  # the second respawn joined at step 7
         ]),
         200,
     )  # fmt: skip
