@@ -90,7 +90,8 @@ def test_bad_layouts_and_modes_are_refused_at_start(tiny_dataset, tmp_path):
         assert r.returncode != 0 and message in r.stdout, r.stdout[-2000:]
 
 
-JOIN_STEPS = 100  # test_rejoin's margin for a respawned replica to join before the end
+# The killed replica's warm-forked respawn joined at steps 5-15 in suite runs on 2 cores.
+JOIN_STEPS = 50
 
 
 @pytest.mark.timeout(240)

@@ -37,7 +37,9 @@ from conftest import (
 from recover.record import committed_steps, read_metrics
 
 M = 4
-STEPS = 150
+# The stops come once step 5 is recorded; 55 steps more (3 s at least) is the margin for the
+# signal to land mid-run, and a shorter run costs the reference and each resume less.
+STEPS = 60
 FLAGS = [
     "--preset", "tiny", "--seq-len", "32", "--microbatch-size", "2", "--microbatches", str(M),
     "--steps", str(STEPS), "--eval-every", "0", "--ckpt-every", "0", "--warmup-steps", "2",
