@@ -156,6 +156,36 @@ def run_cli(args: list[str], *, timeout: float = 60, cwd: Path | None = None):
     )
 
 
+def cli_here(args: list[str]) -> subprocess.CompletedProcess:
+    """Run `recover ARGS` in this process, as `run_cli` does in a child: for the commands that
+    only read a run (compare, sample), which would otherwise pay a torch import each (2.5 s of
+    CPU). Its output and exit status are returned as run_cli's; torch's thread count and the
+    `recover` loggers are put back after it."""
+    import contextlib
+    import io
+    import logging
+
+    from recover.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    threads = torch.get_num_threads()
+    loggers = [logging.getLogger(n) for n in ("", "recover")]
+    saved = [(list(g.handlers), g.level, g.propagate) for g in loggers]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse's refusals
+                code = e.code if isinstance(e.code, int) else 2
+    finally:
+        torch.set_num_threads(threads)
+        for g, (handlers, level, propagate) in zip(loggers, saved, strict=True):
+            g.handlers[:] = handlers
+            g.setLevel(level)
+            g.propagate = propagate
+    return subprocess.CompletedProcess(["recover", *args], code, out.getvalue(), err.getvalue())
+
+
 def start_cli(args: list[str], **popen) -> subprocess.Popen:
     """Start `python -m recover.cli ARGS` with stdout piped and stderr merged into it, as `finish`
     reads them (`popen` overrides, e.g. stdout=subprocess.DEVNULL). Reap it with `finish` (or a

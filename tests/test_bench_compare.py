@@ -42,7 +42,7 @@ def test_short_compare_computes_every_column_from_the_runs(tiny_dataset, tmp_pat
     out = tmp_path / "cmp"
     r = subprocess.run(
         [sys.executable, "-m", "recover.cli", "bench", "compare", "--preset", "tiny",
-         "--replicas", "3", "--steps", "12", "--microbatches", str(M), "--microbatch-size", "2",
+         "--replicas", "2", "--steps", "12", "--microbatches", str(M), "--microbatch-size", "2",
          "--seq-len", "32", "--faults", "every=4,count=1,offset=2", "--ckpt-every", "4",
          "--data", str(tiny_dataset), "--out", str(out), "--json", str(tmp_path / "cmp.json"),
          "--without-torchft"],

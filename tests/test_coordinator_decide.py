@@ -634,6 +634,17 @@ def test_options_validation_names_the_field(kw, field):
         CoordinatorOptions(**{**base, **kw})
 
 
+def test_a_coordinator_that_learns_m_may_take_over_a_state_that_learned_it():
+    """A launcher's coordinators are not told M (the replicas declare it): a standby taking over
+    a state whose M was learned must match it; a fixed M or another setting must not."""
+    learned = CoordinatorOptions(expected_replicas=2, microbatches=6)
+    assert CoordinatorOptions(expected_replicas=2).matches(learned)
+    assert CoordinatorOptions(expected_replicas=2, microbatches=6).matches(learned)
+    assert not CoordinatorOptions(expected_replicas=2, microbatches=4).matches(learned)
+    assert not CoordinatorOptions(expected_replicas=2, lease_s=2.0).matches(learned)
+    assert not CoordinatorOptions(expected_replicas=3).matches(learned)
+
+
 def test_joiners_are_marked_for_state_transfer_until_their_first_step_commits():
     sim = Sim().formed()
     assert view_of(sim.state).joined == ()

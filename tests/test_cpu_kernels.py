@@ -50,7 +50,11 @@ SENSITIVE = [
 BF16 = ["tests/test_multirank.py::test_bf16_autocast_recovers_on_the_bf16_trajectory"]
 # The deterministic faulted runs and the respawn test recover the same bits as the four-vs-one
 # test computes: their kernels are the same; the main run covers their recovery.
-SKIPPED_HERE = "not test_a_respawned_joiner_changes_no_bit and not faulted_run_equals"
+# The refusals of bad layouts compute nothing.
+SKIPPED_HERE = (
+    "not test_a_respawned_joiner_changes_no_bit and not faulted_run_equals "
+    "and not test_bad_layouts_and_modes_are_refused_at_start"
+)
 ORDER = ["default", "avx2", "avx512"]
 
 

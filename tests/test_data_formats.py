@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import TINY_TRAIN_FLAGS, run_cli
+from conftest import TINY_TRAIN_FLAGS, cli_here, run_cli
 from recover.data import DataError, TokenDataset, load_tokenizer, prepare_dataset
 from recover.data import corpus as corpus_module
 from recover.data.adopt import adopt_token_files
@@ -270,9 +270,9 @@ def test_cli_from_bin_then_train_reads_it(tmp_path: Path, capsys) -> None:
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert sum(1 for s in steps if s.get("kind") == "step") == 3
     # Adopted token ids have no tokenizer: sampling says to name one, and works with it.
-    r = run_cli(["sample", str(run), "--prompt", "ab", "--tokens", "4"])
+    r = cli_here(["sample", str(run), "--prompt", "ab", "--tokens", "4"])
     assert r.returncode == 2 and "--tokenizer" in r.stderr and "Traceback" not in r.stderr, r.stderr
-    r = run_cli(["sample", str(run), "--prompt", "ab", "--tokens", "4", "--tokenizer", "byte"])
+    r = cli_here(["sample", str(run), "--prompt", "ab", "--tokens", "4", "--tokenizer", "byte"])
     assert r.returncode == 0 and r.stdout.startswith("ab"), r.stdout + r.stderr
 
 

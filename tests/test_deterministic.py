@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_multireplica import STEPS, train
 
-from conftest import assert_invariants, events, run_cli
+from conftest import assert_invariants, cli_here, events
 from recover.record import committed_steps
 
 M = 6  # test_multireplica's FLAGS: tiny preset, M = 6, 5 steps
@@ -23,7 +23,7 @@ M = 6  # test_multireplica's FLAGS: tiny preset, M = 6, 5 steps
 
 def bitwise_equal(reference: Path, out: Path, r) -> None:
     assert_invariants(reference, out, r, steps=STEPS, microbatches=M, rtol=0.0)
-    compared = run_cli(["compare", "--rtol", "0", str(reference), str(out)])
+    compared = cli_here(["compare", "--rtol", "0", str(reference), str(out)])
     assert compared.returncode == 0 and "PASS" in compared.stdout, compared.stdout
 
 
@@ -108,5 +108,5 @@ def test_a_respawned_joiner_changes_no_bit(tiny_dataset, tmp_path):
     transfers = events(out, "state_transfer")  # one per attempt that reached the joiner
     assert transfers and {t["replica"] for t in transfers} == {2}
     assert committed_steps(out / "metrics.jsonl")[JOIN_STEPS - 1]["replicas"] == 4
-    compared = run_cli(["compare", "--rtol", "0", str(reference), str(out)])
+    compared = cli_here(["compare", "--rtol", "0", str(reference), str(out)])
     assert compared.returncode == 0 and "PASS" in compared.stdout, compared.stdout

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_TRAIN_FLAGS, run_cli
+from conftest import TINY_TRAIN_FLAGS, cli_here, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +50,14 @@ def test_the_hf_export_gives_our_logits(trained, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_sample_continues_the_prompt(trained):
-    greedy = run_cli(["sample", str(trained), "--prompt", "replica ", "--tokens", "20"])
+    greedy = cli_here(["sample", str(trained), "--prompt", "replica ", "--tokens", "20"])
     assert greedy.returncode == 0, greedy.stderr
-    again = run_cli(["sample", str(trained), "--prompt", "replica ", "--tokens", "20"])
+    again = cli_here(["sample", str(trained), "--prompt", "replica ", "--tokens", "20"])
     assert greedy.stdout == again.stdout and greedy.stdout.startswith("replica ")
-    hot = run_cli(["sample", str(trained), "--prompt", "replica ", "--tokens", "20",
+    hot = cli_here(["sample", str(trained), "--prompt", "replica ", "--tokens", "20",
                    "--temperature", "1.0", "--top-k", "5", "--seed", "3"])  # fmt: skip
     assert hot.returncode == 0 and hot.stdout.startswith("replica ")
-    bad = run_cli(["sample", str(trained), "--temperature", "-1"])
+    bad = cli_here(["sample", str(trained), "--temperature", "-1"])
     assert bad.returncode != 0 and "temperature" in bad.stderr
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_TRAIN_FLAGS, child_env, run_cli
+from conftest import TINY_TRAIN_FLAGS, child_env, cli_here, run_cli
 from recover.record import committed_steps
 from recover.tooling.compare import compare_runs
 
@@ -32,7 +32,7 @@ def test_two_runs_are_identical_and_compare_passes_at_rtol_0(tiny_dataset, tmp_p
     assert (tmp_path / "A" / "final" / "model.safetensors").exists()
     config = json.loads((tmp_path / "A" / "config.json").read_text())
     assert config["train"]["microbatches"] == 4
-    r = run_cli(["compare", str(tmp_path / "A"), str(tmp_path / "B"), "--rtol", "0"])
+    r = cli_here(["compare", str(tmp_path / "A"), str(tmp_path / "B"), "--rtol", "0"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout
 
@@ -44,7 +44,7 @@ def test_compare_fails_on_a_different_trajectory(tiny_dataset, tmp_path):
     result = compare_runs(tmp_path / "A", tmp_path / "B")
     assert result.common_steps == 3
     assert result.max_loss_rel_diff > 1e-4 and result.param_rel_l2 > 1e-3
-    r = run_cli(["compare", str(tmp_path / "A"), str(tmp_path / "B")])
+    r = cli_here(["compare", str(tmp_path / "A"), str(tmp_path / "B")])
     assert r.returncode == 1 and "FAIL" in r.stdout
 
 

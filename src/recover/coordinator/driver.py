@@ -142,7 +142,7 @@ class RulesDriver(LoopService):
         """The saved state (resumed) or a fresh one; a new term takes a saved one over."""
         now = time.monotonic()
         loaded = self._state_store.load()
-        if loaded is not None and loaded.options != self._options:
+        if loaded is not None and not self._options.matches(loaded.options):
             raise ValueError(f"options differ from the saved state's: {loaded.options}")
         self._state = (
             initial_state(self._options, now) if loaded is None else (resume_state(loaded, now))

@@ -16,7 +16,7 @@ What it must not do: hold state that changes during a run (recover.coordinator.s
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from recover.checks import is_int, is_number
@@ -119,6 +119,14 @@ class CoordinatorOptions:
     def throughput_weights(self) -> bool:
         """Whether shares are weighted by measured throughput (--balance throughput)."""
         return self.balance == "throughput"
+
+    def matches(self, saved: CoordinatorOptions) -> bool:
+        """Whether the saved state of a run with `saved` options may be served with these (a
+        standby taking over, a restart): every setting equal, and M too unless these leave it
+        to the replicas (0), as a launcher's coordinators do; they take the run's M with its
+        state."""
+        mine = self if self.microbatches else replace(self, microbatches=saved.microbatches)
+        return mine == saved
 
     # ---- the serialised form a launcher hands its coordinator ------------------------------
     def settings_json(self) -> str:
