@@ -115,7 +115,7 @@ def test_a_writer_killed_mid_save_logs_no_save_and_its_tmp_is_removed_on_resume(
     assert [e["path"] for e in events(out, "checkpoint_tmp_removed")] == [str(tmp)]
     (resumed,) = events(out, "resumed")
     assert resumed["step"] == 2 and resumed["path"] == str(ckpts / "step_00000002")
-    assert f"resuming at step 3 from {ckpts / 'step_00000002'}" in r.stdout
+    assert f"resuming at step 2 from {ckpts / 'step_00000002'}" in r.stdout
     # Every announced save of the resumed run names a file that landed (keep 2: 4 and 6 remain).
     assert [e["step"] for e in events(out, "checkpoint_saved")] == [2, 4, 6]
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000004", "step_00000006"]
@@ -140,7 +140,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_loudly_for_the_older_one(
     (resumed,) = events(out, "resumed")
     assert resumed["step"] == 4 and resumed["path"] == str(ckpts / "step_00000004")
     assert resumed["skipped"] == [str(ckpts / "step_00000006")]
-    assert "resuming at step 5 from" in r.stdout
+    assert "resuming at step 4 from" in r.stdout
     assert compare_runs(uninterrupted, out).passes(0.0)  # steps 4..7 recomputed, same trajectory
 
 
@@ -245,7 +245,7 @@ def test_a_multi_replica_resume_names_its_checkpoint(tiny_dataset, tmp_path):
     resumed = events(out, "resumed")
     assert len(resumed) == 2 and all(e["path"] == str(ckpt) and e["step"] == 2 for e in resumed)
     for replica in (0, 1):
-        assert f"[replica {replica}] resuming at step 3 from {ckpt}" in r.stdout
+        assert f"[replica {replica}] resuming at step 2 from {ckpt}" in r.stdout
     assert sorted(committed_steps(out / "metrics.jsonl")) == [0, 1, 2, 3]
     assert leftover_processes(str(out)) == []
 

@@ -75,7 +75,8 @@ def test_sigterm_to_the_launcher_saves_the_committed_state_and_resume_continues(
     saved = [e["step"] for e in events(out, "checkpoint_saved")]
     recorded = committed_steps(out / "metrics.jsonl")
     assert saved and max(saved) == max(recorded) + 1, (saved, sorted(recorded))
-    assert f"step {max(saved)} is checkpointed" in r.stdout and "--resume" in r.stdout
+    assert f"the state after step {max(saved) - 1} is checkpointed in " in r.stdout
+    assert f"step_{max(saved):08d}" in r.stdout and "--resume" in r.stdout
     assert sorted(recorded) == list(range(max(saved))), "a committed step has no record"
     assert "Traceback" not in r.stdout, r.stdout[-3000:]
     assert leftover_processes(str(out)) == []

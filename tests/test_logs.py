@@ -51,13 +51,13 @@ def test_debug_adds_the_resolved_job_to_a_one_replica_run(
     flags = ["train", *TINY_TRAIN_FLAGS, "--steps", "2", "--data", str(tiny_dataset)]
     assert main([*flags, "--out", str(tmp_path / "info")]) == 0
     info = capsys.readouterr().out
-    assert "step 2/2 |" in info and "job: " not in info
+    assert "step 1/2 |" in info and "job: " not in info
     assert main([*flags, "--out", str(tmp_path / "debug"), "--log-level", "debug"]) == 0
     debug = capsys.readouterr().out
     (line,) = [x for x in debug.splitlines() if x.startswith("job: ")]
     job = json.loads(line.removeprefix("job: "))
     assert job["train"]["steps"] == 2 and job["replica"]["log_level"] == "debug"
-    assert "step 2/2 |" in debug
+    assert "step 1/2 |" in debug
 
 
 def test_warning_level_drops_the_step_lines_and_keeps_the_warnings(tiny_dataset, tmp_path):
@@ -72,7 +72,7 @@ def test_warning_level_drops_the_step_lines_and_keeps_the_warnings(tiny_dataset,
     )  # fmt: skip
     r = finish(proc, timeout=90)
     assert r.returncode == 0, r.stdout[-3000:]
-    assert "step 1/3" not in r.stdout and "training tiny" not in r.stdout, r.stdout
+    assert "step 0/3" not in r.stdout and "training tiny" not in r.stdout, r.stdout
     assert "admitted" not in r.stdout and "coordinator at" not in r.stdout  # INFO, everywhere
     assert "[replica 1] injecting fault: exit of replica 1" in r.stdout, r.stdout
     assert "[launcher] replica 1 exited with status 17" in r.stdout, r.stdout

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TextIO
 
 from recover import exits
+from recover.checkpoint.folders import checkpoint_path
 from recover.launch.config import (
     COORDINATOR_FILE,
     FIRED_FILE,
@@ -559,8 +560,10 @@ class LocalLauncher(ProcessHost):
         ]
         if not saved:
             return "no checkpoint was saved; the run starts again from step 0"
+        newest = max(saved)  # a checkpoint is named by the steps it holds: 0..newest-1
         return (
-            f"step {max(saved)} is checkpointed in {self.paths.checkpoints}; continue with: "
+            f"the state after step {newest - 1} is checkpointed in "
+            f"{checkpoint_path(self.paths.checkpoints, newest)}; continue with: "
             f"{train_resume_command(self.paths.out)}"
         )
 

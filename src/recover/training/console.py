@@ -49,7 +49,7 @@ def format_step_line(
     if mfu is not None:
         compute += f"mfu {100 * mfu:.1f}% | "
     return (
-        f"step {step + 1:>{width}}/{steps} | loss {loss:.4f} | lr {lr:.2e} | "
+        f"step {step:>{width}}/{steps} | loss {loss:.4f} | lr {lr:.2e} | "
         f"{format_rate(tok_per_s)} tok/s | {compute}{step_s * 1000:.0f} ms | "
         f"eta {format_duration(eta_s)}"
     )

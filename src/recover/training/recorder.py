@@ -149,7 +149,7 @@ class RunRecorder:
                 else "its summed gradient or loss is not finite (not applied)"
             )
             self.say(
-                f"step {stats.step + 1} skipped: {what}; {self.trainer.consecutive_skips} in a row"
+                f"step {stats.step} skipped: {what}; {self.trainer.consecutive_skips} in a row"
             )
         flop_per_s = achieved_flop_per_s(self._flops_per_token, tokens, step_s)
         devices = self._devices = extra.get("replicas", 1) * self.devices_per_replica
@@ -250,11 +250,11 @@ class RunRecorder:
                 eval=before if evaluated else None, checkpoint=upto if saved else None,
             )  # fmt: skip
             self.say(
-                f"recorded what the writer of step {first + 1} left unwritten: "
+                f"recorded what the writer of step {first} left unwritten: "
                 + ", ".join(
-                    [f"step {s + 1}" for s in filled]
+                    [f"step {s}" for s in filled]
                     + (["its evaluation"] if evaluated else [])
-                    + ([f"the checkpoint of step {upto}"] if saved else [])
+                    + ([f"the checkpoint after step {before}"] if saved else [])
                 )
             )
 
@@ -265,7 +265,7 @@ class RunRecorder:
         self._last_eval = loss
         if self.leads:
             self.writer.eval(step=step, val_loss=loss)
-        self.say(f"eval step {step + 1} | val loss {loss:.4f}")
+        self.say(f"eval step {step} | val loss {loss:.4f}")
         return loss
 
     def checkpoint(self, next_step: int, *, block: bool = False) -> Path | None:

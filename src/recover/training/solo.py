@@ -64,7 +64,7 @@ def announce_resume(
     )
     if console is not None:
         where = f"from {point.path}" if point is not None else "(no checkpoint: from the start)"
-        log.info(f"resuming at step {start + 1} {where}")
+        log.info(f"resuming at step {start} {where}")
 
 
 def build_trainer_for_run(
@@ -196,8 +196,7 @@ def train_single(
         n = trainer.model.num_params()
         log.info(
             f"training {cfg.preset} ({n / 1e6:.2f}M parameters) for {cfg.steps} steps of "
-            f"{cfg.microbatches} x {cfg.microbatch_size} x {cfg.seq_len} tokens; run folder {out}; "
-            "steps counted from 1 here, from 0 in metrics.jsonl"
+            f"{cfg.microbatches} x {cfg.microbatch_size} x {cfg.seq_len} tokens; run folder {out}"
         )
     all_ids = range(cfg.microbatches)
     try:

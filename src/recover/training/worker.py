@@ -25,6 +25,7 @@ from typing import TextIO
 
 from recover import exits
 from recover.addresses import PeerAddress
+from recover.checkpoint.folders import checkpoint_path
 from recover.data.addressing import TokenDataset
 from recover.policy import WORKLOADS
 from recover.record import MetricsWriter, read_metrics
@@ -235,7 +236,7 @@ def run_worker(
                 f"{cfg.steps} steps of {cfg.microbatches} x {cfg.microbatch_size} x "
                 f"{cfg.seq_len} tokens on {len(view.live)} replicas"
                 + (f" of {ranks} ranks ({layout.name})" if ranks > 1 else "")
-                + f"; run folder {paths.out}; steps counted from 1 here, from 0 in metrics.jsonl",
+                + f"; run folder {paths.out}",
             )  # fmt: skip
         machine = session.start(
             trainer,
@@ -360,9 +361,10 @@ def _stopped(stop, session, recorder, save_last_committed, wcfg: WorkerConfig, p
             saved, cause = False, f" ({_why_not_saved(why)})"
         else:
             cause = ""
-        step = recorder.last_committed + 1
+        step = recorder.last_committed
         outcome = (
-            f"step {step}, the last committed, is checkpointed in {paths.checkpoints}"
+            f"step {step}, the last committed, is checkpointed in "
+            f"{checkpoint_path(paths.checkpoints, step + 1)}"
             if saved
             else f"the last committed step ({step}) was not saved here{cause}"
         )
@@ -382,11 +384,14 @@ def _why_not_saved(error: BaseException) -> str:
 
 
 def _what_was_saved(saved: bool, session: ReplicaSession, recorder, paths: RunPaths) -> str:
-    """The coordinator-lost line's account of the last committed state (steps from 1 here)."""
+    """The coordinator-lost line's account of the last committed state."""
     me = session.replica_id
-    step = recorder.last_committed + 1
+    step = recorder.last_committed
     if saved:
-        return f"step {step}, the last committed, is checkpointed in {paths.checkpoints}"
+        return (
+            f"step {step}, the last committed, is checkpointed in "
+            f"{checkpoint_path(paths.checkpoints, step + 1)}"
+        )
     if not session.has_state:
         return "this replica held no committed state of the run yet (a joiner)"
     view = session.link.step_view()
@@ -453,7 +458,7 @@ def apply_commit(
             attempts=commit.attempts,
         )  # fmt: skip
         recorder.say(
-            f"recovered: step {commit.step + 1} committed with all {commit.count} "
+            f"recovered: step {commit.step} committed with all {commit.count} "
             f"microbatches, {seconds:.3f} s after this replica saw the failure"
         )
 
