@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 # tier with its own marker.
 TIERS = {
     "unit": (
-        "test_addressing", "test_architecture", "test_checkpoint", "test_cli_help", "test_coordinator_decide",
+        "test_addressing", "test_architecture", "test_checkpoint", "test_cli_help", "test_readme", "test_coordinator_decide",
         "test_etcd_store", "test_jobconfig",
         "test_data_formats", "test_data_prepare", "test_kubernetes", "test_placement", "test_policy", "test_report", "test_simulate",
         "test_session", "test_spec", "test_tree_sum", "test_units", "test_update_guard",
