@@ -248,7 +248,8 @@ def _on_leave(s: CoordinatorState, now: float, m: Leave, out: list[Decision]) ->
     if member is None:
         return _refuse(out, m, code, why)
     s.leaving = True
-    _kill(s, m.replica_id, "leave", f"replica {m.replica_id} left cleanly at step {m.step}", out)
+    when = f"after step {m.step - 1}" if m.step > 0 else "before its first step"
+    _kill(s, m.replica_id, "leave", f"replica {m.replica_id} left cleanly {when}", out)
     return f"replica {m.replica_id} left"
 
 
