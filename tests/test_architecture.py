@@ -43,7 +43,7 @@ ALLOWED: dict[str, set[str] | str] = {
     "tooling": {"runtime", "coordinator", "training", "checkpoint", "launch"},
     "zygote": {"runtime"},
     "supervisor": {"runtime", "zygote"},
-    "launch": {"runtime", "coordinator", "training", "supervisor", "zygote"},
+    "launch": {"runtime", "coordinator", "training", "checkpoint", "supervisor", "zygote"},
     "agent": {"runtime", "coordinator", "supervisor", "launch"},
     "jobconfig": {"runtime"},
     "cli": ANYTHING,
