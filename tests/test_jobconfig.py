@@ -167,3 +167,27 @@ def test_the_resolved_job_is_kept_for_recover_train(tmp_path):
     assert a.resolved_job["train"]["steps"] == 20
     assert a.resolved_job["launch"]["fault"] == ["kill:replica=1,step=3,phase=backward"]
     assert "out" not in a.resolved_job["run"]  # unset (None) values are left out
+
+
+def test_a_key_is_overridden_by_its_address_in_the_file(tmp_path):
+    """`--TABLE.KEY VALUE` is the flag of that key in that table: the file's value is overridden
+    and the resolved job says so; a wrong table or key is refused naming the right one."""
+    a = parse_args(["train", "--config", str(job(tmp_path, JOB)), "--train.lr", "3e-4",
+                    "--supervision.lease=2.5"])  # fmt: skip
+    assert (a.lr, a.lease_s) == (3e-4, 2.5)
+    assert a.resolved_job["train"]["lr"] == 3e-4 and a.resolved_job["supervision"]["lease"] == 2.5
+    serve = parse_args(["coordinator", "serve", "--replicas", "2", "--coordinator.node-lease", "3"])
+    assert serve.node_lease_s == 3.0
+    run = parse_args(["run", "--launch.replicas", "3", "--", "python", "t.py", "--train.lr", "1"])
+    assert run.replicas == 3  # and the words after -- are the script's, left alone:
+    assert run.script_command[-2:] == ["--train.lr", "1"]
+    for argv, message in (
+        (
+            ["train", "--train.tensorboard", "x"],
+            r"\[train\] has no key 'tensorboard': it is in \[replica\]",
+        ),
+        (["train", "--trian.lr", "1"], r"no table \[trian\]; did you mean 'train'"),
+        (["train", "--train.lrr", "1"], "did you mean 'lr'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_args(argv)

@@ -12,6 +12,9 @@ alike):
     [supervision]    # min_replicas, lease, respawn, max_restarts, balance
     [launch]         # replicas, fault (a list of specs), cold_start, standby
 
+On the command line, `--TABLE.KEY VALUE` (`--train.lr 3e-4`) overrides a key by its address in
+the file, the same as its flag (`--lr 3e-4`); the table must be the key's.
+
 `recover run` has the same tables but [train] (its [launch] holds replicas, ranks_per_replica,
 out, fault, start_timeout, quiet); `recover coordinator serve` has one, [coordinator].
 
@@ -118,6 +121,36 @@ def tables_of_saved_config(saved: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def _nearest(word: str, choices) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
     return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(choices))}"
+
+
+def dotted_flags(
+    parser: argparse.ArgumentParser, argv: list[str], sections: dict[str, str] = SECTIONS
+) -> list[str]:
+    """`argv` with each `--TABLE.KEY[=VALUE]` (a job file's table and key, e.g. `--train.lr
+    3e-4`) written as the flag it names (`--lr 3e-4`), so that a job file's value can be
+    overridden by its address in the file. Words after `--` (a command) are left alone.
+    ValueError naming the table or key that does not exist (and the table a key belongs to)."""
+    known = job_keys(parser, sections)
+    out: list[str] = []
+    for i, word in enumerate(argv):
+        if word == "--":
+            return out + argv[i:]
+        name, eq, value = word[2:].partition("=")
+        if not word.startswith("--") or "." not in name:
+            out.append(word)
+            continue
+        section, _, raw_key = name.partition(".")
+        if section not in known:
+            raise ValueError(f"{word}: no table [{section}]{_nearest(section, known)}")
+        key = raw_key.replace("-", "_")
+        action = known[section].get(key)
+        if action is None:
+            home = [other for other, keys in known.items() if key in keys]
+            where = f": it is in [{home[0]}]" if home else _nearest(key, known[section])
+            raise ValueError(f"{word}: [{section}] has no key {raw_key!r}{where}")
+        flag = next(o for o in action.option_strings if o.startswith("--"))
+        out.append(f"{flag}={value}" if eq else flag)
+    return out
 
 
 def job_defaults(

@@ -94,8 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
 
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _undotted(parser, argv)
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # (what resumes it, said on a stop)
+    args.argv = argv  # (what resumes it, said on a stop)
     command, words = _command_parser(parser, args)
     if words not in JOB_COMMANDS:
         return args
@@ -108,6 +110,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args = parser.parse_args(argv)
     args.resolved_job = resolved_job(command, args, sections)
     return args
+
+
+def _undotted(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`argv` with a job command's `--TABLE.KEY VALUE` overrides written as their flags
+    (recover.jobconfig.dotted_flags); other commands' words as they are."""
+    from recover.jobconfig import COORDINATOR_SECTIONS, SECTIONS, dotted_flags
+
+    words = [w for w in argv[:2] if not w.startswith("-")]
+    for job in JOB_COMMANDS:
+        if tuple(words[: len(job)]) == job:
+            command = parser
+            for word in job:
+                sub = next(a for a in command._actions if isinstance(a, argparse._SubParsersAction))
+                command = sub.choices[word]
+            sections = COORDINATOR_SECTIONS if job == ("coordinator", "serve") else SECTIONS
+            return dotted_flags(command, argv, sections)
+    return argv
 
 
 def main(argv: list[str] | None = None) -> int:
