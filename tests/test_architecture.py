@@ -43,7 +43,7 @@ ALLOWED: dict[str, set[str] | str] = {
     "tooling": {"runtime", "coordinator", "training", "checkpoint", "launch"},
     "zygote": {"runtime"},
     "supervisor": {"runtime", "zygote"},
-    "launch": {"runtime", "coordinator", "training", "checkpoint", "supervisor", "zygote"},
+    "launch": {"runtime", "coordinator", "training", "supervisor", "zygote"},
     "agent": {"runtime", "coordinator", "supervisor", "launch"},
     "jobconfig": {"runtime"},
     "cli": ANYTHING,
@@ -143,3 +143,21 @@ def test_the_runtime_reaches_the_coordinator_only_through_its_client():
         and t not in ("recover.coordinator.client", "recover.coordinator.protocol")
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_launcher_and_the_coordinator_start_without_torch():
+    """A launcher (`recover train --replicas R`, `recover run`, `recover agent`) and a refused
+    command line never import torch: 3 s of CPU per process on these machines, paid by every
+    launch (the replicas import it, forked from one warm process). A module-level import of a
+    torch-importing package (recover.checkpoint, once) put it back unnoticed."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, recover.cli, recover.cli.train, recover.cli.jobs, recover.launch, "
+        "recover.launch.local, recover.agent, recover.coordinator.cli; "
+        "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", f"imported at start: {r.stdout.strip()}"

@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import TextIO
 
 from recover import exits
-from recover.checkpoint.folders import checkpoint_path
 from recover.launch.config import (
     COORDINATOR_FILE,
     FIRED_FILE,
@@ -554,17 +553,15 @@ class LocalLauncher(ProcessHost):
 
     def _resume_hint(self) -> str:
         saved = [
-            int(rec["step"])
-            for rec in read_metrics(self.paths.metrics)
-            if rec.get("name") == "checkpoint_saved"
+            rec for rec in read_metrics(self.paths.metrics) if rec.get("name") == "checkpoint_saved"
         ]
         if not saved:
             return "no checkpoint was saved; the run starts again from step 0"
-        newest = max(saved)  # a checkpoint is named by the steps it holds: 0..newest-1
+        # A checkpoint is named by the steps it holds: "step" is the next to run.
+        newest = max(saved, key=lambda rec: int(rec["step"]))
         return (
-            f"the state after step {newest - 1} is checkpointed in "
-            f"{checkpoint_path(self.paths.checkpoints, newest)}; continue with: "
-            f"{train_resume_command(self.paths.out)}"
+            f"the state after step {int(newest['step']) - 1} is checkpointed in "
+            f"{newest['path']}; continue with: {train_resume_command(self.paths.out)}"
         )
 
 
