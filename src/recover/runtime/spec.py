@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from recover.logs import LOG_LEVELS
 from recover.runtime.layout import ReplicaLayout
@@ -33,129 +32,113 @@ DEVICES = ("auto", "cpu", "cuda")
 CROSS_REDUCES = ("gloo", "nccl")
 
 
-_T = TypeVar("_T")
-
-
-def _setting(
-    default: _T,
-    flag: str,
-    help: str,
-    *,
-    metavar: str | None = None,
-    choices: Sequence[str] | None = None,
-    low: tuple[float, bool] | None = None,
-    scripts: bool = False,
-) -> _T:
-    """A spec field with its flag (recover.settings). `scripts`: the setting holds for a user's
-    script too (`recover run` offers its flag, `recover.Replica` obeys it)."""
-    tags = ("scripts",) if scripts else ()
-    return setting(default, flag, help, metavar=metavar, choices=choices, low=low, tags=tags)
+SCRIPTS = ("scripts",)  # the tag of a setting that holds for a user's script too (`recover run`)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ReplicaSpec:
     layout: ReplicaLayout = field(default_factory=ReplicaLayout)
-    mode: str = _setting(
+    mode: str = setting(
         "recover", "--mode",
         "recover: survive failures in-step (default). Baselines for comparison: "
         "checkpoint-restart (stop everything, restart from the last checkpoint) and shrink (drop "
         "the dead replica's microbatches; the global batch shrinks)",
         choices=MODES,
     )  # fmt: skip
-    device: str = _setting(
+    device: str = setting(
         "auto", "--device",
         "where replicas compute: auto (a GPU per process if any is visible, else the CPU), cpu or "
         "cuda (default: auto)",
         choices=DEVICES,
     )  # fmt: skip
-    cross_reduce: str = _setting(
+    cross_reduce: str = setting(
         "gloo", "--cross-reduce",
         "how gradients are summed across replicas: gloo over a host copy (any device), or nccl "
         "between GPUs, one GPU per process, without the copy (not yet run on GPUs in this "
         "project) (default: gloo)",
         choices=CROSS_REDUCES,
     )  # fmt: skip
-    heartbeat_s: float = _setting(
+    heartbeat_s: float = setting(
         0.1, "--heartbeat", "heartbeat interval to the coordinator (default: 0.1)",
-        metavar="S", low=(0.0, False), scripts=True,
+        metavar="S", low=(0.0, False), tags=SCRIPTS,
     )  # fmt: skip
-    check_every: int = _setting(
+    check_every: int = setting(
         50, "--check-every",
         "compare parameter hashes across replicas every N steps (0: never; default: 50)",
         metavar="N", low=(0, True),
     )  # fmt: skip
-    watchdog_s: float = _setting(
+    watchdog_s: float = setting(
         5.0, "--watchdog",
         "in a replica of several ranks: a rank whose replica-mate is silent this long stops the "
         "whole replica, which the others then recover from (default: 5)",
-        metavar="S", low=(0.0, False), scripts=True,
+        metavar="S", low=(0.0, False), tags=SCRIPTS,
     )  # fmt: skip
-    stall_s: float = _setting(
+    stall_s: float = setting(
         300.0, "--stall-timeout",
         "a training thread busy this long without progress (a forward, a backward, a collective "
         "that never returns) ends its process, which the others then recover from (0: off; "
         "default: 300)",
-        metavar="S", low=(0.0, True), scripts=True,
+        metavar="S", low=(0.0, True), tags=SCRIPTS,
     )  # fmt: skip
 
-    reduce_deadline_s: float = _setting(
+    reduce_deadline_s: float = setting(
         30.0, "--reduce-deadline",
         "a cross-replica reduce not complete this long after it started is abandoned and its "
         "replicas' vote decides (a redo without the silent replica); raise it for large models "
         "on slow links (default: 30)",
-        metavar="S", low=(0.0, False), scripts=True,
+        metavar="S", low=(0.0, False), tags=SCRIPTS,
     )  # fmt: skip
-    coordinator_grace_s: float = _setting(
+    coordinator_grace_s: float = setting(
         10.0, "--coordinator-grace",
         "how long a replica waits for a coordinator that answers nothing (gone, or frozen) before "
         "it stops: it commits nothing meanwhile; after it, the lowest replica of the last view "
         "checkpoints the last committed step and every process exits with status 11 and the "
         "command to resume (default: 10)",
-        metavar="S", low=(0.0, False), scripts=True,
+        metavar="S", low=(0.0, False), tags=SCRIPTS,
     )  # fmt: skip
-    register_timeout_s: float = _setting(
+    register_timeout_s: float = setting(
         180.0, "--register-timeout",
         "start-up: how long a replica waits for the run to form, or to admit it (default: 180)",
-        metavar="S", low=(0.0, False), scripts=True,
+        metavar="S", low=(0.0, False), tags=SCRIPTS,
     )  # fmt: skip
-    peak_tflops: float = _setting(
+    peak_tflops: float = setting(
         0.0, "--peak-tflops",
         "peak TFLOP/s of one device (GPU), for the MFU in the step line, the step records and "
         "the summary (0: from the GPU's name for known GPUs, dense bf16; no MFU on a CPU; "
         "default: 0)",
         metavar="X", low=(0.0, True),
     )  # fmt: skip
-    tensorboard: str = _setting(
+    tensorboard: str = setting(
         "", "--tensorboard",
         "also write the run's scalars (loss, val loss, lr, grad norm, tokens/s, step time) and "
         "events (failures, recoveries, joins, epochs) as TensorBoard event files in DIR, by the "
         "replica that writes the step records; metrics.jsonl stays the record (needs the "
         "tensorboard package: pip install 'recover[tensorboard]'; default: none)",
-        metavar="DIR", scripts=True,
+        metavar="DIR", tags=SCRIPTS,
     )  # fmt: skip
-    wandb: str = _setting(
+    wandb: str = setting(
         "", "--wandb",
         "also log the run's scalars and events to a W&B run in PROJECT (or ENTITY/PROJECT), one "
         "W&B run per run folder (a resumed run continues it), by the replica that writes the "
         "step records; W&B's files go to RUN/wandb (WANDB_MODE=offline keeps them there); "
         "metrics.jsonl stays the record (needs pip install 'recover[wandb]'; default: none)",
-        metavar="PROJECT", scripts=True,
+        metavar="PROJECT", tags=SCRIPTS,
     )  # fmt: skip
     # A replica-level setting like the others, so that one field reaches every replica process
     # (built-in workers and `recover run`'s scripts alike) inside the spec's JSON, checked once.
-    deterministic: bool = _setting(
+    deterministic: bool = setting(
         False, "--deterministic",
         "make every committed gradient and loss the same bits whatever fails, joins or straggles "
         "and whatever the replica count: each microbatch's gradient is a leaf of a tree fixed by "
         "the microbatch count, summed across replicas by an ordered reduce (docs/design.md, "
         "'Bitwise-identical recovery'); replicas of one rank, --mode recover (default: off)",
-        scripts=True,
+        tags=SCRIPTS,
     )  # fmt: skip
-    log_level: str = _setting(
+    log_level: str = setting(
         "info", "--log-level",
         "the least severe terminal lines shown: debug, info (the step lines; default), warning "
         "or error (the launcher and the coordinator use it too)",
-        choices=LOG_LEVELS, scripts=True,
+        choices=LOG_LEVELS, tags=SCRIPTS,
     )  # fmt: skip
 
     def __post_init__(self) -> None:
