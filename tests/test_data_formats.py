@@ -274,6 +274,21 @@ def test_cli_from_bin_then_train_reads_it(tmp_path: Path, capsys) -> None:
     assert r.returncode == 2 and "--tokenizer" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = cli_here(["sample", str(run), "--prompt", "ab", "--tokens", "4", "--tokenizer", "byte"])
     assert r.returncode == 0 and r.stdout.startswith("ab"), r.stdout + r.stderr
+    # Exported, its folder says it has no tokenizer (it claimed bytes), or holds the one given.
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    r = cli_here(["export", str(run), "--out", str(tmp_path / "hf")])
+    assert r.returncode == 0, r.stderr
+    assert (
+        "Tokenizer: none. The run's data was adopted" in (tmp_path / "hf" / "README.md").read_text()
+    )
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()
+    r = cli_here(["export", str(run), "--out", str(tmp_path / "hf-byte"), "--tokenizer", "byte"])
+    assert r.returncode == 0, r.stderr
+    assert "Tokenizer: bytes" in (tmp_path / "hf-byte" / "README.md").read_text()
+    mine = make_tokenizer_json(tmp_path / "mine.json", TEXTS)  # a small vocabulary: it fits
+    r = cli_here(["export", str(run), "--out", str(tmp_path / "hf-mine"), "--tokenizer", str(mine)])
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "hf-mine" / "tokenizer.json").read_bytes() == mine.read_bytes()
 
 
 def test_cli_summary_line_counts_documents_tokens_and_shards(tmp_path: Path, capsys) -> None:

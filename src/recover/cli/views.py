@@ -29,6 +29,14 @@ def add_view_parsers(sub) -> None:
     exp.add_argument(
         "--out", type=Path, default=None, metavar="DIR", help="where (default: RUN/export-hf)"
     )
+    exp.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="byte|FILE",
+        help="write this tokenizer (byte, or a tokenizer.json) with the model instead of the "
+        "run's: a run on token files adopted with prepare --from-bin has none of its own "
+        "(default: the run's)",
+    )
     smp = sub.add_parser(
         "sample",
         help="generate text from a run's model",
@@ -111,7 +119,7 @@ def run_export(args: argparse.Namespace) -> int:
     from recover.tooling.export import ExportError, export_hf
 
     try:
-        out = export_hf(args.run, args.out or args.run / "export-hf")
+        out = export_hf(args.run, args.out or args.run / "export-hf", tokenizer=args.tokenizer)
     except (ExportError, CheckpointError) as e:
         return usage_error(str(e))
     print(f"wrote {out} (load it with transformers.GPT2LMHeadModel.from_pretrained)")

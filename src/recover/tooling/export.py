@@ -97,8 +97,10 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def export_hf(run: Path, out: Path) -> Path:
-    """Write the run's model as a Hugging Face GPT-2 folder at `out` (see the module docstring)."""
+def export_hf(run: Path, out: Path, tokenizer: str | Path | None = None) -> Path:
+    """Write the run's model as a Hugging Face GPT-2 folder at `out` (see the module docstring).
+    `tokenizer` ("byte", or a tokenizer.json) is the one written with it instead of the run's: a
+    run on adopted token files (`prepare --from-bin`) has none of its own."""
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
@@ -107,6 +109,19 @@ def export_hf(run: Path, out: Path) -> Path:
         ) from None
     model, config = load_run_model(run)
     c = model.config
+    given = None
+    if tokenizer is not None and str(tokenizer) != "byte":
+        from recover.data.tokenizer import load_tokenizer_file
+
+        try:
+            given = load_tokenizer_file(Path(tokenizer))
+        except (OSError, ValueError) as e:
+            raise ExportError(f"--tokenizer {tokenizer}: {e}") from None
+        if given.vocab_size > c.vocab_size:
+            raise ExportError(
+                f"--tokenizer {tokenizer} has {given.vocab_size} ids, the model only "
+                f"{c.vocab_size}: it is not the tokenizer this run's ids came from"
+            )
     hf_config = GPT2Config(
         vocab_size=c.vocab_size,
         n_positions=c.block_size,
@@ -132,13 +147,22 @@ def export_hf(run: Path, out: Path) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(out)
-    tokenizer = config["data"].get("tokenizer") or {}
+    kind = (config["data"].get("tokenizer") or {}).get("kind", "byte")
     data_path = Path(config["data"].get("path", ""))
-    if tokenizer.get("kind") in ("bpe", "hf") and (data_path / "tokenizer.json").exists():
+    if given is not None:
+        shutil.copy(Path(str(tokenizer)), out / "tokenizer.json")
+        how = "`tokenizer.json` (HF tokenizers: the one given to the export)"
+    elif tokenizer is None and kind == "none":
+        how = (
+            "none. The run's data was adopted from token files (`recover prepare --from-bin`), "
+            "whose ids name no tokenizer here; use the one those files were made with (`recover "
+            "export --tokenizer FILE` writes it into this folder)"
+        )
+    elif tokenizer is None and kind in ("bpe", "hf") and (data_path / "tokenizer.json").exists():
         shutil.copy(data_path / "tokenizer.json", out / "tokenizer.json")
         how = (
             "`tokenizer.json` (HF tokenizers, byte-level BPE; id 0 is `<|endoftext|>`)"
-            if tokenizer.get("kind") == "bpe"
+            if kind == "bpe"
             else "`tokenizer.json` (HF tokenizers: the one the dataset was prepared with)"
         )
     else:
