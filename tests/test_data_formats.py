@@ -289,6 +289,8 @@ def test_cli_from_bin_then_train_reads_it(tmp_path: Path, capsys) -> None:
     r = cli_here(["export", str(run), "--out", str(tmp_path / "hf-mine"), "--tokenizer", str(mine)])
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "hf-mine" / "tokenizer.json").read_bytes() == mine.read_bytes()
+    r = cli_here(["export", str(run), "--out", str(tmp_path / "x"), "--tokenizer", str(run)])
+    assert r.returncode == 2 and "is not a tokenizer.json" in r.stderr, r.stderr
 
 
 def test_cli_summary_line_counts_documents_tokens_and_shards(tmp_path: Path, capsys) -> None:

@@ -109,18 +109,18 @@ def export_hf(run: Path, out: Path, tokenizer: str | Path | None = None) -> Path
         ) from None
     model, config = load_run_model(run)
     c = model.config
-    given = None
+    given = None  # the size of the vocabulary of the tokenizer given, if one is
     if tokenizer is not None and str(tokenizer) != "byte":
-        from recover.data.tokenizer import load_tokenizer_file
+        from tokenizers import Tokenizer
 
         try:
-            given = load_tokenizer_file(Path(tokenizer))
-        except (OSError, ValueError) as e:
-            raise ExportError(f"--tokenizer {tokenizer}: {e}") from None
-        if given.vocab_size > c.vocab_size:
+            given = Tokenizer.from_file(str(tokenizer)).get_vocab_size(with_added_tokens=True)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises its own kinds: one line
+            raise ExportError(f"--tokenizer {tokenizer} is not a tokenizer.json: {e}") from None
+        if given > c.vocab_size:
             raise ExportError(
-                f"--tokenizer {tokenizer} has {given.vocab_size} ids, the model only "
-                f"{c.vocab_size}: it is not the tokenizer this run's ids came from"
+                f"--tokenizer {tokenizer} has {given} ids, the model only {c.vocab_size}: it is "
+                "not the tokenizer this run's ids came from"
             )
     hf_config = GPT2Config(
         vocab_size=c.vocab_size,
