@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from conftest import child_env, leftover_processes
-from recover.tooling.bench.overhead import ratio_interval, steps_inside
+from recover.tooling.bench.overhead import format_parts, ratio_interval, step_parts, steps_inside
 from recover.tooling.simulate.scenarios import read_bench
 
 
@@ -26,6 +26,28 @@ def test_a_block_counts_only_the_steps_wholly_inside_it():
     # ends after it (14.1 > 14.0) are dropped.
     assert steps_inside(records, 10.2, 14.0) == [1.5, 0.7]
     assert steps_inside(records, 20.0, 30.0) == []
+
+
+@pytest.mark.unit
+def test_a_steps_parts_are_averaged_over_the_steps_inside_the_blocks():
+    def rec(t_end, step_s, **parts):
+        return {"t_wall": t_end, "step_s": step_s, "parts": parts}
+
+    records = [
+        rec(10.0, 1.0, compute=0.6, reduce=0.2),  # began before the block: not counted
+        rec(11.0, 0.5, compute=0.3, reduce=0.1, vote=0.05),
+        rec(11.5, 0.5, compute=0.2, reduce=0.1, vote=0.15),
+        {"t_wall": 11.9, "step_s": 0.4},  # a record without parts (an older version)
+    ]
+    p = step_parts(records, [(10.2, 12.0)])
+    assert p == pytest.approx({"compute": 0.25, "reduce": 0.1, "vote": 0.1, "step": 0.5,
+                               "rest": 0.05})  # fmt: skip
+    assert step_parts(records, [(20.0, 21.0)]) is None
+    table = format_parts({"plain": {"compute": 0.4, "step": 0.5, "rest": 0.1}, "recover": p})
+    rows = {line.split()[0]: line for line in table.splitlines()[1:]}
+    assert list(rows) == ["compute", "reduce", "vote", "rest", "step"]  # the order of a step
+    assert "400.0 ms  80%" in rows["compute"] and "250.0 ms  50%" in rows["compute"]
+    assert rows["vote"].split()[1] == "-"  # the plain loop has none
 
 
 @pytest.mark.unit
@@ -80,8 +102,17 @@ def test_a_tiny_run_reports_the_ratio_with_its_interval(tiny_dataset, tmp_path, 
     assert [p["first"] for p in res["pairs"]][:2] in ([a, b], [a], [b])  # alternating order
     load = res["loadavg_1min"]
     assert 0 <= load["min"] <= load["median"] <= load["max"]
-    line = r.stdout.splitlines()[-2]
-    assert f"ratio {res['ratio']:.3f}" in line and "CI [" in line and "load average" in line
+    (line,) = [x for x in r.stdout.splitlines() if "CI [" in x]
+    assert f"ratio {res['ratio']:.3f}" in line and "load average" in line
+    # Where the steps went, side by side: the plain loop has no vote, recover's step has one.
+    parts = res["parts"]
+    assert set(parts) == {a, b}
+    for name, p in parts.items():
+        assert {"compute", "reduce", "apply", "step"} <= set(p), (name, p)
+        assert min(p.values()) >= -1e-3 and p["compute"] > 0, (name, p)
+        assert sum(v for k, v in p.items() if k != "step") == pytest.approx(p["step"])
+    assert "vote" in parts[b] and ("vote" in parts[a]) == deterministic
+    assert "where a step's time went" in r.stdout and "\n  vote " in r.stdout
     if not deterministic:  # the simulator reads the pairs (`--from-bench`)
         assert read_bench([tmp_path / "o.json"], cpu_cores=2).step_overhead_s is not None
     assert leftover_processes(str(tmp_path)) == []

@@ -185,6 +185,13 @@ def test_three_replicas_follow_the_one_process_trajectory():
     ref = reference_parameters()
     for r in range(3):
         assert torch.allclose(results[r]["params"], ref, rtol=1e-5, atol=1e-7), r
+    # Each commit says where this rank's step went: its compute, the snapshot, the reduce and the
+    # vote, each timed (the first step's reduce forms the group too).
+    for r in range(3):
+        for c in results[r]["commits"]:
+            assert {"compute", "snapshot", "reduce", "check", "vote"} <= set(c.parts), c.parts
+            assert all(v >= 0 for v in c.parts.values()) and c.parts["compute"] > 0, c.parts
+            assert "transfer" not in c.parts  # nobody joined
 
 
 @pytest.mark.timeout(90)

@@ -203,6 +203,9 @@ class CommittedStep:
     attempts: int
     recovered_s: float | None  # seconds from this rank's first sight of a failure, if any
     writer: bool  # this replica writes the step's records (the lowest live one at the commit)
+    # Where this rank's time in the step went, in seconds over all its attempts (PARTS; the
+    # optimizer step and the records come after the commit, the caller's to time).
+    parts: dict[str, float] = field(default_factory=dict)
     # This replica asked to leave (StepHooks.leaving) and the commit released it: it is out of
     # the next step's plan, and leaves now.
     released: bool = False
@@ -228,6 +231,7 @@ class StepAttempt:
     # The attempt's members this rank could not dial when its group would not form: id -> why.
     unreachable: dict[int, str] = field(default_factory=dict)
     compute_s: float = 0.0  # seconds spent computing this replica's microbatches of the step
+    parts: dict[str, float] = field(default_factory=dict)  # seconds by part (PARTS), all attempts
     sum_finite: bool = True  # the last successful reduce's sum is finite (on this rank)
     tree: TreeSum | None = None  # the deterministic mode's local sum (p.grad stays empty)
     nonfinite: list[int] = field(default_factory=list)  # the tree's ids with a non-finite loss
@@ -316,15 +320,22 @@ class StepMachine:
                     else:
                         yield Todo(step=step, ids=tuple(todo), first_index=len(attempt.computed))
                 attempt.computed.update(todo)
+                t1 = time.perf_counter()
+                _add(attempt, "compute", t1 - t0)
                 if todo:  # reported with `done`: feeds the coordinator's throughput-aware plans
-                    attempt.compute_s += time.perf_counter() - t0
+                    attempt.compute_s += t1 - t0
                 if self.options.deterministic:
                     reduced = self._reduce_ordered(view, step, attempt)
+                    _add(attempt, "reduce", time.perf_counter() - t1)
                 else:
                     # The attempt's one buffer: a copy of the local sum (p.grad, never reduced)
                     # made where the cross-replica group reduces it, in place.
                     buffer = self.work.snapshot(self.groups.device)
+                    t2 = time.perf_counter()
+                    _add(attempt, "snapshot", t2 - t1)
                     reduced = self._reduce(buffer, view, step, attempt)
+                    _add(attempt, "reduce", time.perf_counter() - t2)
+            t3 = time.perf_counter()
             check = reduced is not None and self.options.check_every
             check = check and step % self.options.check_every == 0
             phash = self.work.parameter_hash() if check else None
@@ -333,6 +344,8 @@ class StepMachine:
             if reduced is not None:  # (failure is None)
                 part_finite = self._part_finite(step, reduced, attempt)
                 hooks.before_done()
+            t4 = time.perf_counter()
+            _add(attempt, "check", t4 - t3)
             # One round trip: the report, answered with the attempt's outcome. The "commit"
             # point is between the two: this replica's done report is on record.
             agreed, outcome = self.link.report(
@@ -342,6 +355,7 @@ class StepMachine:
                 deadline_s=self.options.outcome_timeout_s,
                 on_taken=lambda: hooks.phase("commit", step, None),
             )  # fmt: skip
+            _add(attempt, "vote", time.perf_counter() - t4)
             if not agreed:
                 reduced = None  # some rank of this replica failed: nobody's result counts
             if isinstance(outcome, StepCommitted):
@@ -459,6 +473,7 @@ class StepMachine:
             recovered_s=recovered,
             writer=self.me == _writer(step, view, latest),
             records_from=latest.records_from if named else step,
+            parts={k: round(v, 6) for k, v in attempt.parts.items()},
             released=named and self.me not in latest.live and latest.status == "running",
             finite=finite,
         )
@@ -546,6 +561,8 @@ class StepMachine:
         except CollectiveAborted as e:
             self._failed(step, epoch, e, t0, "state transfer", attempt, view)
             return False
+        finally:
+            _add(attempt, "transfer", time.perf_counter() - t0)
         self._transferred_epoch = epoch
         self.has_state = True
         if self.me in joined:
@@ -583,6 +600,20 @@ class StepMachine:
         except CollectiveAborted as e:
             self._failed(step, epoch, e, t0, "reduce", attempt, view)
             return None
+
+
+# The parts of a step on one rank, in the order they happen (CommittedStep.parts):
+# transfer  receiving or serving the state of a joiner (only in a step that admits one);
+# compute   the forward and backward passes of this rank's microbatches (the caller's work);
+# snapshot  copying the local sum into the attempt's buffer for the reduce;
+# reduce    the cross-replica reduce (and forming its group when the epoch changed);
+# check     the parameter hash every --check-every steps, and a part's finiteness;
+# vote      the report and the coordinator's answer: the wait for the others' reports included.
+PARTS = ("transfer", "compute", "snapshot", "reduce", "check", "vote")
+
+
+def _add(attempt: StepAttempt, part: str, seconds: float) -> None:
+    attempt.parts[part] = attempt.parts.get(part, 0.0) + seconds
 
 
 def _step_size(view: View) -> int:

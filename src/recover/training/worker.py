@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -438,10 +439,12 @@ def apply_commit(
     # A previous writer died or left before its records were known written: what the run folder
     # lacks is written now, while the state is still the one committed before this step.
     recorder.fill_gaps(commit.records_from, commit.step)
+    t0 = time.perf_counter()
     with guard.busy("in the optimizer step"):
         stats = trainer.apply_commit(
             commit.step, commit.reduced, count=commit.count, finite=commit.finite
         )
+    apply_s = round(time.perf_counter() - t0, 6)
     recorder.on_commit(
         stats,
         microbatches=commit.count,  # M, but in the shrink baseline
@@ -449,6 +452,7 @@ def apply_commit(
         replicas=len(commit.shares),
         attempts=commit.attempts,
         shares={str(r): n for r, n in commit.shares.items()},
+        parts={**commit.parts, "apply": apply_s},  # where the writer's step went (PARTS)
     )
     trainer.stop_if_diverging()  # NonFiniteError after max_nonfinite skipped steps in a row
     if commit.recovered_s is not None:

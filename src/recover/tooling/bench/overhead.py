@@ -18,6 +18,10 @@ The same for each block's fastest step (`fastest_ratio`). Adjacent blocks a few 
 see the same machine, which is what makes the figure repeat on a shared, loaded box; the
 earlier method (whole runs in alternating pairs, one median each) gave pair ratios 0.74-1.53.
 
+Where the time goes: each job's step records carry their parts (`parts`: compute, snapshot,
+reduce, vote, apply, ...; docs/metrics.md); their means over the measured steps are printed side
+by side, each with its share of the job's mean step (`step_parts`, `format_parts`).
+
 Invariants: the two jobs never run at once; a block with a failure is not a measurement (a
 `coordinator.member_dead` event fails the benchmark). Costs: two start-ups, then about
 2 x blocks x block-steps steps. Limits: SIGSTOP lands mid-step, so each block loses one or two
@@ -73,6 +77,52 @@ def steps_inside(records: list[tuple[float, float]], start: float, end: float) -
     return [s for t_end, s in records if t_end - s >= start and t_end <= end]
 
 
+# Where a step's time goes, in the order shown: the step machine's parts
+# (recover.runtime.step_machine.PARTS), the optimizer step ("apply"), and what is left of the step
+# ("rest": recording, the step line, scheduling).
+PART_ORDER = ("transfer", "compute", "snapshot", "reduce", "check", "vote", "apply", "rest")
+
+
+def step_parts(records: list[dict], windows: list[tuple[float, float]]) -> dict[str, float] | None:
+    """Mean seconds per part over the step records (with `parts`) that lie wholly inside one of
+    the windows, "rest" being step_s less the parts, and "step" the mean step_s; None when no
+    such record has parts."""
+    inside = [
+        r for r in records
+        if "parts" in r
+        and any(r["t_wall"] - r["step_s"] >= a and r["t_wall"] <= b for a, b in windows)
+    ]  # fmt: skip
+    if not inside:
+        return None
+    mean: dict[str, float] = {}
+    for name in PART_ORDER[:-1]:
+        values = [r["parts"].get(name, 0.0) for r in inside]
+        if any(values):
+            mean[name] = statistics.fmean(values)
+    mean["step"] = statistics.fmean(r["step_s"] for r in inside)
+    mean["rest"] = mean["step"] - sum(v for k, v in mean.items() if k != "step")
+    return mean
+
+
+def format_parts(parts: dict[str, dict[str, float]]) -> str:
+    """The parts of each job side by side: mean milliseconds and the share of its mean step."""
+    names = list(parts)
+    shown = [p for p in PART_ORDER if any(p in parts[n] for n in names)]
+    lines = [f"  {'part':<9}" + "".join(f"{n:>20}" for n in names)]
+    for part in [*shown, "step"]:
+        cells = []
+        for n in names:
+            v = parts[n].get(part)
+            if v is None:
+                cells.append(f"{'-':>20}")
+            elif part == "step":
+                cells.append(f"{v * 1e3:>12.1f} ms     ")
+            else:
+                cells.append(f"{v * 1e3:>12.1f} ms {v / parts[n]['step']:>4.0%}")
+        lines.append(f"  {part:<9}" + "".join(cells))
+    return "\n".join(lines)
+
+
 def geometric_mean(xs: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(x) for x in xs))
 
@@ -123,18 +173,25 @@ def _plain_replica(rank: int, world: int, port: int, cfg_dict: dict, data: str, 
     trainer = ReplicaTrainer(cfg, TokenDataset.open(data))
     mine = assign(cfg.microbatches, list(range(world)))[rank]
     with open(record, "a") if rank == 0 else open(os.devnull, "w") as f:
-        last = time.perf_counter()
+        last, recording = time.perf_counter(), 0.0  # recording: the previous record's write
         for step in range(cfg.steps):
+            t0 = last + recording
             trainer.compute_microbatches(step, mine)
+            t1 = time.perf_counter()
             flat = trainer.snapshot()
+            t2 = time.perf_counter()
             dist.all_reduce(flat)
+            t3 = time.perf_counter()
             trainer.apply_commit(step, flat)
             now = time.perf_counter()
-            # The same fields as a `recover train` step record: its end (wall) and its duration.
+            parts = {"compute": t1 - t0, "snapshot": t2 - t1, "reduce": t3 - t2, "apply": now - t3}
+            # The same fields as a `recover train` step record: its end (wall), its duration, and
+            # where it went (the record's writing is the next step's "rest", as in recover's).
             rec = {"kind": "step", "step": step, "t_wall": time.time(), "step_s": now - last}
+            rec["parts"] = {k: round(v, 6) for k, v in parts.items()}
             f.write(json.dumps(rec) + "\n")
             f.flush()
-            last = now
+            last, recording = now, time.perf_counter() - now
     dist.destroy_process_group()
 
 
@@ -187,12 +244,15 @@ class Job:
         polls = [p.poll() is None if hasattr(p, "poll") else p.is_alive() for p in self.procs]
         return all(polls)
 
-    def steps(self) -> list[tuple[float, float]]:
-        """(t_wall at the step's end, step_s) of every step recorded so far, in order."""
+    def records(self) -> list[dict]:
+        """Every step record so far, in order (a torn last line is skipped)."""
         if not self.record.exists():
             return []
-        got = committed_steps(self.record)  # a torn last line is skipped
-        return [(r["t_wall"], r["step_s"]) for _, r in sorted(got.items())]
+        return [r for _, r in sorted(committed_steps(self.record).items())]
+
+    def steps(self) -> list[tuple[float, float]]:
+        """(t_wall at the step's end, step_s) of every step recorded so far, in order."""
+        return [(r["t_wall"], r["step_s"]) for r in self.records()]
 
     def failures(self) -> int:
         if not self.tree or not self.record.exists():
@@ -298,6 +358,12 @@ def interleave(a: Job, b: Job, *, blocks: int, block_s: float) -> dict:
         "max_pair_ratio": max(p["ratio"] for p in pairs),
         "loadavg_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
         "windows": windows,  # the blocks' (start, end) wall times, per job
+        # Mean seconds per part of the measured steps, per job (step_parts; the writer's rank).
+        "parts": {
+            job.name: parts
+            for job in (a, b)
+            if (parts := step_parts(job.records(), windows[job.name])) is not None
+        },
     }
 
 
@@ -368,6 +434,9 @@ def bench_overhead(args: argparse.Namespace) -> dict:
         f"[{res['fastest_ci_low']:.3f}, {res['fastest_ci_high']:.3f}]; "
         f"load average {load['min']:.1f}-{load['max']:.1f} (median {load['median']:.1f})"
     )
+    if res["parts"]:
+        print("where a step's time went (mean over the measured steps, share of the step):")
+        print(format_parts(res["parts"]))
     return result
 
 
