@@ -3,9 +3,10 @@
 Every line of the README's bash blocks is read here: each `recover` command parses with recover's
 own parser (a misspelt flag or value fails), the scripts a `recover run` line names exist among
 the examples, the environment a `torchrun` line sets is the one the script API reads, the install
-lines pin torch, and the test line is the one `.ci/run` runs. `.ci/run` runs the Quickstart's
-first command as the README writes it (it trains for a minute, past this suite's budget); the
-shapes of the other lines run under faults in tests/test_api.py.
+lines pin torch, and the test line is the one `.ci/run` runs. With -m slow, every command this
+machine can run is run as written but for its placeholders (a minute, the Quickstart's training
+most of it); `.ci/run` runs the Quickstart's first command itself, set-up included. The test
+line is this suite; the install lines for other indexes cannot reach them here.
 """
 
 from __future__ import annotations
@@ -90,3 +91,89 @@ def test_ci_runs_the_quickstart_as_the_readme_writes_it():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "quickstart" in ci and "README.md" in ci, "CI does not run the Quickstart"
     assert first.startswith("python3 -m venv .venv && .venv/bin/pip install torch==2.13.0")
+
+
+def _runnable(line: str, *, venv_bin: Path, script_args: list[str], coordinator: str) -> list[str]:
+    """The last command of a README line, with its placeholders given values: the venv's
+    recover, an example for train.py, small arguments for ARGS, a live coordinator for
+    HOST:PORT, one replica and one rank for R and N."""
+    argv = commands(line)[-1]
+    out: list[str] = []
+    for word in argv:
+        if word.startswith(".venv/bin/"):
+            word = str(venv_bin / word.removeprefix(".venv/bin/"))
+        elif word in ("train.py", "train_fsdp.py"):
+            word = str(ROOT / "examples" / ("train_custom.py" if word == "train.py" else word))
+        elif word == "ARGS":
+            out += script_args
+            continue
+        word = {"R": "0", "N": "1"}.get(word, word.replace("HOST:PORT", coordinator))
+        word = word.replace("RECOVER_REPLICA_ID=R", "RECOVER_REPLICA_ID=0")
+        out.append(word)
+    return out
+
+
+@pytest.mark.slow  # four runs, the Quickstart's a minute of training; the test above parses them
+@pytest.mark.process
+@pytest.mark.timeout(900)
+def test_every_readme_command_that_can_run_here_runs(custom_token_file, tmp_path):
+    """Every README command that this machine can run, as written but for its placeholders: the
+    Quickstart's training (its set-up is CI's), both `recover run` lines and the `torchrun` line
+    against a coordinator. The test command is this suite; the other indexes are unreachable."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from conftest import child_env, finish, leftover_processes
+
+    venv_bin = Path(sys.executable).parent
+    address = tmp_path / "coordinator.json"
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "recover.cli", "coordinator", "serve", "--replicas", "1",
+         "--port", "0", "--address-file", str(address)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not address.exists() and serve.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for the file its coordinator writes once it listens
+        assert address.exists(), serve.stdout.read() if serve.poll() is not None else "no address"
+        info = json.loads(address.read_text())
+        runnable = [
+            line for line in LINES
+            if "recover train" in line or "recover run" in line or "torchrun" in line
+        ]  # fmt: skip
+        assert len(runnable) == 4, runnable
+        ran: list[str] = []
+        for i, line in enumerate(runnable):
+            cwd = tmp_path / f"line{i}"
+            cwd.mkdir()
+            args = ["--data", str(custom_token_file), "--steps", "12", "--microbatches", "4",
+                    "--batch", "2", "--seq-len", "32", "--out", str(cwd / "result")]  # fmt: skip
+            argv = _runnable(
+                line, venv_bin=venv_bin, script_args=args,
+                coordinator=f"127.0.0.1:{info['port']}",
+            )  # fmt: skip
+            env = child_env()
+            while "=" in argv[0]:
+                name, _, value = argv.pop(0).partition("=")
+                env[name] = value
+            env["PATH"] = f"{venv_bin}{os.pathsep}{env.get('PATH', '')}"
+            proc = subprocess.Popen(
+                argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
+            r = finish(proc, 600)
+            assert r.returncode == 0, f"{line}\n{r.stdout[-3000:]}"
+            assert "Traceback" not in r.stdout, r.stdout[-3000:]
+            if "--fault kill" in line:  # the fault fired, and the run survived it
+                assert "killed by SIGKILL" in r.stdout, r.stdout[-3000:]
+            ran.append(argv[0])
+            assert leftover_processes(str(cwd)) == []
+        assert [Path(a).name for a in ran] == ["recover", "recover", "recover", "torchrun"]
+    finally:
+        if serve.poll() is None:
+            serve.terminate()
+        serve.wait(timeout=30)
