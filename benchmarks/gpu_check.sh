@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks, as one short script for a machine with a GPU (CI has none): the tests marked
-# `gpu` that the visible GPUs allow, then three runs on the GPU that no CPU test covers there:
-# a SIGKILLed replica respawned and fed the state by transfer, and a --deterministic run with a
-# kill that must equal one replica bit for bit. Uses the python3 on the PATH (it must hold a
+# `gpu` that the visible GPUs allow, then the runs on the GPU that no CPU test covers there:
+# a SIGKILLed replica respawned and fed the state by transfer, a script's replica reducing over
+# NCCL (--cross-reduce nccl, not yet run on a GPU), and a --deterministic run with a kill that
+# must equal one replica bit for bit. Uses the python3 on the PATH (it must hold a
 # CUDA build of torch) and the package from src/ (no install). Logs go to $OUT (default: a
 # temporary folder); every check runs, and the exit status is non-zero if any failed.
 #
@@ -49,6 +50,15 @@ check respawn-compare run compare "$WORK/one" "$WORK/respawn"
 transfers=$(grep -c '"state_transfer"' "$WORK/respawn/metrics.jsonl" 2>/dev/null || echo 0)
 echo "respawn: $transfers state_transfer event(s)"
 [ "$transfers" -ge 1 ] || status=1
+
+# The script API's NCCL reduce (--cross-reduce nccl), as far as one GPU allows: one replica of
+# examples/train_custom.py on the GPU, its epoch's group NCCL's (of one member: built, no reduce).
+if [ "$DEVICE" = cuda ]; then
+    "$PY" examples/train_custom.py --make-data "$WORK/custom.bin" >/dev/null
+    check script-nccl run run --replicas 1 --cross-reduce nccl --out "$WORK/script-nccl" -- \
+        "$PY" examples/train_custom.py --device cuda --data "$WORK/custom.bin" --steps 10 \
+        --out "$WORK/script-nccl/result"
+fi
 
 # --deterministic on the GPU: 3 replicas with a kill equal 1 replica, bit for bit.
 check det-one run train "${FLAGS[@]}" "${DATA[@]}" --replicas 1 --deterministic --out "$WORK/det1"

@@ -36,6 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the model computes (cpu, cuda)")
     p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: never)")
     p.add_argument("--resume", action="store_true", help="start from the newest checkpoint")
     return p.parse_args(argv)
@@ -64,7 +65,7 @@ def build(args):
         args.data, seq_len=args.seq_len, microbatch_size=args.batch,
         microbatches=args.microbatches, seed=args.seed,
     )  # fmt: skip
-    model = TinyLM(seq_len=args.seq_len)
+    model = TinyLM(seq_len=args.seq_len).to(args.device)
     return data, model
 
 
@@ -83,7 +84,7 @@ def train(replica, model, optimizer, scheduler, data, args, *, saver=None, start
     args.out.mkdir(parents=True, exist_ok=True)
     for step in replica.steps(args.steps, start_step=start):
         for j in replica.microbatches():  # this replica's ids, then any reassigned to it
-            x, y = data.batch(step, j)  # a pure function of (step, j)
+            x, y = (t.to(args.device) for t in data.batch(step, j))  # a pure function of (step, j)
             torch.manual_seed(args.seed * 1_000_003 + step * args.microbatches + j)  # dropout
             logits = model(x)
             replica.backward(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))

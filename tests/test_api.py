@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import recover.checkpoint
-from conftest import child_env, events, finish, leftover_processes
+from conftest import child_env, events, finish, leftover_processes, run_cli, start_cli, wait_until
 from recover.record import read_metrics
+from recover.runtime.env import COORDINATOR_ENV, REPLICA_ENV, SPEC_ENV
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 M = 6
@@ -302,6 +303,43 @@ def test_the_script_sharded_by_fsdp2_survives_a_rank_kill_and_rejoins(custom_tok
     transfers = events(out / "job", "state_transfer")
     assert sorted((e["replica"], e["rank"]) for e in transfers) == [(1, 0), (1, 1)], transfers
     assert_same_trajectory(ref, out, steps=steps)
+
+
+@pytest.mark.timeout(120)
+def test_the_nccl_reduce_is_refused_in_one_line_where_there_is_no_gpu(custom_token_file, tmp_path):
+    """`--cross-reduce nccl` sums a script's gradients between GPUs. Where there are none (this
+    machine): `recover run` refuses it in one line before anything starts; a replica started by
+    hand with it in its spec (the many-machine way) says so in one line and exits 6 before it
+    registers, so the run never counts it."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: benchmarks/gpu_check.sh runs the NCCL path")
+    args = custom_args(custom_token_file, 4)
+    r = recover_run(tmp_path / "run", "train_custom.py", "--replicas", "2",
+                    "--cross-reduce", "nccl", script_args=args, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "--cross-reduce nccl needs a GPU per process" in r.stdout, r.stdout
+    assert "[replica" not in r.stdout  # nothing started
+    address = tmp_path / "coordinator.json"
+    serve = start_cli(["coordinator", "serve", "--replicas", "1", "--port", "0",
+                       "--address-file", str(address)])  # fmt: skip
+    try:
+        wait_until(address.exists, "the coordinator to listen", alive=[serve], timeout=30)
+        port = json.loads(address.read_text())["port"]
+        env = child_env() | {
+            COORDINATOR_ENV: f"127.0.0.1:{port}", REPLICA_ENV: "0",
+            SPEC_ENV: '{"cross_reduce": "nccl"}',
+        }  # fmt: skip
+        script = [sys.executable, str(EXAMPLES / "train_custom.py"), *args,
+                  "--out", str(tmp_path / "by-hand")]  # fmt: skip
+        hand = subprocess.run(script, capture_output=True, text=True, timeout=60, env=env)
+        status = run_cli(["coordinator", "status", "--addr", f"127.0.0.1:{port}", "--json"])
+    finally:
+        serve.terminate()
+        finish(serve, 30)
+    assert hand.returncode == 6, hand.stdout + hand.stderr
+    said = (hand.stdout + hand.stderr).strip().splitlines()
+    assert any("--cross-reduce nccl sums gradients between GPUs" in x for x in said), said
+    assert "Traceback" not in hand.stderr, hand.stderr
+    assert json.loads(status.stdout)["members"] == []  # it never registered
 
 
 @pytest.mark.timeout(240)

@@ -168,7 +168,7 @@ def run_script(args: argparse.Namespace) -> int:
     import os
     from dataclasses import replace
 
-    from recover.launch import LaunchConfig, ScriptLauncher
+    from recover.launch import LaunchConfig, ScriptLauncher, check_gpu_placement
     from recover.runtime.env import TOKEN_ENV
     from recover.runtime.layout import ReplicaLayout
     from recover.runtime.spec import ReplicaSpec
@@ -192,6 +192,8 @@ def run_script(args: argparse.Namespace) -> int:
             warm_start=not args.cold_start,
             **supervision(args),
         )
+        if spec.cross_reduce == "nccl":  # a GPU per process here (a script checks its own too)
+            check_gpu_placement(lcfg)
         check_command_interpreter(command, os.environ)  # before any process starts
     except ValueError as e:
         return usage_error(str(e))

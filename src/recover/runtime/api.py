@@ -304,12 +304,13 @@ class Replica:
             "model": hashlib.sha256(shapes.encode()).hexdigest()[:16],
             "optimizer": type(self._attached.optimizer).__name__,
             "layout": self.layout.describe(),
-            "cross_reduce": "gloo",
+            "cross_reduce": self.env.spec.cross_reduce,  # one backend in every epoch's group
             **({"deterministic": True} if self.env.spec.deterministic else {}),
             **{f"config.{k}": v for k, v in sorted(self.config.items())},
         }
 
     def _join(self, total_steps: int, start_step: int) -> int:
+        cross_device = self._cross_device()  # (a refusal comes before joining)
         # The client (fencing the record: nothing from an evicted incarnation) and the link.
         self._session = session = ReplicaSession(self.env, intra=self.intra, writer=self._writer)
         self._link = session.link
@@ -325,6 +326,7 @@ class Replica:
         self._machine = session.start(
             self._work,
             peer=self.peer,
+            cross_device=cross_device,
             options=StepOptions(
                 replica_id=self.replica_id,
                 check_every=self.check_every,
@@ -651,6 +653,26 @@ class Replica:
             f"exiting (a peer of an abandoned group is silent; at most {bound:g} s)"
         )
         groups.wait_closed()
+
+    def _cross_device(self) -> str:
+        """Where the cross-replica reduce sums this process's gradients: a host copy (gloo), or
+        the GPU that holds the model (--cross-reduce nccl; refused in one line, status 6, before
+        joining, where this process has no GPU or its model is not on one)."""
+        if self.env.spec.cross_reduce != "nccl":
+            return "cpu"
+        devices = sorted({str(p.device) for p in self._attached.model.parameters()})
+        why = None
+        if not torch.cuda.is_available():
+            why = "this process sees no GPU"
+        elif len(devices) != 1 or not devices[0].startswith("cuda"):
+            why = f"its model is on {', '.join(devices)}, not on one GPU"
+        if why is not None:
+            line = (
+                f"--cross-reduce nccl sums gradients between GPUs, and {why}: use --cross-reduce "
+                "gloo (the default), or put the model on this process's GPU"
+            )
+            raise SystemExit(self._say(line, exits.REFUSED))
+        return devices[0]
 
     def _say(self, line: str, status: int) -> int:
         log.error(f"replica {self.replica_id}: {line}")

@@ -54,9 +54,9 @@ class ReplicaSpec:
     cross_reduce: str = setting(
         "gloo", "--cross-reduce",
         "how gradients are summed across replicas: gloo over a host copy (any device), or nccl "
-        "between GPUs, one GPU per process, without the copy (not yet run on GPUs in this "
-        "project) (default: gloo)",
-        choices=CROSS_REDUCES,
+        "between GPUs, one GPU per process, without the copy (not yet run on several GPUs in "
+        "this project; refused where a process sees no GPU) (default: gloo)",
+        choices=CROSS_REDUCES, tags=SCRIPTS,
     )  # fmt: skip
     heartbeat_s: float = setting(
         0.1, "--heartbeat", "heartbeat interval to the coordinator (default: 0.1)",
