@@ -123,6 +123,11 @@ def _nearest(word: str, choices) -> str:
     return f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(choices))}"
 
 
+def _home(known: dict[str, dict[str, argparse.Action]], key: str) -> str | None:
+    """The table that holds `key`, if any does."""
+    return next((table for table, keys in known.items() if key in keys), None)
+
+
 def dotted_flags(
     parser: argparse.ArgumentParser, argv: list[str], sections: dict[str, str] = SECTIONS
 ) -> list[str]:
@@ -145,8 +150,8 @@ def dotted_flags(
         key = raw_key.replace("-", "_")
         action = known[section].get(key)
         if action is None:
-            home = [other for other, keys in known.items() if key in keys]
-            where = f": it is in [{home[0]}]" if home else _nearest(key, known[section])
+            home = _home(known, key)
+            where = f": it is in [{home}]" if home else _nearest(key, known[section])
             raise ValueError(f"{word}: [{section}] has no key {raw_key!r}{where}")
         flag = next(o for o in action.option_strings if o.startswith("--"))
         out.append(f"{flag}={value}" if eq else flag)
@@ -173,11 +178,11 @@ def job_defaults(
             key = raw_key.replace("-", "_")
             action = known[section].get(key)
             if action is None:
-                home = [other for other, keys in known.items() if key in keys]
+                home = _home(known, key)
                 if home:  # a key of another table: name the table it belongs to
                     raise ValueError(
                         f"{source}: [{section}] has no key {raw_key!r}: it belongs to "
-                        f"[{home[0]}]; move it there"
+                        f"[{home}]; move it there"
                     )
                 raise ValueError(
                     f"{source}: [{section}] unknown key {raw_key!r}{_nearest(key, known[section])}"

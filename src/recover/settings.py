@@ -13,6 +13,7 @@ What it must not do: know any spec's fields, or read the environment.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import MISSING, Field, field, fields
@@ -72,6 +73,21 @@ def check_settings(obj: Any) -> None:
             kind = "an int" if f.type == "int" else "a finite number"
             rel = ">=" if inclusive else ">"
             raise ValueError(f"{meta['flag']} must be {kind} {rel} {bound:g}, got {value!r}")
+
+
+def json_fields(text: str, known: set[str], *, name: str) -> dict[str, Any]:
+    """The fields of a spec's JSON object (`text`), all among `known`; ValueError naming `name`
+    for text that is not JSON, not an object, or has unknown fields."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} is not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{name} must be a JSON object, got {text!r}")
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown fields {unknown}; known: {sorted(known)}")
+    return raw
 
 
 def shown(value: Any) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 from recover.checks import is_int, is_number
 from recover.coordinator.protocol import DEFAULT_LEASE_S
-from recover.settings import check_settings, setting
+from recover.settings import check_settings, json_fields, setting
 
 __all__ = ["BALANCES", "COORDINATOR_MODES", "CoordinatorOptions"]
 
@@ -140,20 +140,12 @@ class CoordinatorOptions:
         """The options of `settings_json`'s text, with `given` (flags said as well) over it; a
         partial object keeps the defaults of what it lacks. ValueError that says what is wrong:
         not JSON, not an object, an unknown field, or M (which comes from the replicas)."""
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--options is not JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"--options must be a JSON object, got {text!r}")
+        known = {f.name for f in fields(cls)}
+        raw = json_fields(text, known, name="--options")
         if "microbatches" in raw:
             raise ValueError(
                 "--options may not fix microbatches: M comes from the replicas' fingerprints"
             )
-        known = {f.name for f in fields(cls)} - {"microbatches"}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"--options has unknown fields {unknown}; known: {sorted(known)}")
         merged = {**raw, **given}
         if "expected_replicas" not in merged:
             raise ValueError("--replicas is required (or replicas in --config's table)")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from recover.logs import LOG_LEVELS
 from recover.runtime.layout import ReplicaLayout
-from recover.settings import add_flags, check_settings, given, setting
+from recover.settings import add_flags, check_settings, given, json_fields, setting
 
 if TYPE_CHECKING:
     from recover.addresses import PeerAddress
@@ -191,16 +191,7 @@ class ReplicaSpec:
     def from_json(cls, text: str, *, name: str = "the replica spec") -> ReplicaSpec:
         """The spec of `to_json`'s text; a partial object keeps the defaults of the fields it
         lacks (so a person may set only what they change). ValueError naming `name` otherwise."""
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name} is not JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{name} must be a JSON object, got {text!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"{name} has unknown fields {unknown}; known: {sorted(known)}")
+        raw = json_fields(text, {f.name for f in fields(cls)}, name=name)
         layout = raw.pop("layout", {})
         if not isinstance(layout, dict):
             raise ValueError(f'{name}: layout must be an object like {{"shard": 2}}')

@@ -74,7 +74,12 @@ FROZEN_SAFE_FLAGS = [
 
 def steps_inside(records: list[tuple[float, float]], start: float, end: float) -> list[float]:
     """The step times of the records (t_end wall time, step_s) that began and ended in [start, end]."""
-    return [s for t_end, s in records if t_end - s >= start and t_end <= end]
+    return [s for t_end, s in records if _inside(t_end, s, start, end)]
+
+
+def _inside(t_end: float, step_s: float, start: float, end: float) -> bool:
+    """A step that began and ended in [start, end] (a step under way at a freeze is not one)."""
+    return t_end - step_s >= start and t_end <= end
 
 
 # Where a step's time goes, in the order shown: the step machine's parts
@@ -90,7 +95,7 @@ def step_parts(records: list[dict], windows: list[tuple[float, float]]) -> dict[
     inside = [
         r for r in records
         if "parts" in r
-        and any(r["t_wall"] - r["step_s"] >= a and r["t_wall"] <= b for a, b in windows)
+        and any(_inside(r["t_wall"], r["step_s"], a, b) for a, b in windows)
     ]  # fmt: skip
     if not inside:
         return None
