@@ -85,13 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with a job file's values (`--config`) as the defaults of its flags:
     the flags given override the file; `args.resolved_job` is the job both describe, as a job
     file's tables. ValueError for a bad job file."""
-    from recover.jobconfig import (
-        COORDINATOR_SECTIONS,
-        SECTIONS,
-        job_defaults,
-        read_job_file,
-        resolved_job,
-    )
+    from recover.jobconfig import job_defaults, read_job_file, resolved_job
 
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -101,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     command, words = _command_parser(parser, args)
     if words not in JOB_COMMANDS:
         return args
-    sections = COORDINATOR_SECTIONS if words == ("coordinator", "serve") else SECTIONS
+    sections = _sections(words)
     if args.config is not None:
         tables = read_job_file(Path(args.config))
         command.set_defaults(
@@ -115,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _undotted(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """`argv` with a job command's `--TABLE.KEY VALUE` overrides written as their flags
     (recover.jobconfig.dotted_flags); other commands' words as they are."""
-    from recover.jobconfig import COORDINATOR_SECTIONS, SECTIONS, dotted_flags
+    from recover.jobconfig import dotted_flags
 
     words = [w for w in argv[:2] if not w.startswith("-")]
     for job in JOB_COMMANDS:
@@ -124,9 +118,15 @@ def _undotted(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
             for word in job:
                 sub = next(a for a in command._actions if isinstance(a, argparse._SubParsersAction))
                 command = sub.choices[word]
-            sections = COORDINATOR_SECTIONS if job == ("coordinator", "serve") else SECTIONS
-            return dotted_flags(command, argv, sections)
+            return dotted_flags(command, argv, _sections(job))
     return argv
+
+
+def _sections(words: tuple[str, ...]) -> dict[str, str]:
+    """A job command's flag groups -> its job file's tables (`coordinator serve` has one)."""
+    from recover.jobconfig import COORDINATOR_SECTIONS, SECTIONS
+
+    return COORDINATOR_SECTIONS if words == ("coordinator", "serve") else SECTIONS
 
 
 def main(argv: list[str] | None = None) -> int:
