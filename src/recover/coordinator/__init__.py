@@ -32,10 +32,11 @@ from recover.coordinator.client import (
     StepRedo,
     Stopped,
 )
+from recover.coordinator.options import CoordinatorOptions
 from recover.coordinator.protocol import View
 from recover.coordinator.relay import RelayServer
 from recover.coordinator.server import CoordinatorServer
-from recover.coordinator.state_store import CoordinatorOptions, InMemoryStateStore, StateStore
+from recover.coordinator.state_store import InMemoryStateStore, StateStore
 
 __all__ = [
     "CoordinatorClient",

@@ -37,9 +37,9 @@ from recover.addresses import (
 )
 from recover.checks import is_int
 from recover.coordinator.channel import request_once
+from recover.coordinator.options import CoordinatorOptions
 from recover.coordinator.outcomes import CoordinatorUnreachable
 from recover.coordinator.protocol import COORDINATOR_ENV, TOKEN_ENV
-from recover.coordinator.state_store import CoordinatorOptions
 from recover.logs import LOG_LEVELS, process_prefix, setup_logging
 from recover.record import RecordUnwritable
 from recover.settings import add_flags, given

@@ -75,9 +75,10 @@ from recover.coordinator.messages import (
     decode_done_batch,
     decode_message,
 )
+from recover.coordinator.options import CoordinatorOptions
 from recover.coordinator.pacing import LeaseQueue
 from recover.coordinator.protocol import ProtocolError
-from recover.coordinator.state_store import TERMINAL, CoordinatorOptions
+from recover.coordinator.state_store import TERMINAL
 from recover.coordinator.views import ViewCache, frame
 
 __all__ = ["Connections"]

@@ -51,12 +51,12 @@ from recover.coordinator.decide import decide, initial_state, resume_state
 from recover.coordinator.decisions import Decision
 from recover.coordinator.etcd import Fenced
 from recover.coordinator.messages import Heartbeats, Takeover
+from recover.coordinator.options import CoordinatorOptions
 from recover.coordinator.pacing import LeaseQueue, Waiters
 from recover.coordinator.service import LoopService
 from recover.coordinator.state_store import (
     LIVE,
     PENDING,
-    CoordinatorOptions,
     CoordinatorState,
     InMemoryStateStore,
     StateStore,

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from recover.coordinator.connections import Connections, _Conn
+from recover.coordinator.options import CoordinatorOptions
 from recover.coordinator.pacing import LeaseQueue
 from recover.coordinator.placement import NodeClaim, place
 from recover.coordinator.protocol import ProtocolError
-from recover.coordinator.state_store import CoordinatorOptions
 
 __all__ = ["NodeAgents"]
 

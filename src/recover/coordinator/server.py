@@ -50,10 +50,11 @@ from recover.coordinator.decide import view_of
 from recover.coordinator.driver import _Deposed
 from recover.coordinator.messages import MESSAGE_KINDS, Tick
 from recover.coordinator.nodes import NodeAgents
+from recover.coordinator.options import CoordinatorOptions
 from recover.coordinator.pacing import StreamProtocol
 from recover.coordinator.protocol import ProtocolError
 from recover.coordinator.service import reply_and_close
-from recover.coordinator.state_store import CoordinatorOptions, StateStore
+from recover.coordinator.state_store import StateStore
 
 __all__ = ["CoordinatorServer"]
 

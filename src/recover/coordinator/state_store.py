@@ -29,6 +29,7 @@ import threading
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal, Protocol, overload
 
+# CoordinatorOptions lives in options.py; importable from here too, its home before.
 from recover.coordinator.options import CoordinatorOptions, options_from_stored
 from recover.coordinator.protocol import View
 

@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from recover.coordinator.etcd_local import start_local_etcd
-from recover.coordinator.state_store import CoordinatorOptions
+from recover.coordinator.options import CoordinatorOptions
 
 __all__ = [
     "BenchCoordinatorConfig",

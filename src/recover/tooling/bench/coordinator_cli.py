@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from recover.coordinator.state_store import CoordinatorOptions
+from recover.coordinator.options import CoordinatorOptions
 from recover.tooling.bench.common import machine_info
 from recover.tooling.bench.coordinator import (
     BenchCoordinatorConfig,
