@@ -127,6 +127,7 @@ def test_every_readme_command_that_can_run_here_runs(custom_token_file, tmp_path
     import time
 
     from conftest import child_env, finish, leftover_processes
+    from recover.record import read_metrics
 
     venv_bin = Path(sys.executable).parent
     address = tmp_path / "coordinator.json"
@@ -170,6 +171,11 @@ def test_every_readme_command_that_can_run_here_runs(custom_token_file, tmp_path
             assert "Traceback" not in r.stdout, r.stdout[-3000:]
             if "--fault kill" in line:  # the fault fired, and the run survived it
                 assert "killed by SIGKILL" in r.stdout, r.stdout[-3000:]
+            if "recover run" in line or "recover train" in line:  # its record: each step once
+                (record,) = cwd.glob("runs/*/metrics.jsonl")
+                steps = [x["step"] for x in read_metrics(record) if x.get("kind") == "step"]
+                total = 300 if "recover train" in line else 12  # the Quickstart's, or ARGS'
+                assert sorted(steps) == list(range(total)), (line, sorted(steps)[-5:])
             ran.append(argv[0])
             assert leftover_processes(str(cwd)) == []
         assert [Path(a).name for a in ran] == ["recover", "recover", "recover", "torchrun"]
