@@ -128,6 +128,32 @@ def test_a_failure_is_survived_in_step_on_the_same_microbatches(
         assert fault_step in redone, "the lost microbatches must be recomputed in the step"
 
 
+def test_a_kill_while_the_reduce_overlaps_the_backward_redoes_the_step(
+    reference, tiny_dataset, tmp_path
+):
+    """The step's reduce starts its buckets during the last backward pass (buckets of 32 KiB: the
+    tiny model's gradients are about a dozen of them). It does so in every step but the first
+    of an epoch, and replica 2 is SIGKILLed inside its last backward pass of step 2 with buckets
+    in flight: the survivors abandon theirs, redo the step without it, and stay on the
+    trajectory of one replica."""
+    out = tmp_path / "overlap"
+    r = train(
+        tiny_dataset, out, "--replicas", "3", "--balance", "equal", "--reduce-bucket", "0.03125",
+        "--fault", "kill:replica=2,step=2,phase=overlap",
+    )  # fmt: skip
+    assert_invariants(reference, out, r)
+    (injected,) = events(out, "failure_injected")
+    assert injected["phase"] == "overlap" and injected["step"] == 2
+    assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [2]
+    assert 2 in {e["step"] for e in events(out, "coordinator.redo")}
+    steps = committed_steps(out / "metrics.jsonl")
+    # Step 0 builds the epoch's group after its compute, and so does the redo of step 2 (a new
+    # epoch); every other step's reduce started mostly during the backward pass.
+    assert steps[0]["overlapped"] == 0 and steps[2]["overlapped"] == 0, steps
+    for s in (1, 3, 4):
+        assert steps[s]["overlapped"] > 0.5, (s, steps[s])
+
+
 def test_two_replicas_killed_in_the_same_step(reference, tiny_dataset, tmp_path):
     out = tmp_path / "two"
     r = train(

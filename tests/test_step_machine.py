@@ -53,7 +53,7 @@ class LinearWork:
         for j in todo.ids:
             loss = self.loss(todo.step, j)
             loss.backward()
-            self.grads.loss_sum += float(loss.detach())
+            self.grads.add_loss(j, float(loss.detach()))
 
     def apply(self, reduced: torch.Tensor, count: int) -> None:
         self.grads.load(reduced, divide_by=count)
@@ -72,6 +72,9 @@ class LinearWork:
 
     def nonfinite_ids(self) -> list[int]:
         return []  # every loss here is finite
+
+    def overlap_grads(self) -> GradientSum:
+        return self.grads
 
     def transfer_state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
@@ -192,6 +195,10 @@ def test_three_replicas_follow_the_one_process_trajectory():
             assert {"compute", "snapshot", "reduce", "check", "vote"} <= set(c.parts), c.parts
             assert all(v >= 0 for v in c.parts.values()) and c.parts["compute"] > 0, c.parts
             assert "transfer" not in c.parts  # nobody joined
+    # The first step's group is built after its compute; from then on the reduce starts during
+    # the last backward pass (all but the loss slot: 5 of the buffer's 6 values).
+    for r in range(3):
+        assert [c.overlapped for c in results[r]["commits"]] == [0.0] + [0.8333] * (STEPS - 1)
 
 
 @pytest.mark.timeout(90)
@@ -219,6 +226,24 @@ def test_a_replica_leaving_mid_reduce_never_breaks_the_step():
     results = run_job(3, {0: (2, "reduce")}, gate_step=2)
     assert results[0].get("gone") and isinstance(results[1], dict), results
     check_commits(results, [1, 2])
+    ref = reference_parameters()
+    for r in (1, 2):
+        assert torch.allclose(results[r]["params"], ref, rtol=1e-5, atol=1e-7), r
+
+
+@pytest.mark.timeout(90)
+def test_a_replica_leaving_inside_its_overlapped_backward_is_recomputed():
+    """Replica 0 drops out inside its last backward pass of step 2, once its reduce has started a
+    bucket there (the "overlap" point): the survivors, whose own buckets are in flight, abandon
+    them, redo the step in a new epoch (its reduce starts after the compute: the group is new)
+    and stay on the one-process trajectory."""
+    results = run_job(3, {0: (2, "overlap")})
+    assert results[0].get("gone") and isinstance(results[1], dict), results
+    check_commits(results, [1, 2])
+    for r in (1, 2):
+        commits = results[r]["commits"]
+        assert commits[2].attempts >= 2 and sorted(commits[2].shares) == [1, 2], commits[2]
+        assert [c.overlapped for c in commits] == [0.0, 0.8333, 0.0, 0.8333, 0.8333]
     ref = reference_parameters()
     for r in (1, 2):
         assert torch.allclose(results[r]["params"], ref, rtol=1e-5, atol=1e-7), r

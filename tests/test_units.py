@@ -160,6 +160,7 @@ def test_the_join_fingerprint_covers_every_setting_of_the_update(tiny_dataset):
     from dataclasses import fields, replace
 
     from recover.data.addressing import TokenDataset
+    from recover.runtime.spec import ReplicaSpec
     from recover.training.config import TrainConfig
     from recover.training.worker import fingerprint
 
@@ -177,7 +178,8 @@ def test_the_join_fingerprint_covers_every_setting_of_the_update(tiny_dataset):
         other = fingerprint(replace(base, **{f.name: value}), data)
         record_only = f.name in ("eval_every", "eval_batches", "ckpt_every", "keep_ckpts")
         assert (other == ref) == record_only, f.name
-    assert fingerprint(base, data, mode="shrink") != ref
+    assert fingerprint(base, data, ReplicaSpec(mode="shrink")) != ref
+    assert fingerprint(base, data, ReplicaSpec(reduce_bucket_mb=4)) != ref
 
 
 def test_a_joiner_trainer_adopts_the_transferred_state_without_copying_it(tiny_dataset):

@@ -271,7 +271,9 @@ class Replica:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise UsageError(f"extra_state[{name!r}] has no state_dict()/load_state_dict()")
         sum_inside_fsdp(model)
-        self._work = ScriptWork(model, optimizer, extra, self.check_data, self)
+        self._work = ScriptWork(
+            model, optimizer, extra, self.check_data, self, one_rank=self.intra is None
+        )
         self._faults = FaultInjector(
             [f for f in self.env.faults if f.replica == self.replica_id and f.rank == self.rank],
             emit=self.event,
@@ -305,6 +307,7 @@ class Replica:
             "optimizer": type(self._attached.optimizer).__name__,
             "layout": self.layout.describe(),
             "cross_reduce": self.env.spec.cross_reduce,  # one backend in every epoch's group
+            "reduce_bucket": self.env.spec.reduce_bucket_bytes,  # one order of ops in a reduce
             **({"deterministic": True} if self.env.spec.deterministic else {}),
             **{f"config.{k}": v for k, v in sorted(self.config.items())},
         }
@@ -484,8 +487,8 @@ class Replica:
         ways = self.layout.shard  # the ranks along tp compute the same ids
         mine = self.intra.coordinate("shard") if self.intra is not None else 0
         self._in_step = True
+        attempts = self._machine.run_step(step)
         try:
-            attempts = self._machine.run_step(step)
             with self._stops():
                 todo = next(attempts)
             index = 0
@@ -508,6 +511,7 @@ class Replica:
                     commit = done.value
                     break
         finally:
+            attempts.close()  # left mid-attempt: the step machine drops what it started
             self._in_step = False
             self._pending = None
         self.loss = self._replica_loss(commit.reduced) / commit.count
@@ -517,7 +521,7 @@ class Replica:
         self._records.committed(
             step, loss=self.loss, microbatches=commit.count, replicas=len(commit.shares),
             attempts=commit.attempts, epoch=commit.epoch, writer=commit.writer,
-            records_from=commit.records_from,
+            records_from=commit.records_from, overlapped=commit.overlapped,
         )  # fmt: skip
         if self.skipped:
             # Never applied: every .grad is None, so the optimizer step changes no parameter

@@ -50,7 +50,7 @@ an ``error`` abort is the socket address gloo printed, not a rank. gloo has no s
 every membership change costs a fresh rendezvous (milliseconds on loopback). NCCL groups are
 built fresh per epoch too (docs/running.md, "Replicas of several ranks"); their path has not run on GPUs.
 
-Size: over 400 lines because ``EpochGroup`` is one object: its six ops share one
+Size: over 400 lines because ``EpochGroup`` is one object: its ops share one
 issue-poll-poison path (``_run_issued``, ``_wait_in_flight``, ``abandon``), and the rules of
 that path (what poisons a group, what goes to the graveyard, when the teardown runs) can be
 checked only where the ops, the path and the teardown are read together. ``_PeerWaits`` is
@@ -321,6 +321,35 @@ class EpochGroup:
         opts_factory = self._allreduce_options
         self._run([flat], lambda chunk: self._pg.allreduce([chunk], opts_factory()), should_abort)
 
+    def start_allreduce(self, chunk: torch.Tensor) -> None:
+        """Issue the in-place sum of ``chunk`` (a slice of an attempt's buffer) now and return:
+        the next ``finish_allreduce`` waits for it with the rest. The step's reduce starts its
+        buckets this way during the last backward pass (recover.runtime.overlap). Every rank
+        must issue the same sizes in the same order. Raises ``CollectiveAborted`` on a poisoned
+        group, and RuntimeError when gloo refuses to issue."""
+        self._raise_if_poisoned()
+        self._in_flight.append(self._pg.allreduce([chunk], self._allreduce_options()))
+
+    def finish_allreduce(
+        self, flat: torch.Tensor, *, issue_rest: Callable[[], None], should_abort: ShouldAbort
+    ) -> None:
+        """Issue what ``issue_rest()`` starts (with ``start_allreduce``), then wait for every op in
+        flight: ``flat`` (the buffer the started ops sum) is whole on return, and on a raise it
+        is the graveyard's, as for ``allreduce_sum``."""
+        self._check_buffer(flat, name="flat", one_dim=True)
+        self._run_issued([flat], issue_rest, should_abort)
+
+    def drop_in_flight(self, reason: str) -> None:
+        """Poison the group and abandon the ops started and never waited for (a step left during
+        its last backward pass): their buffers go to the graveyard. A no-op with none in flight."""
+        if not self._in_flight:
+            return
+        self._graveyard.extend(self._in_flight)
+        self._in_flight.clear()
+        if self._poison is None:
+            self._poison = CollectiveAborted("epoch", reason, epoch=self.epoch)
+        self.abandon()
+
     def broadcast(self, tensor: torch.Tensor, *, src: int, should_abort: ShouldAbort) -> None:
         """Copy rank ``src``'s ``tensor`` into every rank's ``tensor`` in place, same abort rules."""
         self.broadcast_many([tensor], src=src, should_abort=should_abort)
@@ -497,12 +526,9 @@ class EpochGroup:
         """`issue_all()` puts its ops in ``_in_flight``; wait for them, or poison the group and
         send them and ``flats`` (the buffers they touch) to the graveyard."""
         if self._poison is not None:
-            raise CollectiveAborted(
-                self._poison.kind,
-                f"group of epoch {self.epoch} is poisoned ({self._poison.detail})",
-                epoch=self.epoch,
-                peer=self._poison.peer,
-            )
+            self._graveyard.extend(self._in_flight)  # (ops started before the poison)
+            self._in_flight.clear()
+        self._raise_if_poisoned()
         verdict: CollectiveAborted | None = None
         caller_error: BaseException | None = None
         try:
@@ -536,6 +562,15 @@ class EpochGroup:
         if caller_error is not None:
             raise caller_error
         raise verdict
+
+    def _raise_if_poisoned(self) -> None:
+        if self._poison is not None:
+            raise CollectiveAborted(
+                self._poison.kind,
+                f"group of epoch {self.epoch} is poisoned ({self._poison.detail})",
+                epoch=self.epoch,
+                peer=self._poison.peer,
+            )
 
     def _silent_error(self, work: Any) -> str | None:
         """The error of a completed op whose wait() did not raise. gloo's wait() raises; an NCCL

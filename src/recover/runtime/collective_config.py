@@ -85,6 +85,10 @@ class CollectiveConfig:
     poll_interval_max_s: float = 0.005
     abort_check_interval_s: float = 0.005  # how often should_abort() is asked (it may be an RPC)
     bucket_bytes: int = 25 * 2**20  # bytes per async op; 0 = the whole buffer in one op
+    # Bytes per bucket of the step's reduce (recover.runtime.overlap), which starts buckets during
+    # the last backward pass as their gradients become final: smaller buckets start sooner, more
+    # of them cost more ops. 0 = the gradients in one op.
+    step_bucket_bytes: int = 2**20
     # Where gloo's device binds, i.e. the address peers dial (recover.addresses.PeerAddress, one
     # choice per process): on these interfaces (--ifname, RECOVER_IFNAME, GLOO_SOCKET_IFNAME), or
     # on this address; neither: gloo's default, this host's name (a local run).
@@ -110,12 +114,10 @@ class CollectiveConfig:
                 f"pg_timeout_s must be >= op_deadline_s ({self.op_deadline_s}), "
                 f"got {self.pg_timeout_s}"
             )
-        if (
-            isinstance(self.bucket_bytes, bool)
-            or not isinstance(self.bucket_bytes, int)
-            or self.bucket_bytes < 0
-        ):
-            raise ValueError(f"bucket_bytes must be an int >= 0, got {self.bucket_bytes!r}")
+        for name in ("bucket_bytes", "step_bucket_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.gloo_hostname is not None and (
             not isinstance(self.gloo_hostname, str) or not self.gloo_hostname
         ):

@@ -10,14 +10,16 @@ do the fault to the real process when the step reaches that point:
 - `exit`: the replica exits with status 17 without leaving the coordinator cleanly;
 - `freeze`: the replica's training thread blocks for good while the process, its heartbeats and
   its sockets stay alive (a deadlock, or a kernel that never returns); phases forward, backward,
-  reduce and optimizer, where the stall guard watches (recover.runtime.stall);
+  overlap, reduce and optimizer, where the stall guard watches (recover.runtime.stall);
 - `slow`: from step T on, every microbatch takes `factor` times as long (a straggler);
 - `nan`: at the K-th microbatch's backward, the replica's local gradient sum gets a NaN while
   its losses stay finite: a silent data corruption (a faulty GPU). Phase backward only.
 
 Phases: `forward`, `backward` (at the K-th microbatch the rank computes in the step, default 0;
-ids reassigned during recovery come after its own), `reduce` (while
-the cross-replica all-reduce is in flight), `commit` (after reporting done, before the commit
+ids reassigned during recovery come after its own), `overlap` (inside the last backward pass of
+the rank's share, once the step's reduce has started its first bucket: only where the reduce
+overlaps the backward, recover.runtime.overlap, so never in the first attempt of an epoch),
+`reduce` (while the cross-replica all-reduce is in flight), `commit` (after reporting done, before the commit
 arrives), `optimizer` (after the commit, inside the optimizer step), `transfer` (during the live
 state transfer to a joiner, sender or receiver; it fires at the first transfer at or after step T,
 since a joiner cannot know in advance at which step it will be admitted).
@@ -64,8 +66,8 @@ log = logging.getLogger(__name__)
 
 KINDS = ("kill", "hang", "exit", "freeze", "slow", "nan")
 MAX_WAKE_AFTER_S = 3600.0  # a hang woken later than this is a hang for good: leave it out
-FREEZE_PHASES = ("forward", "backward", "reduce", "optimizer")
-PHASES = ("forward", "backward", "reduce", "commit", "optimizer", "transfer")
+FREEZE_PHASES = ("forward", "backward", "overlap", "reduce", "optimizer")
+PHASES = ("forward", "backward", "overlap", "reduce", "commit", "optimizer", "transfer")
 GRAMMAR = (
     "KIND:replica=R,step=T,phase=P[,microbatch=K][,rank=N][,wake_after=S]  or  "
     "slow:replica=R,step=T,factor=F[,rank=N]   with KIND in {kill, hang, exit, freeze, nan} and "

@@ -51,10 +51,18 @@ class GradientSum:
         self.numel = sum(local_part(p).numel() for p in self.params)  # this rank's values
         self.loss_sum = 0.0
         self.nonfinite_ids: list[int] = []  # ids of this step whose loss was not finite
+        # Microbatches counted since the last clear (the step's reduce starts its buckets during
+        # the pass of the attempt's last one: recover.runtime.overlap).
+        self.counted = 0
+        # Whether the step's reduce may follow p.grad with hooks: every parameter a plain tensor
+        # (FSDP2 and tensor parallelism write the gradients of DTensors themselves).
+        self.hookable = not any(hasattr(p, "device_mesh") for p in self.params)
 
     def add_loss(self, j: int, loss: float) -> None:
-        """Count microbatch j's loss in the sum (and remember j if the loss is not finite)."""
+        """Count microbatch j's loss in the sum (and remember j if the loss is not finite), after
+        its backward pass."""
         self.loss_sum += loss
+        self.counted += 1
         if not math.isfinite(loss):
             self.nonfinite_ids.append(j)
 
@@ -101,6 +109,7 @@ class GradientSum:
             p.grad = None
         self.loss_sum = 0.0
         self.nonfinite_ids = []
+        self.counted = 0
 
     def leftover(self) -> list[int]:
         """Indices of parameters whose `.grad` holds non-zero values (before a step begins, the

@@ -84,6 +84,7 @@ class StepRecords:
         epoch: int,
         writer: bool,
         records_from: int,
+        overlapped: float = 0.0,
     ) -> None:
         """Step `step` committed with this mean loss; `writer`: this replica writes its records,
         and those from `records_from` on that the run folder lacks (a lost writer's)."""
@@ -95,6 +96,7 @@ class StepRecords:
             "replicas": replicas,
             "attempts": attempts,
             "epoch": epoch,
+            "overlapped": overlapped,
             "step_s": round(now - self._t_last, 6),
             "wall_s": round(now - self._t_start, 6),
         }

@@ -75,12 +75,17 @@ class ScriptWork:
         extra: Mapping[str, Any],
         check_data: Callable[[int, int], Any] | None,
         replica: ReplicaProgress | None,
+        *,
+        one_rank: bool = True,
     ) -> None:
+        """`one_rank`: the replica is this process alone (several ranks deal their ids over the
+        shard dimension with padding passes, which the overlapped reduce cannot follow)."""
         self.model, self.optimizer, self.extra = model, optimizer, dict(extra)
         device = next(p.device for p in model.parameters())
         self.grads = GradientSum(model.parameters(), device=device)
         self.check_data = check_data
         self.replica = replica
+        self.one_rank = one_rank
 
     def snapshot(self, device: torch.device | str | None = None) -> torch.Tensor:
         return self.grads.snapshot(device)
@@ -90,6 +95,9 @@ class ScriptWork:
 
     def nonfinite_ids(self) -> list[int]:
         return list(self.grads.nonfinite_ids)
+
+    def overlap_grads(self) -> GradientSum | None:
+        return self.grads if self.one_rank and self.grads.hookable else None
 
     def parameter_hash(self) -> str:
         phash = self.grads.parameter_hash()

@@ -88,6 +88,14 @@ class ReplicaSpec:
         "on slow links (default: 30)",
         metavar="S", low=(0.0, False), tags=SCRIPTS,
     )  # fmt: skip
+    reduce_bucket_mb: float = setting(
+        1.0, "--reduce-bucket",
+        "a step's cross-replica reduce runs in buckets of this many MiB, each started during the "
+        "last backward pass as soon as its gradients are final (smaller: more of the reduce "
+        "overlapped, more ops; 0: the gradients in one op, after the backward; replicas of one "
+        "rank over gloo; every replica of a run must use the same) (default: 1)",
+        metavar="MB", low=(0.0, True), tags=SCRIPTS,
+    )  # fmt: skip
     coordinator_grace_s: float = setting(
         10.0, "--coordinator-grace",
         "how long a replica waits for a coordinator that answers nothing (gone, or frozen) before "
@@ -171,8 +179,14 @@ class ReplicaSpec:
         if peer is not None:
             devices = {"gloo_interfaces": peer.interfaces, "gloo_hostname": peer.hostname}
         return CollectiveConfig(
-            op_deadline_s=self.reduce_deadline_s, pg_timeout_s=backstop, **devices
-        )
+            op_deadline_s=self.reduce_deadline_s, pg_timeout_s=backstop,
+            step_bucket_bytes=self.reduce_bucket_bytes, **devices,
+        )  # fmt: skip
+
+    @property
+    def reduce_bucket_bytes(self) -> int:
+        """--reduce-bucket in bytes, a whole number of fp32 values (0: one op)."""
+        return int(self.reduce_bucket_mb * 2**20) // 4 * 4
 
     # ---- flags ---------------------------------------------------------------------------------
     @classmethod

@@ -55,8 +55,10 @@ from recover.coordinator.client import (
 from recover.coordinator.protocol import View
 from recover.runtime.collective import EpochGroup
 from recover.runtime.collective_config import CollectiveAborted, ShouldAbort
+from recover.runtime.grads import GradientSum
 from recover.runtime.group_cache import GroupCache
 from recover.runtime.links import replica_hash
+from recover.runtime.overlap import BucketPlan, EarlyReduce, StepReduce, step_buckets
 from recover.runtime.transfer import transfer_state
 from recover.runtime.tree_sum import TreeSum, ordered_reduce, set_determinism_switches
 
@@ -86,6 +88,11 @@ class Work(Protocol):
 
     def load_transfer_state(self, state: dict[str, Any]) -> None:
         """Load what transfer_state_dict() of a live replica gave."""
+
+    def overlap_grads(self) -> GradientSum | None:
+        """The local sum when its `p.grad` may be followed by hooks, so that the step's reduce
+        starts during the last backward pass (recover.runtime.overlap; the Work counts each
+        microbatch with `GradientSum.add_loss` after its pass); None where it cannot be."""
 
 
 class Link(Protocol):
@@ -142,8 +149,9 @@ class _Unwatched:
 @dataclass(frozen=True)
 class StepHooks:
     """Where the rest of the system plugs in. `phase(name, step, index)` is called at the declared
-    points "transfer", "reduce" (while the collective is in flight) and "commit" (after reporting
-    done); `event(name, **fields)` records what happened; `guard` (recover.runtime.stall.StallGuard)
+    points "transfer", "overlap" (during the last backward pass, once the step's reduce has
+    started its first bucket), "reduce" (while the collective is in flight) and "commit" (after
+    reporting done); `event(name, **fields)` records what happened; `guard` (recover.runtime.stall.StallGuard)
     watches the stretches that must make progress; `before_done()` runs before this rank reports a
     successful reduce (the writer of the last step finishes its records there: a writer that
     reported the next step has written everything of its own, which the coordinator relies on);
@@ -206,6 +214,9 @@ class CommittedStep:
     # Where this rank's time in the step went, in seconds over all its attempts (PARTS; the
     # optimizer step and the records come after the commit, the caller's to time).
     parts: dict[str, float] = field(default_factory=dict)
+    # The share of the committing attempt's buffer whose reduce started during the last backward
+    # pass (recover.runtime.overlap): 0 where the reduce started after the compute.
+    overlapped: float = 0.0
     # This replica asked to leave (StepHooks.leaving) and the commit released it: it is out of
     # the next step's plan, and leaves now.
     released: bool = False
@@ -233,6 +244,7 @@ class StepAttempt:
     compute_s: float = 0.0  # seconds spent computing this replica's microbatches of the step
     parts: dict[str, float] = field(default_factory=dict)  # seconds by part (PARTS), all attempts
     sum_finite: bool = True  # the last successful reduce's sum is finite (on this rank)
+    overlapped: float = 0.0  # StepReduce.early_share() of the last attempt's reduce
     tree: TreeSum | None = None  # the deterministic mode's local sum (p.grad stays empty)
     nonfinite: list[int] = field(default_factory=list)  # the tree's ids with a non-finite loss
 
@@ -259,6 +271,7 @@ class StepMachine:
         self.has_state = has_state  # False for a joiner until the state transfer has reached it
         self._transferred_epoch = -1
         self._numel: int | None = None  # a flat buffer's length (the deterministic reduce's)
+        self._buckets: BucketPlan | None = None  # the step buffer's buckets (built at first use)
         if options.deterministic:
             set_determinism_switches()
 
@@ -273,14 +286,17 @@ class StepMachine:
     def run(self, step: int, compute: Callable[[Todo], None]) -> CommittedStep:
         """Run step `step` to its commit, computing each attempt's ids with `compute`."""
         attempts = self.run_step(step)
-        todo = next(attempts)
-        while True:
-            compute(todo)
-            try:
-                todo = attempts.send(None)
-            except StopIteration as done:
-                committed: CommittedStep = done.value  # (run_step's return value)
-                return committed
+        try:
+            todo = next(attempts)
+            while True:
+                compute(todo)
+                try:
+                    todo = attempts.send(None)
+                except StopIteration as done:
+                    committed: CommittedStep = done.value  # (run_step's return value)
+                    return committed
+        finally:
+            attempts.close()  # left mid-attempt: run_step drops what it started
 
     def _view(self) -> View:
         """The view of the step in progress: the step machine runs once the replica registered."""
@@ -308,17 +324,24 @@ class StepMachine:
                 transferred = self.link.agree(transferred)
             if transferred:
                 todo = [j for j in view.plan.get(self.me, ()) if j not in attempt.computed]
+                early = self._early_reduce(view, step, len(todo))
                 t0 = time.perf_counter()
-                with hooks.guard.busy("computing microbatches"):
-                    # Deterministic: one leaf per id, so a Todo per id. An empty share still
-                    # yields its one empty Todo (every attempt yields at least once: a plan may
-                    # give a straggler no id, and the caller's loop starts with next()).
-                    if self.options.deterministic and todo:
-                        for i, j in enumerate(sorted(todo), start=len(attempt.computed)):
-                            yield Todo(step=step, ids=(j,), first_index=i)
-                            self._add_leaf(attempt, view, j)
-                    else:
-                        yield Todo(step=step, ids=tuple(todo), first_index=len(attempt.computed))
+                try:
+                    with hooks.guard.busy("computing microbatches"):
+                        # Deterministic: one leaf per id, so a Todo per id. An empty share still
+                        # yields its one empty Todo (every attempt yields at least once: a plan
+                        # may give a straggler no id, and the caller's loop starts with next()).
+                        if self.options.deterministic and todo:
+                            for i, j in enumerate(sorted(todo), start=len(attempt.computed)):
+                                yield Todo(step=step, ids=(j,), first_index=i)
+                                self._add_leaf(attempt, view, j)
+                        else:
+                            first = len(attempt.computed)
+                            yield Todo(step=step, ids=tuple(todo), first_index=first)
+                except BaseException:  # the caller left the attempt (a stop, an error)
+                    if early is not None:
+                        early.drop(f"step {step} was left during its compute")
+                    raise
                 attempt.computed.update(todo)
                 t1 = time.perf_counter()
                 _add(attempt, "compute", t1 - t0)
@@ -329,11 +352,19 @@ class StepMachine:
                     _add(attempt, "reduce", time.perf_counter() - t1)
                 else:
                     # The attempt's one buffer: a copy of the local sum (p.grad, never reduced)
-                    # made where the cross-replica group reduces it, in place.
-                    buffer = self.work.snapshot(self.groups.device)
+                    # made where the cross-replica group reduces it, in place; its first buckets
+                    # may be in flight already (started during the last backward pass).
+                    if early is not None:
+                        step_reduce: StepReduce = early
+                        early.finish()
+                    else:
+                        buffer = self.work.snapshot(self.groups.device)
+                        order = step_buckets(buffer.numel(), self.groups.config.step_bucket_bytes)
+                        step_reduce = StepReduce(buffer, order)
                     t2 = time.perf_counter()
                     _add(attempt, "snapshot", t2 - t1)
-                    reduced = self._reduce(buffer, view, step, attempt)
+                    reduced = self._reduce(step_reduce, view, step, attempt)
+                    attempt.overlapped = step_reduce.early_share()
                     _add(attempt, "reduce", time.perf_counter() - t2)
             t3 = time.perf_counter()
             check = reduced is not None and self.options.check_every
@@ -474,6 +505,7 @@ class StepMachine:
             writer=self.me == _writer(step, view, latest),
             records_from=latest.records_from if named else step,
             parts={k: round(v, 6) for k, v in attempt.parts.items()},
+            overlapped=round(attempt.overlapped, 4),
             released=named and self.me not in latest.live and latest.status == "running",
             finite=finite,
         )
@@ -580,20 +612,55 @@ class StepMachine:
             )  # fmt: skip
         return True
 
+    def _bucket_plan(self, grads: GradientSum) -> BucketPlan:
+        if self._buckets is None:
+            self._buckets = BucketPlan(grads, self.groups.config.step_bucket_bytes)
+        return self._buckets
+
+    def _early_reduce(self, view: View, step: int, microbatches: int) -> EarlyReduce | None:
+        """The attempt's reduce, armed to start its buckets during the last backward pass, where
+        that can be (recover.runtime.overlap): the Work's gradients can be followed, the
+        attempt's group is built already (this epoch's earlier attempts built it), and it is a
+        gloo group of several replicas. None: every bucket starts after the compute."""
+        grads = self.work.overlap_grads()
+        if grads is None or self.options.deterministic or microbatches == 0:
+            return None
+        group = self.groups.current
+        members = sorted(view.plan)
+        if (
+            group is None
+            or group.poisoned is not None
+            or group.device.type != "cpu"
+            or group.epoch != view.attempt_epoch
+            or len(members) < 2
+            or self.me not in members
+            or (group.rank, group.world_size) != (members.index(self.me), len(members))
+        ):
+            return None
+        return EarlyReduce(
+            grads, self._bucket_plan(grads), group, microbatches=microbatches,
+            on_start=lambda: self.hooks.phase("overlap", step, None),
+        )  # fmt: skip
+
     def _reduce(
-        self, buffer: torch.Tensor, view: View, step: int, attempt: StepAttempt
+        self, step_reduce: StepReduce, view: View, step: int, attempt: StepAttempt
     ) -> torch.Tensor | None:
-        """All-reduce the attempt's buffer in place in its epoch; None if it aborted (the buffer
-        is then dropped: what it holds is unusable)."""
+        """All-reduce the attempt's buffer in place in its epoch, bucket by bucket in the step's
+        order (some may have started during the compute); None if it aborted (the buffer is
+        then dropped: what it holds is unusable)."""
         epoch = view.attempt_epoch
         should_abort = self._should_abort(epoch)
         should_abort_reduce = self._with_fault("reduce", step, should_abort)
         t0 = time.perf_counter()
+        buffer = step_reduce.buffer
         try:
             with self.hooks.guard.busy("in the cross-replica reduce"):  # its polls are the ticks
                 group, members = self._group(view, should_abort)
                 if len(members) > 1:
-                    group.allreduce_sum(buffer, should_abort=should_abort_reduce)
+                    group.finish_allreduce(
+                        buffer, issue_rest=lambda: step_reduce.start_rest(group),
+                        should_abort=should_abort_reduce,
+                    )  # fmt: skip
                 else:
                     should_abort_reduce()
             return buffer

@@ -90,6 +90,11 @@ class MultiRankTrainer(ReplicaTrainer):
         # For checkpoints alone: a save's background collectives never meet the training's.
         self.checkpoint_group = dist.new_group(backend="gloo")
 
+    def overlap_grads(self) -> None:
+        """Never: ranks of a replica run padding passes, pipeline schedules and their own
+        gradient collectives, which the overlapped reduce does not follow."""
+        return None
+
     def _next_ordinal(self, step: int) -> int:
         """The phase hook's index of this rank's next microbatch: the K-th it computes in the
         step (its own count: the ranks of a replica do not compute the same ids)."""

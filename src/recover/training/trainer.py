@@ -225,6 +225,11 @@ class ReplicaTrainer:
     def nonfinite_ids(self) -> list[int]:
         return list(self.grads.nonfinite_ids)
 
+    def overlap_grads(self) -> GradientSum | None:
+        """One rank, one backward pass per counted microbatch: the step's reduce may start
+        during the last one (recover.runtime.overlap)."""
+        return self.grads if self.grads.hookable else None
+
     # ---- commit -------------------------------------------------------------------------------
     def apply_commit(
         self,

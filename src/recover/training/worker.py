@@ -32,9 +32,9 @@ from recover.policy import WORKLOADS
 from recover.record import MetricsWriter, read_metrics
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.faults import FaultInjector, poison_gradient
-from recover.runtime.layout import ReplicaLayout
 from recover.runtime.links import IntraReplica
 from recover.runtime.session import STOPS, ReplicaSession
+from recover.runtime.spec import ReplicaSpec
 from recover.runtime.stall import StallGuard
 from recover.runtime.step_machine import CommittedStep, StepHooks, StepOptions
 from recover.training.config import (
@@ -70,26 +70,21 @@ class WorkerConfig:
 _RECORD_ONLY = ("eval_every", "eval_batches", "ckpt_every", "keep_ckpts")
 
 
-def fingerprint(
-    cfg: TrainConfig,
-    dataset: TokenDataset,
-    layout: ReplicaLayout | None = None,
-    cross_reduce: str = "gloo",
-    mode: str = "recover",
-    deterministic: bool = False,
-) -> dict:
+def fingerprint(cfg: TrainConfig, dataset: TokenDataset, spec: ReplicaSpec | None = None) -> dict:
     """What every replica of a run must agree on; a joiner with another one is refused (naming
     the field). Every training setting that changes the committed update is in it: the model,
     the batch, the seed, the optimizer and schedule, clipping, dropout, precision, the layout, the
-    cross-replica backend, the mode, and the dataset's content."""
+    cross-replica backend and its buckets, the mode, and the dataset's content."""
+    spec = spec or ReplicaSpec()
     train = {k: v for k, v in cfg.to_dict().items() if k not in _RECORD_ONLY}
     return {
         **train,
         "data_hash": dataset.content_hash,
-        "layout": (layout or ReplicaLayout()).describe(),
-        "cross_reduce": cross_reduce,  # one group of every epoch: one backend
-        "mode": mode,
-        **({"deterministic": True} if deterministic else {}),  # another reduce: all or none
+        "layout": spec.layout.describe(),
+        "cross_reduce": spec.cross_reduce,  # one group of every epoch: one backend
+        "reduce_bucket": spec.reduce_bucket_bytes,  # one order of ops in a step's reduce
+        "mode": spec.mode,
+        **({"deterministic": True} if spec.deterministic else {}),  # another reduce: all or none
     }
 
 
@@ -213,7 +208,7 @@ def run_worker(
 
     try:
         view = session.join(
-            fingerprint(cfg, dataset, layout, spec.cross_reduce, spec.mode, spec.deterministic),
+            fingerprint(cfg, dataset, spec),
             next_step=start,
         )
         # Only a member writes to the run's record: a worker refused at registration (another
@@ -453,6 +448,7 @@ def apply_commit(
         attempts=commit.attempts,
         shares={str(r): n for r, n in commit.shares.items()},
         parts={**commit.parts, "apply": apply_s},  # where the writer's step went (PARTS)
+        overlapped=commit.overlapped,  # the share of its reduce started during the backward
     )
     trainer.stop_if_diverging()  # NonFiniteError after max_nonfinite skipped steps in a row
     if commit.recovered_s is not None:

@@ -1,0 +1,205 @@
+"""The step's cross-replica reduce in buckets, started during the last backward pass (as DDP does).
+
+Job: build the attempt's buffer (the local gradient sum and the loss sum, recover.runtime.grads's
+layout) and hand its buckets to the epoch's group in one fixed order, starting each as early as
+its values are final, so that most of the reduce runs while the last backward pass still computes.
+
+The order (`step_buckets`): the gradient values, all but the buffer's last slot, in buckets of
+`CollectiveConfig.step_bucket_bytes` from the end of the buffer backwards (a backward pass produces
+the last parameters' gradients first), then the loss slot alone (known once the pass is over).
+Every rank issues the same sizes in the same order whether a bucket starts during the compute
+(`EarlyReduce`) or after it (`StepReduce`): the two paths differ in time only, so ranks that took
+different paths in one attempt still sum correctly, and the sum's bits do not depend on the path.
+
+When a bucket starts early: a post-accumulate-grad hook on each parameter fires in the attempt's
+last backward pass once the pass has added its gradient: that parameter's `p.grad` is then final
+for the attempt and is copied into the buffer. A bucket starts when every parameter it covers is
+copied and every bucket before it in the order has started (the order is the same on every rank,
+whatever order the hooks fire in).
+
+Which pass is the last: the one that runs while the n-th microbatch of the attempt is not counted
+yet (`GradientSum.add_loss` counts them after each pass; n is the attempt's ids). A hook that fires
+for a parameter already copied means a pass after the last one: the caller counted wrong and the
+started buckets hold values that are not the sum; `finish` raises and nothing is reduced.
+
+Invariants: `p.grad` is never touched (the buffer is a copy made for the attempt); a fault or a
+stop abandons the started buckets with the group (its graveyard, recover.runtime.collective);
+nothing starts before the attempt's group exists (in the first attempt of an epoch the group is
+built after the compute, and every bucket starts then).
+
+Where buckets never start early (the step machine decides): the deterministic mode (one leaf
+per id), replicas of several ranks (FSDP2 and tensor parallelism write `p.grad` themselves), and
+an NCCL group (the overlap has not run on GPUs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from recover.runtime.collective import EpochGroup
+from recover.runtime.collective_config import CollectiveAborted, compute_buckets
+from recover.runtime.grads import GradientSum, local_part
+
+
+def step_buckets(numel: int, bucket_bytes: int) -> list[tuple[int, int]]:
+    """Pure: the `(start, stop)` ranges of a step buffer of `numel` fp32 values (the last the loss
+    sum) in the order they are reduced: the gradient values' buckets from the end, then the loss
+    slot."""
+    if numel < 1:
+        raise ValueError(f"a step buffer holds at least its loss slot, got {numel} values")
+    grads = compute_buckets(numel - 1, 4, bucket_bytes)
+    return [*reversed(grads), (numel - 1, numel)]
+
+
+class BucketPlan:
+    """The buckets of one rank's step buffer in the reduce order, and which parameters each
+    covers: the same for every attempt of a run, so built once."""
+
+    def __init__(self, grads: GradientSum, bucket_bytes: int) -> None:
+        numel = grads.numel + 1
+        self.numel = numel
+        self.order = step_buckets(numel, bucket_bytes)
+        ascending = compute_buckets(numel - 1, 4, bucket_bytes)
+        per = ascending[0][1] - ascending[0][0] if ascending else 1
+        last = len(ascending) - 1
+        self.ranges: list[tuple[int, int]] = []  # each parameter's values in the buffer
+        self.buckets_of: list[list[int]] = []  # each parameter's buckets (positions in order)
+        self.waits = [0] * len(self.order)  # how many parameters each bucket waits for
+        offset = 0
+        for p in grads.params:
+            n = local_part(p).numel()
+            self.ranges.append((offset, offset + n))
+            ks = [last - q for q in range(offset // per, (offset + n - 1) // per + 1)] if n else []
+            self.buckets_of.append(ks)
+            for k in ks:
+                self.waits[k] += 1
+            offset += n
+        self.waits[-1] = 1  # the loss slot waits for the end of the compute
+
+
+class StepReduce:
+    """An attempt's buffer and its buckets in the reduce order, started with `start_rest`."""
+
+    def __init__(self, buffer: torch.Tensor, order: list[tuple[int, int]]) -> None:
+        self.buffer, self.order = buffer, order
+        self.started = 0  # buckets of the order handed to the group
+        self.early = 0  # of which during the compute
+        self.error: RuntimeError | None = None  # the group refused a bucket started early
+
+    def start_rest(self, group: EpochGroup) -> None:
+        """Start every bucket not started yet, in order (the `issue_rest` of finish_allreduce)."""
+        if self.error is not None:
+            raise self.error
+        while self.started < len(self.order):
+            start, stop = self.order[self.started]
+            group.start_allreduce(self.buffer[start:stop])
+            self.started += 1
+
+    def early_share(self) -> float:
+        """The share of the buffer's values whose reduce started during the compute."""
+        done = sum(stop - start for start, stop in self.order[: self.early])
+        return done / self.buffer.numel()
+
+
+class EarlyReduce(StepReduce):
+    """A `StepReduce` whose buckets start from gradient hooks during the attempt's last backward
+    pass (see the module docstring). Call `finish` after the compute, or `drop` if the attempt is
+    left before it."""
+
+    def __init__(
+        self,
+        grads: GradientSum,
+        plan: BucketPlan,
+        group: EpochGroup,
+        *,
+        microbatches: int,
+        on_start: Callable[[], None],
+    ) -> None:
+        if microbatches < 1:
+            raise ValueError(
+                f"an early reduce needs the attempt's microbatches, got {microbatches}"
+            )
+        buffer = torch.empty(plan.numel, dtype=torch.float32, device=group.device)
+        super().__init__(buffer, plan.order)
+        self.grads, self.plan, self.group, self.on_start = grads, plan, group, on_start
+        self.last = grads.counted + microbatches - 1  # counted while the last pass runs
+        self.stale = False  # a pass ran after the last one (see the module docstring)
+        self._waiting = list(plan.waits)
+        self._copied = [False] * len(grads.params)
+        self._handles: list[Any] = [
+            p.register_post_accumulate_grad_hook(self._hook(i))  # type: ignore[no-untyped-call]
+            for i, p in enumerate(grads.params)
+        ]
+
+    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def on_grad(p: torch.Tensor) -> None:
+            if self.grads.counted != self.last:
+                return  # an earlier microbatch's pass: p.grad will grow
+            if self._copied[i]:
+                self.stale = True
+                return
+            self._copy(i, p)
+            for k in self.plan.buckets_of[i]:
+                self._waiting[k] -= 1
+            self._start_ready()
+
+        return on_grad
+
+    def _copy(self, i: int, p: torch.Tensor) -> None:
+        start, stop = self.plan.ranges[i]
+        if p.grad is None:
+            self.buffer[start:stop].zero_()
+        else:
+            self.buffer[start:stop].copy_(local_part(p.grad).reshape(-1))
+        self._copied[i] = True
+
+    def _start_ready(self) -> None:
+        while (
+            self.error is None
+            and self.started < len(self.order)
+            and self._waiting[self.started] == 0
+        ):
+            start, stop = self.order[self.started]
+            try:
+                self.group.start_allreduce(self.buffer[start:stop])
+            except (RuntimeError, CollectiveAborted) as e:  # seen by finish_allreduce
+                self.error = e
+                return
+            self.started += 1
+            self.early += 1
+            if self.early == 1:
+                self.on_start()  # the "overlap" point of a step (a declared fault may act here)
+
+    def finish(self) -> torch.Tensor:
+        """After the compute: copy what no hook copied, write the loss sum, and hand back the
+        buffer (its remaining buckets start in finish_allreduce)."""
+        self._remove_hooks()
+        if self.stale:
+            self.group.drop_in_flight("a backward pass ran after the attempt's last microbatch")
+            raise RuntimeError(
+                "a backward pass ran after the last microbatch of the attempt was counted: the "
+                "step's reduce had started on gradients that were not final (count every "
+                "microbatch with GradientSum.add_loss after its backward pass)"
+            )
+        for i, p in enumerate(self.grads.params):
+            if not self._copied[i]:
+                self._copy(i, p)
+        self.buffer[-1] = self.grads.loss_sum
+        return self.buffer
+
+    def drop(self, reason: str) -> None:
+        """The attempt was left before its compute ended: no hook fires any more, and the buckets
+        started are abandoned with the group."""
+        self._remove_hooks()
+        self.group.drop_in_flight(reason)
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+__all__ = ["BucketPlan", "EarlyReduce", "StepReduce", "step_buckets"]
