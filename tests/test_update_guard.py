@@ -54,6 +54,18 @@ def test_all_finite_sees_nan_and_infinity_anywhere():
         t[777] = bad
         assert not all_finite([torch.ones(2), t]), bad
     assert not all_finite([torch.tensor([1.0, math.nan], dtype=torch.bfloat16)])
+    # An infinity of each sign: their sum is NaN, not finite either.
+    assert not all_finite([torch.tensor([math.inf, -math.inf, 1.0])])
+
+
+def test_all_finite_reads_values_again_where_only_their_sum_overflows():
+    """Finite values whose sum overflows (3e38 x 10 in fp32; 3e38 is near fp32's largest) are
+    finite: the sum only decides where it is finite."""
+    big = torch.full((10,), 3e38)
+    assert not bool(torch.isfinite(big.sum()))
+    assert all_finite([torch.ones(3), big])
+    big[4] = math.inf
+    assert not all_finite([torch.ones(3), big])
 
 
 @pytest.mark.parametrize("first_step", [True, False])

@@ -61,6 +61,7 @@ from recover.runtime.links import replica_hash
 from recover.runtime.overlap import BucketPlan, EarlyReduce, StepReduce, step_buckets
 from recover.runtime.transfer import transfer_state
 from recover.runtime.tree_sum import TreeSum, ordered_reduce, set_determinism_switches
+from recover.runtime.update_guard import all_finite
 
 
 class DivergedError(RuntimeError):
@@ -421,7 +422,7 @@ class StepMachine:
         names what this
         rank contributed: the ids whose loss was not finite, or, when every loss was finite, its
         ids of the step (its local gradient sum was not)."""
-        attempt.sum_finite = bool(torch.isfinite(reduced).all())
+        attempt.sum_finite = all_finite([reduced])
         if attempt.sum_finite or self._local_finite(attempt, reduced.device):
             return True
         bad = attempt.nonfinite if self.options.deterministic else self.work.nonfinite_ids()
@@ -436,8 +437,8 @@ class StepMachine:
         """Whether this rank's local sum is finite (the tree's nodes in the deterministic mode)."""
         if self.options.deterministic:
             nodes = attempt.tree.nodes.values() if attempt.tree is not None else ()
-            return all(bool(torch.isfinite(v).all()) for v in nodes)
-        return bool(torch.isfinite(self.work.snapshot(device)).all())
+            return all_finite(nodes)
+        return all_finite([self.work.snapshot(device)])
 
     def _add_leaf(self, attempt: StepAttempt, view: View, j: int) -> None:
         """Move microbatch j's gradient (what the caller added to the local sum since the last

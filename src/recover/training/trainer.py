@@ -40,7 +40,7 @@ from recover.data.addressing import (
 from recover.runtime.grads import GradientSum
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.spec import DEVICES
-from recover.runtime.update_guard import UpdateGuard
+from recover.runtime.update_guard import UpdateGuard, all_finite
 from recover.training.config import TrainConfig, compute_lr
 from recover.training.model import GPT, build_config
 
@@ -250,7 +250,7 @@ class ReplicaTrainer:
         M = self.cfg.microbatches if count is None else count
         loss = self._committed_loss_sum(flat_sum) / M
         if finite is None:  # one rank alone; the step machine agrees it over a replica's ranks
-            finite = bool(torch.isfinite(flat_sum).all())
+            finite = all_finite([flat_sum])
         lr = compute_lr(step, self.cfg)
         if not finite:
             # Never applied: a NaN or infinity in the update would poison every parameter of

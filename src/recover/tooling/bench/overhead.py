@@ -1,8 +1,10 @@
 """`recover bench overhead`: the cost of the fault-tolerance path when nothing fails.
 
-Job: measure, on one machine, the step time of (a) a plain data-parallel loop (one static gloo
-group from init_process_group, the same ReplicaTrainer, a flat all-reduce of the gradients, no
-coordinator, no snapshot, no commit) against (b) `recover train --replicas R` with the same
+Job: measure, on one machine, the step time of (a) a plain data-parallel loop (torch's
+DistributedDataParallel over one static gloo group from init_process_group, the same
+ReplicaTrainer; its gradients reduced in buckets during the last microbatch's backward pass,
+`no_sync` for the others, as a DDP loop with accumulation runs; no coordinator, no commit)
+against (b) `recover train --replicas R` with the same
 model, data, M and seed, and state the ratio b/a with a confidence interval. With
 --deterministic, (a) is `recover train` in the normal mode and (b) the same with --deterministic.
 
@@ -156,9 +158,22 @@ def ratio_interval(
 # ---- the jobs: start, freeze, resume, read their steps ---------------------------------------
 
 
-def _plain_replica(rank: int, world: int, port: int, cfg_dict: dict, data: str, record: str):
+def _sum_hook(state: object, bucket):
+    """DDP's communication hook that sums a bucket over the ranks (DDP's own hook averages)."""
+    import torch.distributed as dist
+
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _plain_replica(
+    rank: int, world: int, port: int, cfg_dict: dict, data: str, record: str, bucket_mb: float
+):
+    import contextlib
+
     import torch
     import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from recover.data.addressing import TokenDataset
     from recover.policy import assign
@@ -176,16 +191,29 @@ def _plain_replica(rank: int, world: int, port: int, cfg_dict: dict, data: str, 
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     trainer = ReplicaTrainer(cfg, TokenDataset.open(data))
+    # torch's DDP, as a data-parallel loop runs it: gradients accumulate locally (no_sync) and
+    # the last microbatch's backward pass reduces them in buckets as they become final, of the
+    # size recover's reduce uses. A comm hook sums instead of averaging (the update divides the
+    # sum by M, as recover's does); the loss sum takes one more op, as it rides in recover's.
+    ddp = DDP(trainer.model, bucket_cap_mb=bucket_mb)
+    ddp.register_comm_hook(None, _sum_hook)
+    trainer.model = ddp
     mine = assign(cfg.microbatches, list(range(world)))[rank]
     with open(record, "a") if rank == 0 else open(os.devnull, "w") as f:
         last, recording = time.perf_counter(), 0.0  # recording: the previous record's write
         for step in range(cfg.steps):
             t0 = last + recording
-            trainer.compute_microbatches(step, mine)
+            trainer.model.train()
+            for index, j in enumerate(mine):  # (trainer.compute_microbatches, DDP's way)
+                last_one = index == len(mine) - 1
+                with contextlib.nullcontext() if last_one else ddp.no_sync():
+                    trainer._microbatch(step, j, index)
             t1 = time.perf_counter()
             flat = trainer.snapshot()
+            loss = flat[-1:].clone()
             t2 = time.perf_counter()
-            dist.all_reduce(flat)
+            dist.all_reduce(loss)
+            flat[-1] = loss[0]
             t3 = time.perf_counter()
             trainer.apply_commit(step, flat)
             now = time.perf_counter()
@@ -282,7 +310,10 @@ def start_plain(cfg_dict: dict, data: Path, replicas: int, record: Path) -> Job:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = (replicas, port, cfg_dict, str(data), str(record))
+    from recover.runtime.spec import ReplicaSpec
+
+    bucket_mb = ReplicaSpec().reduce_bucket_mb  # recover's default, which its job runs with
+    args = (replicas, port, cfg_dict, str(data), str(record), bucket_mb)
     procs = [ctx.Process(target=_plain_replica, args=(r, *args)) for r in range(replicas)]
     for p in procs:
         p.start()
