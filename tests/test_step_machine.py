@@ -11,6 +11,7 @@ and the writer named with the commit.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import threading
 
@@ -43,6 +44,8 @@ class LinearWork:
             self.model = torch.nn.Linear(4, 1)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
         self.grads = GradientSum(self.model.parameters(), device="cpu")
+        self.applied: list[int] = []  # steps whose update apply_early applied ...
+        self.undone: list[int] = []  # ... and undid (a redo)
 
     def loss(self, step: int, j: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(1000 * step + j)
@@ -59,6 +62,23 @@ class LinearWork:
         self.grads.load(reduced, divide_by=count)
         self.optimizer.step()
         self.grads.clear()
+
+    def apply_early(self, step: int, reduced: torch.Tensor, count: int, finite: bool):
+        """StepHooks.apply_early: the update applied during the vote, and its undo (the state
+        before it, and the local sum held by reference)."""
+        assert finite
+        held = self.grads.hold()
+        saved = copy.deepcopy((self.model.state_dict(), self.optimizer.state_dict()))
+        self.apply(reduced, count)
+        self.applied.append(step)
+
+        def undo() -> None:
+            self.model.load_state_dict(saved[0])
+            self.optimizer.load_state_dict(saved[1])
+            self.grads.put_back(held)
+            self.undone.append(step)
+
+        return undo
 
     # Work
     def snapshot(self, device=None) -> torch.Tensor:
@@ -93,14 +113,34 @@ def reference_parameters() -> torch.Tensor:
     return work.grads.flat_parameters()
 
 
+class _FailingReport(SoloLink):
+    """A replica's link whose first report of `step` says the attempt failed."""
+
+    def __init__(self, client: CoordinatorClient, step: int) -> None:
+        super().__init__(client)
+        self.step = step
+
+    def report(self, *, step: int, failure=None, **rest):
+        if step == self.step and failure is None:
+            self.step, failure = -1, "a replica-mate's reduce failed (injected by the test)"
+        return super().report(step=step, failure=failure, **rest)
+
+
 def run_replica(
-    r: int, server, results: dict, leave_at: tuple[int, str] | None, gate=None, det=False
-) -> None:
+    r: int, server, results: dict, leave_at: tuple[int, str] | None, gate=None, det=False,
+    early=False,
+) -> None:  # fmt: skip
     """Replica r's thread: register, run STEPS steps through the machine, record each commit.
     `gate` (step, event): the others wait for the leaver at that step's compute until it has
-    left, so its collective is still in flight when it goes."""
+    left, so its collective is still in flight when it goes. `early`: apply each update during
+    the vote (StepHooks.apply_early). At the point "report" the replica does not leave: its
+    reduce succeeded, and it reports that attempt failed (as a rank of a replica of several
+    does when a replica-mate's reduce failed)."""
     client = CoordinatorClient(*server.address, replica_id=r, heartbeat_s=0.05)
     link = SoloLink(client)
+    if leave_at is not None and leave_at[1] == "report":
+        link = _FailingReport(client, leave_at[0])
+        leave_at = None
     work = LinearWork()
 
     def phase(name: str, step: int, index) -> None:
@@ -129,14 +169,19 @@ def run_replica(
             options=StepOptions(
                 replica_id=r, check_every=2, outcome_timeout_s=20, deterministic=det
             ),
-            hooks=StepHooks(phase=phase),
+            hooks=StepHooks(phase=phase, apply_early=work.apply_early if early else None),
         )
         for step in range(view.step, STEPS):
             commit = machine.run(step, compute)
-            work.apply(commit.reduced, commit.count)
+            assert commit.applied == early
+            if not commit.applied:
+                work.apply(commit.reduced, commit.count)
             commits.append(commit)
         link.leave(step=STEPS)
-        results[r] = {"commits": commits, "params": work.grads.flat_parameters()}
+        results[r] = {
+            "commits": commits, "params": work.grads.flat_parameters(),
+            "applied": work.applied, "undone": work.undone,
+        }  # fmt: skip
     except _Gone:
         results[r] = {"commits": commits, "gone": True}
     except Exception as e:  # reported by the test, which would otherwise see a missing result
@@ -146,7 +191,7 @@ def run_replica(
 
 
 def run_job(
-    replicas: int, leave_at: dict[int, tuple[int, str]], *, gate_step=None, det=False
+    replicas: int, leave_at: dict[int, tuple[int, str]], *, gate_step=None, det=False, early=False
 ) -> dict:
     opts = CoordinatorOptions(
         expected_replicas=replicas, microbatches=0, lease_s=2.0, balance="equal"
@@ -156,7 +201,8 @@ def run_job(
     with CoordinatorServer(opts, store_port=0) as server:
         threads = [
             threading.Thread(
-                target=run_replica, args=(r, server, results, leave_at.get(r), gate, det)
+                target=run_replica,
+                args=(r, server, results, leave_at.get(r), gate, det, early),
             )
             for r in range(replicas)
         ]
@@ -247,6 +293,31 @@ def test_a_replica_leaving_inside_its_overlapped_backward_is_recomputed():
     ref = reference_parameters()
     for r in (1, 2):
         assert torch.allclose(results[r]["params"], ref, rtol=1e-5, atol=1e-7), r
+
+
+@pytest.mark.timeout(90)
+def test_an_update_applied_during_the_vote_is_undone_by_a_redo():
+    """Each update is applied while the vote completes (once the replica's done report is on
+    record). At step 2 replica 0's reduce succeeds but it reports the attempt failed: the
+    others' done reports are on record and their update of step 2 applied, and the coordinator
+    decides a redo. Replicas 1 and 2 undo the update (the state and the local sum put back), redo
+    the reduce in the new epoch and commit: the one-process trajectory, every step applied once."""
+    results = run_job(3, {0: (2, "report")}, early=True)
+    assert all(isinstance(results.get(r), dict) for r in range(3)), results
+    check_commits(results, [0, 1, 2])
+    for r in (1, 2):
+        commits = results[r]["commits"]
+        assert commits[2].attempts == 2 and sum(commits[2].shares.values()) == M, commits[2]
+        assert results[r]["undone"] == [2], results[r]["undone"]  # undone once, at the redo
+        assert results[r]["applied"] == [0, 1, 2, 2, 3, 4]  # step 2: its redo applied again
+    assert results[0]["undone"] == []  # (its failed report applied nothing)
+    ref = reference_parameters()
+    for r in range(3):
+        assert torch.allclose(results[r]["params"], ref, rtol=1e-5, atol=1e-7), r
+    # Without a failure, nothing is undone and every replica is on the same trajectory.
+    results = run_job(2, {}, early=True)
+    assert [results[r]["undone"] for r in (0, 1)] == [[], []]
+    assert torch.allclose(results[0]["params"], results[1]["params"], rtol=0, atol=0)
 
 
 @pytest.mark.timeout(90)

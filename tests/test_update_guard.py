@@ -153,3 +153,40 @@ def test_a_checkpoint_of_a_non_finite_state_is_refused(tmp_path):
         writer.save(2, state, {}, block=True)
     writer.close()
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000001"]
+
+
+def test_an_update_applied_during_the_vote_is_undone_bit_for_bit(tiny_dataset):
+    """recover train's replicas apply each update while the vote completes (worker.EarlyUpdates)
+    and undo it when the outcome is a redo: the parameters, the AdamW state, the skip count and
+    the local gradient sum are what they were, so the redo's commit gives the same bits as a
+    trainer that never applied early."""
+    from recover.data.addressing import TokenDataset
+    from recover.runtime.stall import StallGuard
+    from recover.training.config import TrainConfig
+    from recover.training.trainer import ReplicaTrainer
+    from recover.training.worker import EarlyUpdates
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(preset="tiny", seq_len=16, microbatch_size=2, microbatches=3)
+    data = TokenDataset.open(tiny_dataset)
+    early_one, plain = ReplicaTrainer(cfg, data), ReplicaTrainer(cfg, data)
+    early = EarlyUpdates(early_one, StallGuard(0, replica=0))
+    for trainer in (early_one, plain):  # one committed step, so that AdamW has state
+        trainer.compute_microbatches(0, range(3))
+        trainer.apply_commit(0, trainer.snapshot())
+    for trainer in (early_one, plain):
+        trainer.compute_microbatches(1, range(2))  # the attempt's ids; id 2 comes in the redo
+    before = _state(early_one.model, early_one.optimizer)
+    local = early_one.snapshot()
+    undo = early(1, early_one.snapshot(), 3, True)  # the vote's update, then a redo
+    assert not _equal(_state(early_one.model, early_one.optimizer), before)
+    undo()
+    assert _equal(_state(early_one.model, early_one.optimizer), before)
+    assert torch.equal(early_one.snapshot(), local) and early_one.consecutive_skips == 0
+    for trainer in (early_one, plain):  # the redo: id 2 on top of the kept sum, then the commit
+        trainer.compute_microbatches(1, [2])
+    undo = early(1, early_one.snapshot(), 3, True)
+    stats, _ = early.take(1)
+    plain_stats = plain.apply_commit(1, plain.snapshot())
+    assert stats.loss == plain_stats.loss
+    assert _equal(_state(early_one.model, early_one.optimizer), _state(plain.model, plain.optimizer))

@@ -20,7 +20,9 @@ ids reassigned during recovery come after its own), `overlap` (inside the last b
 the rank's share, once the step's reduce has started its first bucket: only where the reduce
 overlaps the backward, recover.runtime.overlap, so never in the first attempt of an epoch),
 `reduce` (while the cross-replica all-reduce is in flight), `commit` (after reporting done, before the commit
-arrives), `optimizer` (after the commit, inside the optimizer step), `transfer` (during the live
+arrives), `optimizer` (inside the optimizer step; in `recover train`'s replicas of one rank that
+step runs as soon as the replica's done report is on record, while the vote completes, and
+elsewhere after the commit), `transfer` (during the live
 state transfer to a joiner, sender or receiver; it fires at the first transfer at or after step T,
 since a joiner cannot know in advance at which step it will be admitted).
 

@@ -104,6 +104,19 @@ class GradientSum:
             p.grad = laid_out_like(p, g)
             offset += n
 
+    def hold(self) -> tuple[list[torch.Tensor | None], float, list[int], int]:
+        """The local sum as it is (each `p.grad` by reference, no copy), for `put_back`: `load`
+        and `clear` replace the `.grad` tensors, they never write into them, so what is held
+        stays the sum."""
+        return [p.grad for p in self.params], self.loss_sum, list(self.nonfinite_ids), self.counted
+
+    def put_back(self, held: tuple[list[torch.Tensor | None], float, list[int], int]) -> None:
+        """Make the local sum what `hold()` gave (an update applied during the vote, undone)."""
+        tensors, self.loss_sum, nonfinite, self.counted = held
+        self.nonfinite_ids = list(nonfinite)
+        for p, g in zip(self.params, tensors, strict=True):
+            p.grad = g
+
     def clear(self) -> None:
         for p in self.params:
             p.grad = None

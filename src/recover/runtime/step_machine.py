@@ -37,6 +37,8 @@ two small interfaces it runs over.
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -164,6 +166,12 @@ class StepHooks:
     guard: Any = field(default_factory=_Unwatched)
     before_done: Callable[[], None] = lambda: None
     leaving: Callable[[], bool] = lambda: False
+    # apply_early(step, reduced, count, finite) -> undo: apply the update of a step whose reduce
+    # succeeded while the vote completes (once this rank's done report is on record), and give
+    # back how to undo it. The commit then comes with `applied`; any other outcome runs the undo
+    # first (a redo, a stop). Replicas of one rank only (a replica of several would have to
+    # agree on it); None: the caller applies after the commit.
+    apply_early: Callable[[int, torch.Tensor, int, bool], Callable[[], None]] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,6 +223,8 @@ class CommittedStep:
     # Where this rank's time in the step went, in seconds over all its attempts (PARTS; the
     # optimizer step and the records come after the commit, the caller's to time).
     parts: dict[str, float] = field(default_factory=dict)
+    # The update was applied already (StepHooks.apply_early), while the vote completed.
+    applied: bool = False
     # The share of the committing attempt's buffer whose reduce started during the last backward
     # pass (recover.runtime.overlap): 0 where the reduce started after the compute.
     overlapped: float = 0.0
@@ -380,14 +390,26 @@ class StepMachine:
             _add(attempt, "check", t4 - t3)
             # One round trip: the report, answered with the attempt's outcome. The "commit"
             # point is between the two: this replica's done report is on record.
-            agreed, outcome = self.link.report(
+            report = functools.partial(
+                self.link.report,
                 step=step, epoch=epoch, failure=failure, param_hash=phash,
                 throughput=attempt.throughput(), leaving=hooks.leaving(), finite=part_finite,
                 unreachable=attempt.unreachable,
                 deadline_s=self.options.outcome_timeout_s,
-                on_taken=lambda: hooks.phase("commit", step, None),
             )  # fmt: skip
-            _add(attempt, "vote", time.perf_counter() - t4)
+            on_record = functools.partial(hooks.phase, "commit", step, None)
+            undo: Callable[[], None] | None = None
+            applying_s = 0.0
+            if reduced is not None and hooks.apply_early is not None:
+                apply = functools.partial(
+                    hooks.apply_early, step, reduced,
+                    sum(len(ids) for ids in view.plan.values()), attempt.sum_finite,
+                )  # fmt: skip
+                agreed, outcome, undo, applying_s = self._vote_applying(report, on_record, apply)
+            else:
+                agreed, outcome = report(on_taken=on_record)
+            # (the vote's time not hidden behind an update applied meanwhile)
+            _add(attempt, "vote", time.perf_counter() - t4 - applying_s)
             if not agreed:
                 reduced = None  # some rank of this replica failed: nobody's result counts
             if isinstance(outcome, StepCommitted):
@@ -396,7 +418,11 @@ class StepMachine:
                         f"step {step} committed although this replica's reduce failed"
                     )
                 finite = self.link.agree(attempt.sum_finite)  # every rank checked its part
-                return self._committed(step, view, epoch, reduced, attempt, finite)
+                return self._committed(
+                    step, view, epoch, reduced, attempt, finite, applied=undo is not None
+                )
+            if undo is not None:  # the update applied during the vote never happened
+                undo()
             if isinstance(outcome, StepRedo):
                 # The local sum (p.grad) was never touched by the reduce: it is the snapshot.
                 # Dropped: the shrink baseline's in-flight step; or this replica's part, not finite
@@ -414,6 +440,52 @@ class StepMachine:
             if isinstance(outcome, Stopped):
                 _stop(outcome.status, outcome.reason)
             raise RuntimeError(f"unexpected outcome {outcome!r}")
+
+    def _vote_applying(
+        self,
+        report: Callable[..., tuple[bool, Outcome]],
+        on_record: Callable[[], None],
+        apply: Callable[[], Callable[[], None]],
+    ) -> tuple[bool, Outcome, Callable[[], None] | None, float]:
+        """The vote with the update applied while it completes (StepHooks.apply_early): the
+        report runs on a helper thread; once this replica's done is on record (`on_record`, the
+        "commit" point, has run) and unless the outcome is known to be another than a commit,
+        `apply()` runs on this thread and gives the undo of what it did. Returns the report's
+        answer, the undo (None: nothing was applied) and the apply's seconds. A vote that raises
+        (quorum lost, evicted, the coordinator lost) undoes the update before the raise, so the
+        model holds the last committed state."""
+        taken = threading.Event()
+        box: dict[str, Any] = {}
+
+        def on_taken() -> None:
+            on_record()
+            taken.set()
+
+        def vote() -> None:
+            try:
+                box["result"] = report(on_taken=on_taken)
+            except BaseException as e:  # re-raised on the step's thread
+                box["error"] = e
+            finally:
+                taken.set()
+
+        thread = threading.Thread(target=vote, name="recover-vote", daemon=True)
+        thread.start()
+        taken.wait()
+        undo: Callable[[], None] | None = None
+        applying_s = 0.0
+        result = box.get("result")
+        if "error" not in box and (result is None or isinstance(result[1], StepCommitted)):
+            t0 = time.perf_counter()
+            undo = apply()
+            applying_s = time.perf_counter() - t0
+        thread.join()
+        if "error" in box:
+            if undo is not None:
+                undo()
+            raise box["error"]
+        agreed, outcome = box["result"]
+        return agreed, outcome, undo, applying_s
 
     def _part_finite(self, step: int, reduced: torch.Tensor, attempt: StepAttempt) -> bool:
         """Whether this rank's own part of the attempt's sum is finite (reported with `done`, so
@@ -489,6 +561,8 @@ class StepMachine:
         reduced: torch.Tensor,
         attempt: StepAttempt,
         finite: bool,
+        *,
+        applied: bool = False,
     ) -> CommittedStep:
         recovered = None
         if attempt.t_first_fault is not None:
@@ -507,6 +581,7 @@ class StepMachine:
             records_from=latest.records_from if named else step,
             parts={k: round(v, 6) for k, v in attempt.parts.items()},
             overlapped=round(attempt.overlapped, 4),
+            applied=applied,
             released=named and self.me not in latest.live and latest.status == "running",
             finite=finite,
         )

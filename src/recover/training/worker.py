@@ -16,13 +16,15 @@ recover.runtime.step_machine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from recover import exits
 from recover.addresses import PeerAddress
@@ -37,13 +39,17 @@ from recover.runtime.session import STOPS, ReplicaSession
 from recover.runtime.spec import ReplicaSpec
 from recover.runtime.stall import StallGuard
 from recover.runtime.step_machine import CommittedStep, StepHooks, StepOptions
+from recover.runtime.update_guard import UpdateGuard
 from recover.training.config import (
     RunPaths,
     TrainConfig,
 )
 from recover.training.recorder import RunRecorder, unigram_loss
 from recover.training.solo import build_trainer_for_run
-from recover.training.trainer import NonFiniteError, pick_device
+from recover.training.trainer import CommitStats, NonFiniteError, pick_device
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +240,8 @@ def run_worker(
                 + (f" of {ranks} ranks ({layout.name})" if ranks > 1 else "")
                 + f"; run folder {paths.out}",
             )  # fmt: skip
+        # A replica of one rank applies each update while its vote completes (EarlyUpdates).
+        early = EarlyUpdates(trainer, guard) if ranks == 1 else None
         machine = session.start(
             trainer,
             peer=wcfg.peer,
@@ -251,6 +259,7 @@ def run_worker(
                 event=writer.event,
                 guard=guard,
                 before_done=recorder.wait_saves,
+                apply_early=early,
             ),
             has_state=not joining,
         )
@@ -263,7 +272,9 @@ def run_worker(
         while step < cfg.steps:
             session.confirm_member()
             commit = machine.run(step, compute)
-            apply_commit(commit, replica=me, trainer=trainer, recorder=recorder, guard=guard)
+            apply_commit(
+                commit, replica=me, trainer=trainer, recorder=recorder, guard=guard, early=early
+            )
             step += 1
             # A planned leave (session.boundary): it leaves with the committed state saved.
             if step < cfg.steps and session.boundary():
@@ -426,20 +437,81 @@ def run_recovery_summary(metrics_path: Path) -> dict:
     }
 
 
+class EarlyUpdates:
+    """The update of a step applied while its vote completes (StepHooks.apply_early), in a
+    replica of one rank: the optimizer step runs once this replica's done report is on record,
+    instead of after the commit arrives. Its undo puts back the state before it (the update
+    guard's backup, recover.runtime.update_guard) and the local sum (held by reference), so that
+    a redo computes on top of the sum as it was."""
+
+    def __init__(self, trainer, guard) -> None:
+        self.trainer, self.guard = trainer, guard
+        self._applied: dict[int, tuple[CommitStats, float]] = {}
+
+    def __call__(
+        self, step: int, reduced: torch.Tensor, count: int, finite: bool
+    ) -> Callable[[], None]:
+        trainer = self.trainer
+        held, skips = trainer.grads.hold(), trainer.consecutive_skips
+        t0 = time.perf_counter()
+        with self.guard.busy("in the optimizer step"):
+            stats = trainer.apply_commit(step, reduced, count=count, finite=finite)
+        self._applied[step] = (stats, round(time.perf_counter() - t0, 6))
+
+        def undo() -> None:
+            del self._applied[step]
+            if not stats.skipped:  # (a skipped step changed no state, or undid its own)
+                trainer.update_guard.restore()
+            trainer.grads.put_back(held)
+            trainer.consecutive_skips = skips
+
+        return undo
+
+    def take(self, step: int) -> tuple[CommitStats, float]:
+        """The stats and seconds of step `step`'s update, applied during its vote."""
+        return self._applied.pop(step)
+
+    @contextlib.contextmanager
+    def before(self, step: int) -> Iterator[None]:
+        """The model and optimizer as they were before step `step`'s update, for the length of
+        the block (what the writer of `step` records of earlier steps: fill_gaps), then the
+        updated state again."""
+        stats, _ = self._applied[step]
+        if stats.skipped:  # nothing was changed
+            yield
+            return
+        after = UpdateGuard(self.trainer.optimizer)
+        after.save()
+        self.trainer.update_guard.restore()
+        try:
+            yield
+        finally:
+            after.restore()
+
+
 def apply_commit(
-    commit: CommittedStep, *, replica: int, trainer, recorder: RunRecorder, guard
-) -> None:
-    """The update of a committed step, then its records (the writer was named with the commit)."""
+    commit: CommittedStep, *, replica: int, trainer, recorder: RunRecorder, guard,
+    early: EarlyUpdates | None = None,
+) -> None:  # fmt: skip
+    """The update of a committed step (unless it was applied during the vote: `early`), then
+    its records (the writer was named with the commit)."""
     recorder.is_writer = commit.writer
     # A previous writer died or left before its records were known written: what the run folder
-    # lacks is written now, while the state is still the one committed before this step.
-    recorder.fill_gaps(commit.records_from, commit.step)
-    t0 = time.perf_counter()
-    with guard.busy("in the optimizer step"):
-        stats = trainer.apply_commit(
-            commit.step, commit.reduced, count=commit.count, finite=commit.finite
-        )
-    apply_s = round(time.perf_counter() - t0, 6)
+    # lacks is written now, from the state committed before this step (an update applied during
+    # the vote is set aside meanwhile).
+    applied = commit.applied and early is not None
+    gaps = recorder.is_writer and commit.records_from < commit.step
+    with early.before(commit.step) if applied and gaps else contextlib.nullcontext():
+        recorder.fill_gaps(commit.records_from, commit.step)
+    if applied:
+        stats, apply_s = early.take(commit.step)
+    else:
+        t0 = time.perf_counter()
+        with guard.busy("in the optimizer step"):
+            stats = trainer.apply_commit(
+                commit.step, commit.reduced, count=commit.count, finite=commit.finite
+            )
+        apply_s = round(time.perf_counter() - t0, 6)
     recorder.on_commit(
         stats,
         microbatches=commit.count,  # M, but in the shrink baseline
