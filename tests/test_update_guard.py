@@ -189,4 +189,33 @@ def test_an_update_applied_during_the_vote_is_undone_bit_for_bit(tiny_dataset):
     stats, _ = early.take(1)
     plain_stats = plain.apply_commit(1, plain.snapshot())
     assert stats.loss == plain_stats.loss
-    assert _equal(_state(early_one.model, early_one.optimizer), _state(plain.model, plain.optimizer))
+    assert _equal(
+        _state(early_one.model, early_one.optimizer), _state(plain.model, plain.optimizer)
+    )
+
+
+def test_a_lost_writers_checkpoint_is_written_from_the_state_before_the_update(tiny_dataset):
+    """A writer that must fill in a lost writer's checkpoint (recorder.fill_gaps) after its own
+    update was applied during the vote sets that update aside while it writes
+    (EarlyUpdates.before): inside the block the model and optimizer are the committed state
+    before the update, after it the updated state again."""
+    from recover.data.addressing import TokenDataset
+    from recover.runtime.stall import StallGuard
+    from recover.training.config import TrainConfig
+    from recover.training.trainer import ReplicaTrainer
+    from recover.training.worker import EarlyUpdates
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(preset="tiny", seq_len=16, microbatch_size=2, microbatches=2)
+    trainer = ReplicaTrainer(cfg, TokenDataset.open(tiny_dataset))
+    early = EarlyUpdates(trainer, StallGuard(0, replica=0))
+    for step in (0, 1):
+        trainer.compute_microbatches(step, range(2))
+        committed = _state(trainer.model, trainer.optimizer)
+        early(step, trainer.snapshot(), 2, True)
+        updated = _state(trainer.model, trainer.optimizer)
+        assert not _equal(updated, committed)
+        with early.before(step):
+            assert _equal(_state(trainer.model, trainer.optimizer), committed)
+        assert _equal(_state(trainer.model, trainer.optimizer), updated)
+        early.take(step)
