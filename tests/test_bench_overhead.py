@@ -51,6 +51,25 @@ def test_a_steps_parts_are_averaged_over_the_steps_inside_the_blocks():
 
 
 @pytest.mark.unit
+@pytest.mark.unit
+def test_a_scripts_steps_are_the_gaps_between_its_lines_and_its_failures_are_counted(tmp_path):
+    """`recover bench script` reads each job's steps from the writer's losses.jsonl (a line per
+    step with its wall time; a line being written is skipped) and a dead replica from the run's
+    record, which fails the benchmark (it measures the failure-free cost)."""
+    from recover.tooling.bench.script import ScriptJob
+
+    losses, record = tmp_path / "losses.jsonl", tmp_path / "metrics.jsonl"
+    job = ScriptJob("recover", losses, run_record=record)
+    assert job.steps() == [] and job.failures() == 0 and job.records() == []
+    losses.write_text('{"time": 10.0}\n{"time": 10.5}\n{"time": 11.25}\n{"tim')
+    assert job.steps() == [(10.5, 0.5), (11.25, 0.75)]
+    record.write_text(
+        json.dumps({"kind": "event", "name": "coordinator.member_dead", "t_wall": 1.0}) + "\n"
+    )
+    assert job.failures() == 1
+
+
+@pytest.mark.unit
 def test_the_interval_holds_the_geometric_mean_and_narrows_with_agreement():
     point, lo, hi = ratio_interval([1.0, 1.1, 0.95, 1.2, 1.05])
     assert point == pytest.approx(math.exp(sum(map(math.log, [1.0, 1.1, 0.95, 1.2, 1.05])) / 5))

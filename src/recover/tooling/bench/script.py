@@ -1,83 +1,170 @@
 """`recover bench script`: a user's script under ReCoVer against the same script under plain DDP.
 
-Job: the failure-free cost of adopting the drop-in API. Runs, alternately on one machine, (a) the
-DDP version of a script under torchrun (gradient accumulation with `no_sync`, one all-reduce per
-step: examples/train_ddp.py) and (b) the ReCoVer version under `recover run` (examples/
-train_custom.py), with the same model, data, M, replicas and steps. Each script records a wall
-time per step on its writer; the step time of a run is the median of the differences after
-`WARMUP` steps; the ratio of a pair is b / a. Prints each pair, then the median ratio with the
-spread of the pairs, and writes JSON with the machine and every raw figure.
+Job: the failure-free cost of adopting the drop-in API. Runs on one machine (a) the DDP version
+of a script under torchrun (gradient accumulation with `no_sync`: the last microbatch's backward
+pass reduces in buckets; examples/train_ddp.py) and (b) the ReCoVer version under `recover run`
+(examples/train_custom.py), with the same model, data, M and replicas, and states the step-time
+ratio b / a with a 95% interval, for the median steps and for the fastest ones.
 
-Costs and limits: 2 x repeats job start-ups (a torch import per process); on a small shared
-machine single pairs are noisy, so read the median over several pairs.
+Method: `recover bench overhead`'s interleaved blocks (recover.tooling.bench.overhead): both
+jobs started once and run side by side but never at once (every process of one is frozen while
+the other runs a block of `--block-steps` step times, which goes first alternating per pair);
+per block the median (and the fastest) of the steps wholly inside it; the ratio is the geometric
+mean over the pairs with a percentile-bootstrap interval. A step's time is the gap between two
+lines of the writer's losses.jsonl (each script writes one per step with its wall time).
+
+Costs and limits: two start-ups, then about 2 x blocks x block-steps steps. The DDP ranks share
+torchrun's session (one scheduling group under autogroup) where recover's processes have one
+each: this matters only against other load on the machine, since the two jobs never run at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-WARMUP = 3  # steps whose times are left out (first allocations, first rendezvous)
+from recover.record import read_metrics
+from recover.tooling.bench.overhead import (
+    ENDLESS_STEPS,
+    FROZEN_SAFE_FLAGS,
+    METHOD,
+    MIN_BLOCK_S,
+    Job,
+    _warm_up,
+    interleave,
+)
 
 
-def _step_times(records: Path) -> list[float]:
-    times = [json.loads(line)["time"] for line in records.read_text().splitlines()]
-    return [b - a for a, b in zip(times[WARMUP:], times[WARMUP + 1 :], strict=False)]
+@dataclass
+class ScriptJob(Job):
+    """A script's job: its steps from the writer's losses.jsonl (a line per step with its wall
+    time; a step's time is the gap to the line before), its failures from `run_record` (a
+    `recover run` folder's metrics.jsonl)."""
+
+    run_record: Path | None = None
+
+    def records(self) -> list[dict]:
+        return []  # (no parts: the scripts do not time them)
+
+    def steps(self) -> list[tuple[float, float]]:
+        if not self.record.exists():
+            return []
+        times = []
+        for line in self.record.read_text().splitlines():
+            try:
+                times.append(float(json.loads(line)["time"]))
+            except (ValueError, KeyError):
+                continue  # a torn last line: the script is writing it
+        return [(b, b - a) for a, b in zip(times, times[1:], strict=False)]
+
+    def failures(self) -> int:
+        if self.run_record is None or not self.run_record.exists():
+            return 0
+        return sum(
+            r.get("name") == "coordinator.member_dead" for r in read_metrics(self.run_record)
+        )
+
+
+def _start(name: str, cmd: list[str], out: Path, run_record: Path | None = None) -> ScriptJob:
+    from recover.tooling.bench.common import child_env
+
+    log = open(out.parent / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True
+    )
+    return ScriptJob(name, out / "losses.jsonl", [proc], tree=True, run_record=run_record)
 
 
 def bench_script(args: argparse.Namespace) -> dict:
     from recover.tooling.bench.common import machine_info, run_child
 
+    for name in ("blocks", "block_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     script, ddp = Path(args.script).resolve(), Path(args.ddp_script).resolve()
     for path in (script, ddp):
         if not path.is_file():
             raise ValueError(f"{path}: no such script (run from the repository's root)")
-    pairs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "tokens.bin"
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        data = tmp / "tokens.bin"
         run_child([sys.executable, str(script), "--make-data", str(data)], timeout_s=120)
-        common = ["--data", str(data), "--steps", str(args.steps)]
+        common = ["--data", str(data), "--steps", str(ENDLESS_STEPS)]
         common += ["--microbatches", str(args.microbatches)]
-        for i in range(args.repeats):
-            out_a, out_b = Path(tmp) / f"ddp-{i}", Path(tmp) / f"recover-{i}"
-            run_child(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node", str(args.replicas), str(ddp), *common, "--out", str(out_a)],
-                timeout_s=args.timeout,
-            )  # fmt: skip
-            run_child(
-                [sys.executable, "-m", "recover.cli", "run", "--replicas", str(args.replicas),
-                 "--quiet", "--out", str(out_b / "job"), "--", sys.executable, str(script),
-                 *common, "--out", str(out_b)],
-                timeout_s=args.timeout,
-            )  # fmt: skip
-            a = statistics.median(_step_times(out_a / "losses.jsonl"))
-            b = statistics.median(_step_times(out_b / "losses.jsonl"))
-            pairs.append({"ddp_step_s": a, "recover_step_s": b, "ratio": b / a})
-            print(f"  pair {i + 1}/{args.repeats}: ddp {a * 1000:.1f} ms, recover "
-                  f"{b * 1000:.1f} ms, ratio {b / a:.3f}", flush=True)  # fmt: skip
-    ratios = sorted(p["ratio"] for p in pairs)
+        out_a, out_b = tmp / "ddp", tmp / "recover"
+        for out in (out_a, out_b):
+            out.mkdir()
+        a = _start(
+            "ddp",
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node", str(args.replicas), str(ddp), *common, "--out", str(out_a)],
+            out_a,
+        )  # fmt: skip
+        jobs = [a]
+        try:
+            step_a = _warm_up(a, timeout_s=args.timeout)  # alone: the start-ups never overlap
+            jobs.append(
+                _start(
+                    "recover",
+                    [
+                        sys.executable,
+                        "-m",
+                        "recover.cli",
+                        "run",
+                        "--replicas",
+                        str(args.replicas),
+                        "--quiet",
+                        *FROZEN_SAFE_FLAGS,
+                        "--out",
+                        str(out_b / "job"),
+                        "--",
+                        sys.executable,
+                        str(script),
+                        *common,
+                        "--out",
+                        str(out_b),
+                    ],
+                    out_b,
+                    run_record=out_b / "job" / "metrics.jsonl",
+                )  # fmt: skip
+            )
+            step_b = _warm_up(jobs[1], timeout_s=args.timeout)
+            block_s = max(MIN_BLOCK_S, args.block_steps * max(step_a, step_b))
+            res = interleave(a, jobs[1], blocks=args.blocks, block_s=block_s)
+        except BaseException:
+            for job in jobs:
+                if (log := tmp / f"{job.name}.log").exists():
+                    print(log.read_text()[-3000:], file=sys.stderr)
+            raise
+        finally:
+            for job in jobs:
+                job.stop()
     result = {
         "benchmark": "script",
-        "method": "alternating pairs on one machine: the DDP script under torchrun, then the "
-        f"ReCoVer script under recover run; per run the median step time after {WARMUP} "
-        "warm-up steps (writer's wall clock); ratio = recover / ddp",
+        "method": METHOD.format(a="ddp", b="recover"),
         "scripts": {"recover": str(script), "ddp": str(ddp)},
-        "config": {"replicas": args.replicas, "steps": args.steps, "M": args.microbatches},
+        "config": {
+            "replicas": args.replicas,
+            "M": args.microbatches,
+            "blocks": args.blocks,
+            "block_steps": args.block_steps,
+        },  # fmt: skip
         "machine": machine_info(),
-        "pairs": pairs,
-        "median_ratio": statistics.median(ratios),
-        "min_ratio": ratios[0],
-        "max_ratio": ratios[-1],
+        **res,
     }
+    load = res["loadavg_1min"]
     print(
-        f"script overhead ({args.replicas} replicas, M={args.microbatches}): median ratio "
-        f"{result['median_ratio']:.3f} (min {ratios[0]:.3f}, max {ratios[-1]:.3f}) over "
-        f"{len(pairs)} pairs"
+        f"script overhead ({args.replicas} replicas, M={args.microbatches}): ratio "
+        f"{res['ratio']:.3f}, 95% CI [{res['ci_low']:.3f}, {res['ci_high']:.3f}] over "
+        f"{res['blocks']} block pairs ({res['blocks_dropped']} dropped; blocks of "
+        f"{res['block_s']:.1f} s); fastest steps {res['fastest_ratio']:.3f} "
+        f"[{res['fastest_ci_low']:.3f}, {res['fastest_ci_high']:.3f}]; load average "
+        f"{load['min']:.1f}-{load['max']:.1f} (median {load['median']:.1f})"
     )
     return result
 
@@ -97,10 +184,18 @@ def add_script_parser(sub) -> None:
         help="the same training as plain DDP under torchrun (default: examples/train_ddp.py)",
     )
     p.add_argument("--replicas", type=int, default=3, help="replicas / DDP ranks (default: 3)")
-    p.add_argument("--steps", type=int, default=60, help="steps per run (default: 60)")
     p.add_argument("--microbatches", type=int, default=6, help="M (default: 6)")
-    p.add_argument("--repeats", type=int, default=5, help="alternating pairs (default: 5)")
-    p.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
+    p.add_argument(
+        "--blocks", type=int, default=30,
+        help="pairs of interleaved blocks, one of each job (default: 30)",
+    )  # fmt: skip
+    p.add_argument(
+        "--block-steps", type=int, default=10,
+        help="a block's length in step times of the slower job (default: 10)",
+    )  # fmt: skip
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="a job's start-up and warm-up, seconds"
+    )
     p.add_argument(
         "--json",
         default="bench-script.json",
