@@ -155,6 +155,21 @@ def test_a_pass_after_the_last_counted_microbatch_is_refused_and_nothing_is_redu
 
 
 @pytest.mark.timeout(30)
+def test_a_pass_after_the_last_microbatch_was_counted_is_refused_too():
+    """A script's extra backward pass after its last replica.backward(): its gradient would be
+    missing from a reduce that already read p.grad, so the step stops instead."""
+    group = _solo()
+    model, grads = _model(0)
+    early = EarlyReduce(
+        grads, BucketPlan(grads, BUCKET), group, microbatches=1, on_start=lambda: None
+    )
+    _microbatch(model, grads, 0)  # the last microbatch, counted
+    model(torch.randn(2, 8)).sum().backward()  # one more pass
+    with pytest.raises(RuntimeError, match="replica.backward"):
+        early.finish()
+
+
+@pytest.mark.timeout(30)
 def test_leaving_during_the_compute_removes_the_hooks_and_abandons_the_started_buckets():
     group = _solo()
     model, grads = _model(0)

@@ -19,8 +19,9 @@ whatever order the hooks fire in).
 
 Which pass is the last: the one that runs while the n-th microbatch of the attempt is not counted
 yet (`GradientSum.add_loss` counts them after each pass; n is the attempt's ids). A hook that fires
-for a parameter already copied means a pass after the last one: the caller counted wrong and the
-started buckets hold values that are not the sum; `finish` raises and nothing is reduced.
+for a parameter already copied, or after the n-th microbatch was counted, means a pass after the
+last one (a caller that counted wrong, or a script's extra backward pass): the started buckets
+hold values that are not the sum; `finish` raises and nothing is reduced.
 
 Invariants: `p.grad` is never touched (the buffer is a copy made for the attempt); a fault or a
 stop abandons the started buckets with the group (its graveyard, recover.runtime.collective);
@@ -136,10 +137,10 @@ class EarlyReduce(StepReduce):
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def on_grad(p: torch.Tensor) -> None:
-            if self.grads.counted != self.last:
+            if self.grads.counted < self.last:
                 return  # an earlier microbatch's pass: p.grad will grow
-            if self._copied[i]:
-                self.stale = True
+            if self.grads.counted > self.last or self._copied[i]:
+                self.stale = True  # a pass after the last one: what was copied is not the sum
                 return
             self._copy(i, p)
             for k in self.plan.buckets_of[i]:
@@ -180,9 +181,10 @@ class EarlyReduce(StepReduce):
         if self.stale:
             self.group.drop_in_flight("a backward pass ran after the attempt's last microbatch")
             raise RuntimeError(
-                "a backward pass ran after the last microbatch of the attempt was counted: the "
-                "step's reduce had started on gradients that were not final (count every "
-                "microbatch with GradientSum.add_loss after its backward pass)"
+                "a backward pass ran after the step's last microbatch: the step's reduce had "
+                "started on gradients that were not final, so nothing of it is used. Every "
+                "backward pass of a step belongs to one microbatch (in a script: "
+                "replica.backward(loss), once per microbatch, and no other backward)"
             )
         for i, p in enumerate(self.grads.params):
             if not self._copied[i]:

@@ -748,10 +748,13 @@ class StepMachine:
 # The parts of a step on one rank, in the order they happen (CommittedStep.parts):
 # transfer  receiving or serving the state of a joiner (only in a step that admits one);
 # compute   the forward and backward passes of this rank's microbatches (the caller's work);
-# snapshot  copying the local sum into the attempt's buffer for the reduce;
-# reduce    the cross-replica reduce (and forming its group when the epoch changed);
+# snapshot  copying the local sum into the attempt's buffer for the reduce (only what the hooks
+#           of the last backward pass did not copy, where the reduce overlaps it);
+# reduce    the cross-replica reduce after the compute: the buckets not started during the last
+#           backward pass, and the wait for all of them (and forming its group in a new epoch);
 # check     the parameter hash every --check-every steps, and a part's finiteness;
-# vote      the report and the coordinator's answer: the wait for the others' reports included.
+# vote      the report and the coordinator's answer, the wait for the others' reports included,
+#           less the time an update applied meanwhile took (StepHooks.apply_early).
 PARTS = ("transfer", "compute", "snapshot", "reduce", "check", "vote")
 
 
