@@ -114,36 +114,46 @@ def reference_parameters() -> torch.Tensor:
 
 
 class _FailingReport(SoloLink):
-    """A replica's link whose first report of `step` says the attempt failed."""
+    """A replica's link whose first report of `step` says the attempt failed, sent once `wait`
+    other replicas' done reports of that step are on record (`others` is released at their
+    "commit" point), so that every other replica has applied its update when the redo comes."""
 
-    def __init__(self, client: CoordinatorClient, step: int) -> None:
+    def __init__(
+        self, client: CoordinatorClient, step: int, others: threading.Semaphore, wait: int
+    ):
         super().__init__(client)
-        self.step = step
+        self.step, self.others, self.wait = step, others, wait
 
     def report(self, *, step: int, failure=None, **rest):
         if step == self.step and failure is None:
+            for _ in range(self.wait):
+                assert self.others.acquire(timeout=20), "the others never reported done"
             self.step, failure = -1, "a replica-mate's reduce failed (injected by the test)"
         return super().report(step=step, failure=failure, **rest)
 
 
 def run_replica(
     r: int, server, results: dict, leave_at: tuple[int, str] | None, gate=None, det=False,
-    early=False,
+    early=False, reported=None, failing_step=None,
 ) -> None:  # fmt: skip
     """Replica r's thread: register, run STEPS steps through the machine, record each commit.
     `gate` (step, event): the others wait for the leaver at that step's compute until it has
     left, so its collective is still in flight when it goes. `early`: apply each update during
     the vote (StepHooks.apply_early). At the point "report" the replica does not leave: its
     reduce succeeded, and it reports that attempt failed (as a rank of a replica of several
-    does when a replica-mate's reduce failed)."""
+    does when a replica-mate's reduce failed), once the others' done reports of that step are on
+    record (`reported`: a semaphore they release at their "commit" point of `failing_step`, and
+    how many they are)."""
     client = CoordinatorClient(*server.address, replica_id=r, heartbeat_s=0.05)
     link = SoloLink(client)
     if leave_at is not None and leave_at[1] == "report":
-        link = _FailingReport(client, leave_at[0])
+        link = _FailingReport(client, leave_at[0], *reported)
         leave_at = None
     work = LinearWork()
 
     def phase(name: str, step: int, index) -> None:
+        if reported is not None and name == "commit" and step == failing_step:
+            reported[0].release()  # (its done report is on record: see _FailingReport)
         if leave_at == (step, name):  # drop the session, abandon the thread
             client.close()
             if gate is not None:
@@ -198,11 +208,23 @@ def run_job(
     )  # equal shares: the tests name who holds which ids
     results: dict = {}
     gate = None if gate_step is None else (gate_step, threading.Event())
+    failing = [at[0] for at in leave_at.values() if at[1] == "report"]
+    reported = (threading.Semaphore(0), replicas - 1)  # (used where a replica's report fails)
     with CoordinatorServer(opts, store_port=0) as server:
         threads = [
             threading.Thread(
                 target=run_replica,
-                args=(r, server, results, leave_at.get(r), gate, det, early),
+                args=(
+                    r,
+                    server,
+                    results,
+                    leave_at.get(r),
+                    gate,
+                    det,
+                    early,
+                    reported,
+                    failing[0] if failing else None,
+                ),
             )
             for r in range(replicas)
         ]
