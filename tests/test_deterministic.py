@@ -73,7 +73,9 @@ def test_a_faulted_run_equals_the_failure_free_one_bit_for_bit(
     if case == "straggler":  # every replica finished: a share cut to no id ends no replica
         assert {e["replica"] for e in events(out, "replica_finished")} == {0, 1, 2}
         shares = [s["shares"] for s in _steps(out)]
-        assert shares[0] != shares[-1], shares  # the plan changed; the bits did not
+        # The plan changed (at some step: shares follow measured throughput, which the suite's
+        # load moves, and one CI run went back to equal shares by the last step); the bits did not.
+        assert any(s != shares[0] for s in shares[1:]), shares
 
 
 def _steps(out: Path) -> list[dict]:
