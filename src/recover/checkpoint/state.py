@@ -151,11 +151,46 @@ def dcp_state(
     state: dict = {"model": _alias_keys(get_model_state_dict(model), aliases, prefixes=("",))}
     if optimizer is not None and optimizer.state:
         flat = get_optimizer_state_dict(model, optimizer, options=_FLAT)
+        flat = _rank_local_keys(model, flat)
         flat = _alias_keys(flat, aliases, prefixes=("state.", "param_groups."))
         state["optimizer"] = _collapse_groups(flat)
     if extra:
         state["extra"] = {name: obj.state_dict() for name, obj in extra.items()}
     return state
+
+
+# The suffix of a rank-local optimizer state's key: "@rank" and the rank's coordinate in its
+# parameter's device mesh ("state.FQN.NAME@rank0.1").
+_RANK_LOCAL = "@rank"
+
+
+def _rank_local_keys(model: torch.nn.Module, flat: dict) -> dict:
+    """`flat` with each rank-local optimizer state renamed to this rank's own key.
+
+    A rank-local state is a plain tensor (not a DTensor) of at least one dimension kept for a
+    sharded (DTensor) parameter: an optimizer that works on the local shard and keeps state shaped
+    unlike it (Adafactor-style factored moments over the shard's rows and columns; a ZeRO-style
+    optimizer's slice). DCP takes a plain tensor for a replicated value: every rank would save it
+    under one name, one rank's copy would be kept, and every rank would load that copy (silently
+    wrong where the shapes agree). Each rank's is its own item here, under its mesh coordinate;
+    such a state is resumed by the layout that saved it (DCP cannot reshard what it cannot see
+    the layout of)."""
+    sharded = {name: p for name, p in model.named_parameters() if isinstance(p, DTensor)}
+    if not sharded:
+        return flat
+    out: dict = {}
+    for key, value in flat.items():
+        fqn = key[len("state.") :].rpartition(".")[0] if key.startswith("state.") else ""
+        p = sharded.get(fqn)
+        if p is not None and _rank_local(value):
+            coordinate = p.device_mesh.get_coordinate() or ()
+            key = f"{key}{_RANK_LOCAL}{'.'.join(str(c) for c in coordinate)}"
+        out[key] = value
+    return out
+
+
+def _rank_local(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0
 
 
 def _collapse_groups(flat: dict) -> dict:
@@ -380,10 +415,25 @@ class CheckpointWriter:
 def _check_shapes(path: Path, metadata, flat: dict) -> None:
     """CheckpointError naming the first tensor whose global shape differs from the checkpoint's
     (another model shape), or that the checkpoint lacks."""
+    saved_keys = metadata.state_dict_metadata
     for key, value in flat.items():
         if not isinstance(value, torch.Tensor):
             continue
-        saved = metadata.state_dict_metadata.get(key)
+        saved = saved_keys.get(key)
+        base = key.partition(_RANK_LOCAL)[0]
+        rank_local = _RANK_LOCAL in key or (
+            saved is None and any(k.startswith(base + _RANK_LOCAL) for k in saved_keys)
+        )
+        if rank_local and (
+            saved is None
+            or (isinstance(saved, TensorStorageMetadata) and tuple(saved.size) != value.shape)
+        ):
+            raise CheckpointError(
+                f"checkpoint {path} cannot give this rank its {base.removeprefix('optimizer.')}: "
+                "the optimizer kept it for each rank's own shard, shaped unlike the parameter, "
+                "which cannot be resharded; it resumes in the layout that saved it (as many "
+                "ranks along the parameter's mesh), not this one"
+            )
         if saved is None:
             raise CheckpointError(
                 f"checkpoint {path} has no {key}: it was saved from another model or optimizer"
@@ -455,7 +505,9 @@ def load_dcp_state(
     set_model_state_dict(model, model_state)
     if with_optimizer:
         own = get_optimizer_state_dict(model, optimizer, options=_FLAT).keys()
-        loaded = _expand_groups(state["optimizer"])
+        loaded = {
+            k.partition(_RANK_LOCAL)[0]: v for k, v in _expand_groups(state["optimizer"]).items()
+        }
         flat = _unalias(loaded, own, aliases, ("state.", "param_groups."))
         set_optimizer_state_dict(model, optimizer, flat, options=_FLAT)
     for name, obj in (extra or {}).items():

@@ -124,6 +124,17 @@ class ScriptWork:
         # parameters come in the same order. One that never stepped has no state: None is sent
         # (creating it would take a zero step and change this replica's bias correction).
         optim = self.optimizer.state_dict() if self.optimizer.state else None
+        if optim is not None:
+            # Which values are DTensors (sent as their local part): the joiner makes exactly
+            # those DTensors again. A plain tensor stays one, whatever its shape: an optimizer
+            # working on the local shard keeps plain state (factored moments, a flat slice),
+            # some of it shaped like the shard.
+            optim["dtensors"] = [
+                [i, k]
+                for i, values in optim["state"].items()
+                for k, v in values.items()
+                if hasattr(v, "device_mesh")
+            ]
         local: dict[str, Any] = _to_local(  # (a dict stays a dict)
             {
                 "model": get_model_state_dict(self.model),
@@ -152,20 +163,36 @@ class ScriptWork:
 
     def _laid_out(self, optim: dict[str, Any]) -> dict[str, Any]:
         """A received optimizer state dict (local parts, by position) laid out like this rank's
-        parameters: a value shaped like a sharded (DTensor) parameter's local part becomes a
-        DTensor like that parameter; every other value is loaded as it came."""
+        parameters: each value that was a DTensor at the source (`dtensors`) becomes a DTensor
+        like its parameter; every other value is loaded as it came. (A sender that did not name
+        them: the values shaped like a sharded parameter's local part.)"""
+        optim = dict(optim)
+        named = optim.pop("dtensors", None)
+        was_dtensor = {(str(i), k) for i, k in named} if named is not None else None
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         state = {}
         for i, values in optim["state"].items():
             p = params[int(i)]
-            local = local_part(p)
+            device = local_part(p).device
             state[i] = {
-                k: laid_out_like(p, v.to(local.device))
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == local.shape
+                k: laid_out_like(p, v.to(device))
+                if _was_sharded(p, v, (str(i), k), was_dtensor)
                 else v
                 for k, v in values.items()
             }
         return {**optim, "state": state}
+
+
+def _was_sharded(
+    p: torch.Tensor, value: Any, key: tuple[str, str], was_dtensor: set[tuple[str, str]] | None
+) -> bool:
+    """Whether a received optimizer value of parameter `p` was a DTensor at the source: named in
+    `was_dtensor`, or (a sender that did not name them) shaped like p's local part."""
+    if not isinstance(value, torch.Tensor) or not hasattr(p, "device_mesh"):
+        return False
+    if was_dtensor is not None:
+        return key in was_dtensor
+    return value.dim() > 0 and value.shape == local_part(p).shape
 
 
 def whole_state(model: torch.nn.Module, intra: IntraReplica | None) -> dict[str, Any]:
