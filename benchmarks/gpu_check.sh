@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, as one short script for a machine with a GPU (CI has none): the tests marked
 # `gpu` that the visible GPUs allow, then the runs on the GPU that no CPU test covers there:
-# a SIGKILLed replica respawned and fed the state by transfer, a script's replica reducing over
+# a SIGKILLed replica respawned and fed the state by transfer, the reduce overlapped with the
+# backward pass (a kill inside it), a script's replica reducing over
 # NCCL (--cross-reduce nccl, not yet run on a GPU), and a --deterministic run with a kill that
 # must equal one replica bit for bit. Uses the python3 on the PATH (it must hold a
 # CUDA build of torch) and the package from src/ (no install). Logs go to $OUT (default: a
@@ -50,6 +51,16 @@ check respawn-compare run compare "$WORK/one" "$WORK/respawn"
 transfers=$(grep -c '"state_transfer"' "$WORK/respawn/metrics.jsonl" 2>/dev/null || echo 0)
 echo "respawn: $transfers state_transfer event(s)"
 [ "$transfers" -ge 1 ] || status=1
+
+# The reduce overlapped with the last backward pass (never run on a GPU yet): the hooks copy GPU
+# gradients into the host buffer of the gloo reduce from autograd's device thread, buckets of
+# 32 KiB start during the pass, and a kill inside it is redone on the one-replica trajectory.
+check overlap run train "${FLAGS[@]}" "${DATA[@]}" --replicas 3 --reduce-bucket 0.03125 \
+    --fault kill:replica=2,step=4,phase=overlap --out "$WORK/overlap"
+check overlap-compare run compare "$WORK/one" "$WORK/overlap"
+overlapped=$(grep -c '"overlapped":1.0' "$WORK/overlap/metrics.jsonl" 2>/dev/null || echo 0)
+echo "overlap: $overlapped step(s) whose reduce started during the backward pass"
+[ "$overlapped" -ge 10 ] || status=1
 
 # The script API's NCCL reduce (--cross-reduce nccl), as far as one GPU allows: one replica of
 # examples/train_custom.py on the GPU, its epoch's group NCCL's (of one member: built, no reduce).

@@ -132,17 +132,19 @@ def test_a_rank_that_starts_early_and_one_that_starts_late_sum_the_same_bits():
     assert torch.equal(results[0], results["snapshot0"] + expected_mine)
 
 
-def _solo() -> EpochGroup:
-    return EpochGroup.build(_store(), epoch=0, rank=0, world_size=1, config=CONFIG)
-
-
-@pytest.mark.timeout(30)
-def test_a_pass_after_the_last_counted_microbatch_is_refused_and_nothing_is_reduced():
-    group = _solo()
+def _armed_alone() -> tuple[EpochGroup, torch.nn.Module, GradientSum, EarlyReduce]:
+    """A group of one rank, a model, and its reduce armed for an attempt of one microbatch."""
+    group = EpochGroup.build(_store(), epoch=0, rank=0, world_size=1, config=CONFIG)
     model, grads = _model(0)
     early = EarlyReduce(
         grads, BucketPlan(grads, BUCKET), group, microbatches=1, on_start=lambda: None
     )
+    return group, model, grads, early
+
+
+@pytest.mark.timeout(30)
+def test_a_pass_after_the_last_counted_microbatch_is_refused_and_nothing_is_reduced():
+    group, model, grads, early = _armed_alone()
     g = torch.Generator().manual_seed(0)
     model(torch.randn(2, 8, generator=g)).sum().backward()  # the last pass, not counted yet
     assert early.early > 0
@@ -158,11 +160,7 @@ def test_a_pass_after_the_last_counted_microbatch_is_refused_and_nothing_is_redu
 def test_a_pass_after_the_last_microbatch_was_counted_is_refused_too():
     """A script's extra backward pass after its last replica.backward(): its gradient would be
     missing from a reduce that already read p.grad, so the step stops instead."""
-    group = _solo()
-    model, grads = _model(0)
-    early = EarlyReduce(
-        grads, BucketPlan(grads, BUCKET), group, microbatches=1, on_start=lambda: None
-    )
+    group, model, grads, early = _armed_alone()
     _microbatch(model, grads, 0)  # the last microbatch, counted
     model(torch.randn(2, 8)).sum().backward()  # one more pass
     with pytest.raises(RuntimeError, match="replica.backward"):
@@ -171,11 +169,7 @@ def test_a_pass_after_the_last_microbatch_was_counted_is_refused_too():
 
 @pytest.mark.timeout(30)
 def test_leaving_during_the_compute_removes_the_hooks_and_abandons_the_started_buckets():
-    group = _solo()
-    model, grads = _model(0)
-    early = EarlyReduce(
-        grads, BucketPlan(grads, BUCKET), group, microbatches=1, on_start=lambda: None
-    )
+    group, model, grads, early = _armed_alone()
     _microbatch(model, grads, 0)
     started = early.early
     assert started > 0

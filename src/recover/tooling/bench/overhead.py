@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -414,6 +415,30 @@ METHOD = (
 )
 
 
+def run_interleaved(
+    a: Job, start_b: Callable[[], Job], *, logs: Path, args: argparse.Namespace
+) -> tuple[dict, Job]:
+    """Warm `a` up alone, then start and warm up the job `start_b()` gives, and interleave them
+    (`args.blocks` pairs of blocks of `args.block_steps` step times); returns interleave's
+    result and the second job. Both jobs are stopped on the way out; on a failure their logs
+    (`logs`/NAME.log) are printed first."""
+    jobs = [a]
+    try:
+        step_a = _warm_up(a, timeout_s=args.timeout)  # alone: the start-ups never overlap
+        jobs.append(start_b())
+        step_b = _warm_up(jobs[1], timeout_s=args.timeout)
+        block_s = max(MIN_BLOCK_S, args.block_steps * max(step_a, step_b))
+        return interleave(a, jobs[1], blocks=args.blocks, block_s=block_s), jobs[1]
+    except BaseException:
+        for job in jobs:
+            if (log := logs / f"{job.name}.log").exists():
+                print(log.read_text()[-3000:], file=sys.stderr)
+        raise
+    finally:
+        for job in jobs:
+            job.stop()
+
+
 def bench_overhead(args: argparse.Namespace) -> dict:
     for name in ("blocks", "block_steps"):
         if getattr(args, name) < 1:
@@ -431,22 +456,8 @@ def bench_overhead(args: argparse.Namespace) -> dict:
             # The plain loop's plan: equal contiguous shares, so recover gets --balance equal.
             a = start_plain(cfg.to_dict(), data, args.replicas, tmp / "plain.jsonl")
             b_args = ("recover", [*flags, "--balance", "equal"], tmp / "recover")
-        jobs = [a]
-        try:
-            step_a = _warm_up(a, timeout_s=args.timeout)  # alone: the start-ups never overlap
-            jobs.append(start_recover(*b_args))
-            step_b = _warm_up(jobs[1], timeout_s=args.timeout)
-            block_s = max(MIN_BLOCK_S, args.block_steps * max(step_a, step_b))
-            res = interleave(a, jobs[1], blocks=args.blocks, block_s=block_s)
-        except BaseException:
-            for job in jobs:
-                if (log := tmp / f"{job.name}.log").exists():
-                    print(log.read_text()[-3000:], file=sys.stderr)
-            raise
-        finally:
-            for job in jobs:
-                job.stop()
-    a_name, b_name = a.name, jobs[1].name
+        res, b = run_interleaved(a, lambda: start_recover(*b_args), logs=tmp, args=args)
+    a_name, b_name = a.name, b.name
     result = {
         "benchmark": "overhead-deterministic" if deterministic else "overhead",
         "method": METHOD.format(a=a_name, b=b_name),

@@ -33,10 +33,8 @@ from recover.tooling.bench.overhead import (
     ENDLESS_STEPS,
     FROZEN_SAFE_FLAGS,
     METHOD,
-    MIN_BLOCK_S,
     Job,
-    _warm_up,
-    interleave,
+    run_interleaved,
 )
 
 
@@ -105,45 +103,17 @@ def bench_script(args: argparse.Namespace) -> dict:
              "--nproc-per-node", str(args.replicas), str(ddp), *common, "--out", str(out_a)],
             out_a,
         )  # fmt: skip
-        jobs = [a]
-        try:
-            step_a = _warm_up(a, timeout_s=args.timeout)  # alone: the start-ups never overlap
-            jobs.append(
-                _start(
-                    "recover",
-                    [
-                        sys.executable,
-                        "-m",
-                        "recover.cli",
-                        "run",
-                        "--replicas",
-                        str(args.replicas),
-                        "--quiet",
-                        *FROZEN_SAFE_FLAGS,
-                        "--out",
-                        str(out_b / "job"),
-                        "--",
-                        sys.executable,
-                        str(script),
-                        *common,
-                        "--out",
-                        str(out_b),
-                    ],
-                    out_b,
-                    run_record=out_b / "job" / "metrics.jsonl",
-                )  # fmt: skip
-            )
-            step_b = _warm_up(jobs[1], timeout_s=args.timeout)
-            block_s = max(MIN_BLOCK_S, args.block_steps * max(step_a, step_b))
-            res = interleave(a, jobs[1], blocks=args.blocks, block_s=block_s)
-        except BaseException:
-            for job in jobs:
-                if (log := tmp / f"{job.name}.log").exists():
-                    print(log.read_text()[-3000:], file=sys.stderr)
-            raise
-        finally:
-            for job in jobs:
-                job.stop()
+        recover = [
+            sys.executable, "-m", "recover.cli", "run", "--replicas", str(args.replicas),
+            "--quiet", *FROZEN_SAFE_FLAGS, "--out", str(out_b / "job"), "--",
+            sys.executable, str(script), *common, "--out", str(out_b),
+        ]  # fmt: skip
+        res, _ = run_interleaved(
+            a,
+            lambda: _start("recover", recover, out_b, run_record=out_b / "job" / "metrics.jsonl"),
+            logs=tmp,
+            args=args,
+        )
     result = {
         "benchmark": "script",
         "method": METHOD.format(a="ddp", b="recover"),
