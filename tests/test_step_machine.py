@@ -28,6 +28,9 @@ from recover.runtime.step_machine import StepHooks, StepMachine, StepOptions
 
 M = 6
 STEPS = 5
+# Buckets of two values: the model's five gradient values in three, so that the reduce can start
+# during the last backward pass (gradients that fit in one bucket go in one op after it).
+BUCKETS = CollectiveConfig(step_bucket_bytes=8)
 _INIT = threading.Lock()
 
 
@@ -175,7 +178,7 @@ def run_replica(
         machine = StepMachine(
             work=work,
             link=link,
-            groups=GroupCache(store, config=CollectiveConfig(), device="cpu"),
+            groups=GroupCache(store, config=BUCKETS, device="cpu"),
             options=StepOptions(
                 replica_id=r, check_every=2, outcome_timeout_s=20, deterministic=det
             ),

@@ -7,6 +7,8 @@ its values are final, so that most of the reduce runs while the last backward pa
 The order (`step_buckets`): the gradient values, all but the buffer's last slot, in buckets of
 `CollectiveConfig.step_bucket_bytes` from the end of the buffer backwards (a backward pass produces
 the last parameters' gradients first), then the loss slot alone (known once the pass is over).
+Gradients that fit in one bucket go in one op with the loss slot: their bucket could start only
+at the very end of the pass, and a second op would cost a collective's latency every step.
 Every rank issues the same sizes in the same order whether a bucket starts during the compute
 (`EarlyReduce`) or after it (`StepReduce`): the two paths differ in time only, so ranks that took
 different paths in one attempt still sum correctly, and the sum's bits do not depend on the path.
@@ -35,6 +37,7 @@ an NCCL group (the overlap has not run on GPUs).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +55,10 @@ def step_buckets(numel: int, bucket_bytes: int) -> list[tuple[int, int]]:
     if numel < 1:
         raise ValueError(f"a step buffer holds at least its loss slot, got {numel} values")
     grads = compute_buckets(numel - 1, 4, bucket_bytes)
+    if len(grads) <= 1:
+        # The gradients' one bucket could start only at the very end of the pass: one op for the
+        # whole buffer, loss slot included, costs one collective's latency instead of two.
+        return [(0, numel)]
     return [*reversed(grads), (numel - 1, numel)]
 
 
@@ -63,9 +70,8 @@ class BucketPlan:
         numel = grads.numel + 1
         self.numel = numel
         self.order = step_buckets(numel, bucket_bytes)
-        ascending = compute_buckets(numel - 1, 4, bucket_bytes)
-        per = ascending[0][1] - ascending[0][0] if ascending else 1
-        last = len(ascending) - 1
+        spans = sorted((start, stop, k) for k, (start, stop) in enumerate(self.order))
+        starts = [start for start, _, _ in spans]
         self.ranges: list[tuple[int, int]] = []  # each parameter's values in the buffer
         self.buckets_of: list[list[int]] = []  # each parameter's buckets (positions in order)
         self.waits = [0] * len(self.order)  # how many parameters each bucket waits for
@@ -73,12 +79,18 @@ class BucketPlan:
         for p in grads.params:
             n = local_part(p).numel()
             self.ranges.append((offset, offset + n))
-            ks = [last - q for q in range(offset // per, (offset + n - 1) // per + 1)] if n else []
+            ks = []
+            i = bisect.bisect_right(starts, offset) - 1
+            while n and i < len(spans) and spans[i][0] < offset + n:
+                ks.append(spans[i][2])
+                i += 1
             self.buckets_of.append(ks)
             for k in ks:
                 self.waits[k] += 1
             offset += n
-        self.waits[-1] = 1  # the loss slot waits for the end of the compute
+        # The bucket of the loss slot waits for the end of the compute too (`finish`).
+        loss = spans[bisect.bisect_right(starts, numel - 1) - 1][2]
+        self.waits[loss] += 1
 
 
 class StepReduce:
