@@ -48,7 +48,14 @@ class GradientSum:
         if not self.params:
             raise ValueError("the model has no parameter that requires a gradient")
         self.device = torch.device(device)
-        self.numel = sum(local_part(p).numel() for p in self.params)  # this rank's values
+        # Each parameter's values in a flat buffer (its local part), and the total: this rank's.
+        self.ranges: list[tuple[int, int]] = []
+        offset = 0
+        for p in self.params:
+            n = local_part(p).numel()
+            self.ranges.append((offset, offset + n))
+            offset += n
+        self.numel = offset
         self.loss_sum = 0.0
         self.nonfinite_ids: list[int] = []  # ids of this step whose loss was not finite
         # Microbatches counted since the last clear (the step's reduce starts its buckets during
@@ -71,16 +78,20 @@ class GradientSum:
         `device` (default: the gradients' own): the attempt's one buffer, which the cross-replica
         reduce sums in place (`p.grad`, the local sum, is never touched by it)."""
         flat = torch.empty(self.numel + 1, dtype=torch.float32, device=device or self.device)
-        offset = 0
-        for p in self.params:  # every value written once: a copy, or a zero where no gradient
-            n = local_part(p).numel()
-            if p.grad is not None:
-                flat[offset : offset + n].copy_(local_part(p.grad).reshape(-1))
-            else:
-                flat[offset : offset + n].zero_()
-            offset += n
+        for i in range(len(self.params)):  # every value written once
+            self.write_part(flat, i)
         flat[-1] = self.loss_sum
         return flat
+
+    def write_part(self, flat: torch.Tensor, i: int) -> None:
+        """Write parameter i's local gradient into its range of `flat` (the snapshot's layout): a
+        copy, or zeros where it has no gradient."""
+        start, stop = self.ranges[i]
+        grad = self.params[i].grad
+        if grad is not None:
+            flat[start:stop].copy_(local_part(grad).reshape(-1))
+        else:
+            flat[start:stop].zero_()
 
     def load(self, flat: torch.Tensor, *, divide_by: float = 1.0) -> None:
         """Set every `p.grad` from a flat buffer of the snapshot's layout, divided by `divide_by`
@@ -92,17 +103,14 @@ class GradientSum:
         if flat.numel() != self.numel + 1:
             raise ValueError(f"flat buffer has {flat.numel()} values, expected {self.numel + 1}")
         flat = flat.to(self.device)  # gloo's sum is in host memory; a no-op on the same device
-        offset = 0
-        for p in self.params:
+        for p, (start, stop) in zip(self.params, self.ranges, strict=True):
             part = local_part(p)
-            n = part.numel()
-            g = flat[offset : offset + n].view_as(part)
+            g = flat[start:stop].view_as(part)
             if g.dtype != part.dtype:
                 g = g.to(part.dtype)
             if divide_by != 1.0:
                 g.div_(divide_by)
             p.grad = laid_out_like(p, g)
-            offset += n
 
     def hold(self) -> tuple[list[torch.Tensor | None], float, list[int], int]:
         """The local sum as it is (each `p.grad` by reference, no copy), for `put_back`: `load`

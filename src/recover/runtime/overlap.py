@@ -44,8 +44,8 @@ from typing import Any
 import torch
 
 from recover.runtime.collective import EpochGroup
-from recover.runtime.collective_config import CollectiveAborted, compute_buckets
-from recover.runtime.grads import GradientSum, local_part
+from recover.runtime.collective_config import compute_buckets
+from recover.runtime.grads import GradientSum
 
 
 def step_buckets(numel: int, bucket_bytes: int) -> list[tuple[int, int]]:
@@ -72,22 +72,18 @@ class BucketPlan:
         self.order = step_buckets(numel, bucket_bytes)
         spans = sorted((start, stop, k) for k, (start, stop) in enumerate(self.order))
         starts = [start for start, _, _ in spans]
-        self.ranges: list[tuple[int, int]] = []  # each parameter's values in the buffer
+        self.ranges = grads.ranges  # each parameter's values in the buffer
         self.buckets_of: list[list[int]] = []  # each parameter's buckets (positions in order)
         self.waits = [0] * len(self.order)  # how many parameters each bucket waits for
-        offset = 0
-        for p in grads.params:
-            n = local_part(p).numel()
-            self.ranges.append((offset, offset + n))
+        for start, stop in self.ranges:
             ks = []
-            i = bisect.bisect_right(starts, offset) - 1
-            while n and i < len(spans) and spans[i][0] < offset + n:
+            i = bisect.bisect_right(starts, start) - 1
+            while start < stop and i < len(spans) and spans[i][0] < stop:
                 ks.append(spans[i][2])
                 i += 1
             self.buckets_of.append(ks)
             for k in ks:
                 self.waits[k] += 1
-            offset += n
         # The bucket of the loss slot waits for the end of the compute too (`finish`).
         loss = spans[bisect.bisect_right(starts, numel - 1) - 1][2]
         self.waits[loss] += 1
@@ -154,19 +150,15 @@ class EarlyReduce(StepReduce):
             if self.grads.counted > self.last or self._copied[i]:
                 self.stale = True  # a pass after the last one: what was copied is not the sum
                 return
-            self._copy(i, p)
+            self._copy(i)
             for k in self.plan.buckets_of[i]:
                 self._waiting[k] -= 1
             self._start_ready()
 
         return on_grad
 
-    def _copy(self, i: int, p: torch.Tensor) -> None:
-        start, stop = self.plan.ranges[i]
-        if p.grad is None:
-            self.buffer[start:stop].zero_()
-        else:
-            self.buffer[start:stop].copy_(local_part(p.grad).reshape(-1))
+    def _copy(self, i: int) -> None:
+        self.grads.write_part(self.buffer, i)
         self._copied[i] = True
 
     def _start_ready(self) -> None:
@@ -178,7 +170,7 @@ class EarlyReduce(StepReduce):
             start, stop = self.order[self.started]
             try:
                 self.group.start_allreduce(self.buffer[start:stop])
-            except (RuntimeError, CollectiveAborted) as e:  # seen by finish_allreduce
+            except RuntimeError as e:  # (CollectiveAborted too) seen by finish_allreduce
                 self.error = e
                 return
             self.started += 1
@@ -198,9 +190,9 @@ class EarlyReduce(StepReduce):
                 "backward pass of a step belongs to one microbatch (in a script: "
                 "replica.backward(loss), once per microbatch, and no other backward)"
             )
-        for i, p in enumerate(self.grads.params):
+        for i in range(len(self.grads.params)):
             if not self._copied[i]:
-                self._copy(i, p)
+                self._copy(i)
         self.buffer[-1] = self.grads.loss_sum
         return self.buffer
 
