@@ -9,6 +9,7 @@ injected clock. A coordinator that dies (SIGKILL, no standby) is tests/test_grac
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shlex
@@ -82,9 +83,11 @@ def test_coordinator_paused_past_its_lease_declares_nobody_dead(tiny_dataset, tm
         for e in events(out, "coordinator.revalidated")
     )
     slack = 0.25  # (the event's wall time is taken just after the loop's monotonic look)
-    for (_, end, _), (start, _, _) in zip(gaps, gaps[1:]):
+    for (_, end, _), (start, _, _) in itertools.pairwise(gaps):
         assert start >= end - slack, f"one pause noticed twice: {gaps}"
-    (noticed,) = [e for start, end, e in gaps if start <= stopped + slack and end >= continued - slack]
+    (noticed,) = [
+        e for start, end, e in gaps if start <= stopped + slack and end >= continued - slack
+    ]
     assert noticed["paused_s"] >= PAUSE_S * 0.9, noticed
     assert sorted(noticed["members"]) == [0, 1]
     # Training went on where it was: every step once, all M microbatches, both replicas to the end
