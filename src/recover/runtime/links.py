@@ -207,11 +207,18 @@ class IntraReplica:
     def on_error(self, error: BaseException) -> None:
         """The main thread failed. A collective inside the replica whose peer connection dropped
         means a mate died: stop now. Otherwise give the watchdog its deadline to find a lost mate
-        (it then ends the process); return if none is lost (the error is then the caller's)."""
-        text = str(error)
-        if any(s in text for s in _PEER_GONE):
-            first = text.splitlines()[0].split(". This is typically")[0]  # gloo's advice: cut
-            self._lost(None, f"a collective inside the replica lost a peer: {first}"[:300])
+        (it then ends the process); return if none is lost (the error is then the caller's).
+        The error's causes count too: a pipeline schedule re-raises a failed collective as an
+        error of its own."""
+        seen: list[BaseException] = []
+        cause: BaseException | None = error
+        while cause is not None and cause not in seen and len(seen) < 8:
+            seen.append(cause)
+            text = str(cause)
+            if any(s in text for s in _PEER_GONE):
+                first = text.splitlines()[0].split(". This is typically")[0]  # gloo's advice: cut
+                self._lost(None, f"a collective inside the replica lost a peer: {first}"[:300])
+            cause = cause.__cause__ or cause.__context__
         end = time.monotonic() + 2 * self.deadline_s
         while time.monotonic() < end and self._thread.is_alive():
             time.sleep(0.05)
