@@ -6,7 +6,8 @@ same step, on the very same microbatches, without a restart. See docs/design.md.
 The public API for your own training loop (docs/api.md):
 
 - `Replica`: joins the job a launcher (`recover run`) started, hands out each step's microbatch
-  ids, and returns the committed mean gradient in `.grad`;
+  ids (or, for a replica cut into pipeline stages, each attempt's share at once as a
+  `PipelinePart` for a schedule), and returns the committed mean gradient in `.grad`;
 - `TokenWindows`: microbatch `(step, j)` as a pure function of `(seed, step, j)` over a token file;
 - `UsageError`, `QuorumLost`, `NonFinite`, `CoordinatorLost`, `AddressError`: what the API
   raises.
@@ -23,6 +24,7 @@ _EXPORTS = {
     "QuorumLost": "recover.runtime.api",
     "NonFinite": "recover.runtime.api",
     "CoordinatorLost": "recover.runtime.api",
+    "PipelinePart": "recover.runtime.pipeline",
     "AddressError": "recover.addresses",
     "TokenWindows": "recover.data.windows",
     "write_token_file": "recover.data.windows",

@@ -58,7 +58,9 @@ from recover.logs import process_prefix, replica_name, setup_logging
 from recover.policy import deal_round_robin
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.faults import FaultInjector, check_faults_fit
+from recover.runtime.grads import laid_out_like, local_part
 from recover.runtime.layout import ReplicaLayout
+from recover.runtime.pipeline import PipelinePart, StageFollower
 from recover.runtime.script_record import StepRecords, dashboards_for
 from recover.runtime.script_work import (
     ScriptWork,
@@ -81,15 +83,12 @@ from recover.runtime.step_machine import (
     StepOptions,
 )
 from recover.runtime.update_guard import UpdateGuard
+from recover.runtime.usage import UsageError
 
 if TYPE_CHECKING:
     from recover.dashboards import RecordMirror
 
 log = logging.getLogger(__name__)
-
-
-class UsageError(RuntimeError):
-    """The script used the API out of its contract; the message says what to change."""
 
 
 class NonFinite(RuntimeError):
@@ -113,7 +112,9 @@ class Replica:
 
     Arguments:
     - microbatches: M, the microbatches every step sums (the same on every replica);
-    - shard, tp: the replica's layout when it is several ranks (their product = ranks per replica);
+    - shard, tp, pp: the replica's layout when it is several ranks (their product = ranks per
+      replica): FSDP2 shards, tensor-parallel ranks, pipeline stages (with pp > 1 a step's
+      share is handed to a schedule by `pipeline()`);
     - config: settings that must be the same on every replica (lr, schedule, clip, seed...): a
       replica whose config differs is refused when it joins, with the field named;
     - check_every: compare parameter hashes across replicas every N steps (0: never);
@@ -135,6 +136,7 @@ class Replica:
         microbatches: int,
         shard: int = 1,
         tp: int = 1,
+        pp: int = 1,
         config: Mapping[str, Any] | None = None,
         check_every: int = 50,
         check_data: Callable[[int, int], Any] | None = None,
@@ -166,7 +168,7 @@ class Replica:
             setup_logging(self.env.spec.log_level, prefix=process_prefix(name, os.environ))
         self._own_signals = env is None  # SIGTERM/SIGINT become stop requests once it trains
         self.microbatches_per_step = microbatches
-        self.layout = ReplicaLayout(shard=shard, tp=tp)
+        self.layout = ReplicaLayout(pp=pp, shard=shard, tp=tp)
         if self.env.spec.deterministic and self.layout.ranks > 1:
             raise ValueError(
                 f"--deterministic supports replicas of one rank; not yet {self.layout.describe()}"
@@ -228,6 +230,7 @@ class Replica:
         self._committed = -1
         # (step, j, index, weight) awaiting backward()
         self._pending: tuple[int, int, int | None, float] | None = None
+        self._follower = StageFollower()  # the pipeline stages' chunks, for pipeline()
         self._in_step = False
         self._closed = False
 
@@ -467,43 +470,100 @@ class Replica:
         then (after a failure) the ids of dead replicas reassigned to it. Call `backward(loss)`
         once per id. When the loop ends the step has committed and every `p.grad` holds the
         mean gradient over the step's M microbatches; `replica.loss` its mean loss."""
+        index = 0
+        for step, plan in self._attempts("microbatches"):
+            for j, real in plan:
+                if real:
+                    self._faults("forward", step, index)
+                self._pending = (step, j, index if real else None, 1.0 if real else 0.0)
+                yield j
+                if self._pending is not None:
+                    raise UsageError(
+                        f"microbatch ({step}, {j}) had no replica.backward(loss): call it "
+                        "once per microbatch instead of loss.backward()"
+                    )
+                index += real
+
+    def pipeline(self) -> Iterator[PipelinePart]:
+        """The current step's share of this rank's pipeline, one `PipelinePart` per attempt
+        (its share of the plan, then ids reassigned after a failure), for a replica cut into
+        pipeline stages (`Replica(pp=P)`). Run each part through a `torch.distributed.pipelining`
+        schedule built by `part.schedule(ScheduleGPipe, stage, loss_fn=...)` (or with
+        `part.loss(fn)` as its loss_fn, `n_microbatches=len(part)` and `scale_grads=False`),
+        feeding it `part.batch(...)`. When the loop ends the step has committed, as after
+        `microbatches()`."""
+        if self.layout.pp == 1:
+            raise UsageError(
+                "replica.pipeline() is for a replica cut into pipeline stages (Replica(pp=P), "
+                "P > 1); iterate replica.microbatches() otherwise"
+            )
+        work = self._attached
+        params = work.grads.params
+        index = 0
+        for step, plan in self._attempts("pipeline"):
+            part = PipelinePart(
+                step, plan, first_index=index, add_loss=work.grads.add_loss,
+                phase=self._faults, follower=self._follower,
+            )  # fmt: skip
+            # A new schedule may drop FSDP2 parameters' gradients: the sum of the step's earlier
+            # parts is set aside while this one runs, then added to what it leaves.
+            kept = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            self._follower.part = part
+            try:
+                yield part
+            finally:
+                self._follower.part = None
+            part.check()
+            for p, before in zip(params, kept, strict=True):
+                if before is not None:
+                    added = local_part(p.grad) if p.grad is not None else 0
+                    p.grad = laid_out_like(p, local_part(before) + added)
+            self._guard.tick()
+            index = part.next_index
+
+    @property
+    def microbatch_id(self) -> int | None:
+        """The id this rank computes now: in `microbatches()`, the id just handed out; in
+        `pipeline()`, the id whose stage forward runs (a stage seeds its randomness by
+        `(step, microbatch_id)`); None elsewhere."""
+        if self._pending is not None:
+            return self._pending[1]
+        part = self._follower.part
+        return part.current if part is not None else None
+
+    def _attempts(self, loop: str) -> Iterator[tuple[int, list[tuple[int, bool]]]]:
+        """The step's attempts as (step, this rank's plan [(id, real)]): the replica's ids dealt
+        over the shard dimension, padded; then the commit applied to the model."""
         step = self.step
         if self._machine is None or step is None:
-            raise UsageError("call replica.microbatches() inside `for step in replica.steps(N)`")
+            raise UsageError(f"call replica.{loop}() inside `for step in replica.steps(N)`")
         if self._committed == step:
             raise UsageError(f"step {step} has committed already: go on to the next step")
         if self._in_step:
-            raise UsageError("replica.microbatches() is already being iterated")
+            raise UsageError(f"replica.{loop}() is already being iterated")
         work = self._attached
         leftover = work.grads.leftover()
         if leftover:
             names = [n for n, p in work.model.named_parameters() if p.requires_grad]
             raise UsageError(
                 f"step {step} begins with gradients in .grad (e.g. {names[leftover[0]]}): call "
-                "optimizer.zero_grad() after optimizer.step(), and compute nothing outside "
-                "replica.microbatches(); the step would add them to its sum"
+                f"optimizer.zero_grad() after optimizer.step(), and compute nothing outside "
+                f"replica.{loop}(); the step would add them to its sum"
             )
         work.grads.clear()
-        ways = self.layout.shard  # the ranks along tp compute the same ids
+        ways = self.layout.shard  # the ranks along tp (and pp) compute the same ids
         mine = self.intra.coordinate("shard") if self.intra is not None else 0
         self._in_step = True
         attempts = self._machine.run_step(step)
         try:
             with self._stops():
                 todo = next(attempts)
-            index = 0
             while True:
-                for j, real in deal_round_robin(todo.ids, ways, mine):
-                    if real:
-                        self._faults("forward", step, index)
-                    self._pending = (step, j, index if real else None, 1.0 if real else 0.0)
-                    yield j
-                    if self._pending is not None:
-                        raise UsageError(
-                            f"microbatch ({step}, {j}) had no replica.backward(loss): call it "
-                            "once per microbatch instead of loss.backward()"
-                        )
-                    index += real
+                plan = deal_round_robin(todo.ids, ways, mine)
+                if plan:
+                    yield step, plan
                 try:
                     with self._stops():
                         todo = attempts.send(None)
@@ -514,6 +574,12 @@ class Replica:
             attempts.close()  # left mid-attempt: the step machine drops what it started
             self._in_step = False
             self._pending = None
+        self._apply_commit(step, commit)
+
+    def _apply_commit(self, step: int, commit: Any) -> None:
+        """The committed step as the script sees it: its loss and M, the mean gradient in .grad
+        (or none, skipped), its record."""
+        work = self._attached
         self.loss = self._replica_loss(commit.reduced) / commit.count
         self.skipped = not commit.finite
         self.committed_microbatches = commit.count

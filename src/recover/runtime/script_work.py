@@ -197,13 +197,39 @@ def _was_sharded(
 
 def whole_state(model: torch.nn.Module, intra: IntraReplica | None) -> dict[str, Any]:
     """The model's whole state on the CPU (on the first rank of a sharded replica: gathering
-    it is a collective of the replica's ranks; the others get nothing)."""
+    it is a collective of the replica's ranks; the others get nothing). A replica cut into
+    pipeline stages merges its stages' states, which name their parameters as the whole model
+    does (a name held by two stages is refused: the merged model would lose one)."""
     if intra is None:
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    if intra.layout.pp == 1:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)
+    # (cpu_offload would keep the values on the replica's first rank only: every stage's
+    # state is needed, so each stage takes its whole state and moves it itself.)
+    options = StateDictOptions(full_state_dict=True)
+    state = {
+        k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+        for k, v in get_model_state_dict(model, options=options).items()
+    }
+    # One rank per stage speaks for it (shard and tp coordinates 0: they hold the whole stage).
+    speaks = intra.coordinate("shard") == 0 and intra.coordinate("tp") == 0
+    stages = [s for s in intra.gather(state if speaks else None) if s is not None]
+    merged: dict[str, Any] = {}
+    for n, stage in enumerate(stages):
+        twice = sorted(set(merged) & set(stage))
+        if twice:
+            from recover.runtime.usage import UsageError
+
+            raise UsageError(
+                f"pipeline stage {n} and an earlier stage both hold {twice[:3]}: name each "
+                "stage's parameters as the whole model does (keep the whole model's module names "
+                "in every stage)"
+            )
+        merged.update(stage)
+    return merged if intra.rank == 0 else {}
 
 
 def save_safetensors(state: dict[str, torch.Tensor], path: Path) -> bool:
