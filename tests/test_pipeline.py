@@ -27,9 +27,8 @@ from recover.runtime.pipeline import PipelinePart, StageFollower
 from recover.runtime.usage import UsageError
 
 M = 6
-STEPS = 60  # long enough for a respawned replica to join: it joined at steps 6-9 here
-ARGS = ["--steps", str(STEPS), "--microbatches", str(M), "--batch", "2", "--seq-len", "16",
-        "--layers", "2", "--dim", "32"]  # fmt: skip
+ARGS = ["--microbatches", str(M), "--batch", "2", "--seq-len", "16", "--layers", "2",
+        "--dim", "32"]  # fmt: skip
 
 
 def _records(out: Path) -> list[dict]:
@@ -37,18 +36,26 @@ def _records(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def pipeline_reference(custom_token_file, tmp_path_factory) -> Path:
-    """The script's one-rank run (the per-id loop over the whole model): the trajectory."""
-    out = tmp_path_factory.mktemp("pipeline-ref")
-    args = ["--data", str(custom_token_file), *ARGS]
-    r = recover_run(out, "train_pipeline.py", "--replicas", "1", script_args=args)
-    assert r.returncode == 0, r.stdout[-3000:]
-    return out
+def pipeline_reference(custom_token_file, tmp_path_factory):
+    """steps -> the script's one-rank run of that many steps (the per-id loop over the whole
+    model): the trajectory (its learning-rate schedule spans the run's steps)."""
+    runs: dict[int, Path] = {}
+
+    def reference(steps: int) -> Path:
+        if steps not in runs:
+            out = tmp_path_factory.mktemp(f"pipeline-ref-{steps}")
+            args = ["--data", str(custom_token_file), *ARGS, "--steps", str(steps)]
+            r = recover_run(out, "train_pipeline.py", "--replicas", "1", script_args=args)
+            assert r.returncode == 0, r.stdout[-3000:]
+            runs[steps] = out
+        return runs[steps]
+
+    return reference
 
 
-def assert_on_the_reference(reference: Path, out: Path) -> list[dict]:
+def assert_on_the_reference(reference: Path, out: Path, steps: int) -> list[dict]:
     ref, got = _records(reference), _records(out)
-    assert [r["step"] for r in got] == list(range(STEPS)), "a step is missing or recorded twice"
+    assert [r["step"] for r in got] == list(range(steps)), "a step is missing or recorded twice"
     assert all(r["microbatches"] == M for r in got), "a step did not sum M microbatches"
     for a, b in zip(ref, got, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
@@ -61,12 +68,14 @@ def assert_on_the_reference(reference: Path, out: Path) -> list[dict]:
     return got
 
 
-# (layout, schedule, the killed rank and its fault, whether the replica is respawned). A pipeline
+# (layout, schedule, the killed rank and its fault, steps, whether the replica is respawned: 60
+# steps give a respawned replica time to join, which it did at steps 6-9 here; 8 processes of
+# pp x tp on 2 cores take 0.3-0.6 s a step, so that run is short and not respawned). A pipeline
 # alone (pp 2, 2 ranks) is what both run with one axis fewer: the 2-D layouts cover it.
 LAYOUTS = {
-    "pp+shard": (["--pp", "2", "--shard", "2"], "1f1b", "rank=3,step=2,phase=backward", True),
+    "pp+shard": (["--pp", "2", "--shard", "2"], "1f1b", "rank=3,step=2,phase=backward", 60, True),
     "pp+tp": (["--pp", "2", "--tp", "2"], "gpipe", "rank=0,step=2,phase=forward,microbatch=1",
-              False),
+              16, False),
 }  # fmt: skip
 
 
@@ -81,7 +90,7 @@ def test_pipeline_replicas_survive_a_rank_kill_on_the_one_rank_trajectory(
     recomputes the lost ids in the same step, and (where respawned) every rank of the new
     replica receives its stage's state at its position. The run stays on the one-rank run's
     trajectory."""
-    flags, schedule, fault, respawn = LAYOUTS[layout]
+    flags, schedule, fault, steps, respawn = LAYOUTS[layout]
     ranks = 1
     for size in flags[1::2]:
         ranks *= int(size)
@@ -89,7 +98,8 @@ def test_pipeline_replicas_survive_a_rank_kill_on_the_one_rank_trajectory(
     r = recover_run(
         out, "train_pipeline.py", "--replicas", "2", "--ranks-per-replica", str(ranks),
         *(["--respawn", "0"] if respawn else []), "--fault", f"kill:replica=1,{fault}",
-        script_args=["--data", str(custom_token_file), *ARGS, *flags, "--schedule", schedule],
+        script_args=["--data", str(custom_token_file), *ARGS, "--steps", str(steps), *flags,
+                     "--schedule", schedule],
         timeout=200,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:]
@@ -98,7 +108,7 @@ def test_pipeline_replicas_survive_a_rank_kill_on_the_one_rank_trajectory(
     mates = [k for k in range(ranks) if k != killed]
     for k in mates:
         assert f"replica 1 rank {k} exited with status 7" in r.stdout, r.stdout[-3000:]
-    got = assert_on_the_reference(pipeline_reference, out)
+    got = assert_on_the_reference(pipeline_reference(steps), out, steps)
     assert got[2]["attempts"] >= 2, got[2]  # the step was redone in the step, not skipped
     transfers = sorted((e["replica"], e["rank"]) for e in events(out / "job", "state_transfer"))
     assert transfers == ([(1, k) for k in range(ranks)] if respawn else []), transfers
