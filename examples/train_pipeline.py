@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import recover
+import recover.checkpoint
 
 
 def parse_args(argv=None):
@@ -52,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--shard", type=int, default=1, help="FSDP2 shards of each stage")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of each stage")
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+    p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: never)")
+    p.add_argument("--resume", action="store_true", help="start from the newest checkpoint")
     return p.parse_args(argv)
 
 
@@ -196,6 +199,14 @@ def main():
         lambda s: (s + 1) / warm if s < warm else 0.5 + 0.5 * math.cos(math.pi * s / args.steps),
     )
     replica.attach(model, optimizer, extra_state={"scheduler": scheduler})
+    # Checkpoints: DCP folders to which every rank of the writing replica writes its own part
+    # (its stage's parameters under their whole-model names, its shards); any layout restores
+    # them, one rank included. Created on every rank (a collective inside the replica).
+    saver, start = None, 0
+    if args.ckpt_every or args.resume:
+        saver = recover.checkpoint.Checkpointer(args.out / "checkpoints", keep=2)
+    if args.resume:
+        start = saver.restore(model, optimizer, extra={"scheduler": scheduler}) or 0
 
     pipe = None
     if args.pp > 1:
@@ -206,7 +217,7 @@ def main():
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
 
     args.out.mkdir(parents=True, exist_ok=True)
-    for step in replica.steps(args.steps):
+    for step in replica.steps(args.steps, start_step=start):
         model.train()
         if pipe is None:  # the per-id form
             for j in replica.microbatches():
@@ -232,6 +243,13 @@ def main():
         for record in replica.committed_steps():
             with open(args.out / "losses.jsonl", "a") as f:
                 f.write(json.dumps({**record, "time": time.time()}) + "\n")
+        due = args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps
+        if due:  # every rank of the writing replica saves its part (is_writer: its first rank)
+            writer = replica.intra.relay(replica.is_writer) if replica.intra else replica.is_writer
+            if writer:
+                saver.save(step + 1, model, optimizer, extra={"scheduler": scheduler})
+    if saver is not None:
+        saver.close()  # the last save is durable
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ misuse refused.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,38 @@ def test_a_part_shorter_than_the_schedule_needs_grows_by_padding_passes():
     late.batch(lambda j: torch.tensor([j]))  # the batch first: it would miss the padding
     with pytest.raises(UsageError, match="before part.batch"):
         late.schedule(_NeedsTwo, _Stage(is_last=True), loss_fn=lambda out, _: out.sum())
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_of_sharded_stages_resumes_on_one_rank_on_the_trajectory(
+    custom_token_file, pipeline_reference, tmp_path
+):
+    """A replica of pp 2 x FSDP2 2 checkpoints step 8 (every rank writes its stage's shards
+    under the whole model's names); the one-rank form of the script resumes from it (DCP
+    reshards on load) and finishes on the uninterrupted one-rank trajectory."""
+    steps = 16
+    data = ["--data", str(custom_token_file), *ARGS, "--steps", str(steps)]
+    staged = tmp_path / "staged"
+    r = recover_run(staged, "train_pipeline.py", "--replicas", "1", "--ranks-per-replica", "4",
+                    script_args=[*data, "--pp", "2", "--shard", "2", "--ckpt-every", "8"])  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    saved = staged / "result" / "checkpoints"
+    assert sorted(p.name for p in saved.iterdir() if p.name.startswith("step_")) == [
+        "step_00000008"
+    ]
+    resumed = tmp_path / "resumed"
+    (resumed / "result").mkdir(parents=True)
+    shutil.copytree(saved, resumed / "result" / "checkpoints")
+    r = recover_run(resumed, "train_pipeline.py", "--replicas", "1",
+                    script_args=[*data, "--resume"])  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    ref = pipeline_reference(steps)
+    got = _records(resumed)
+    assert [x["step"] for x in got] == list(range(8, steps))
+    for a, b in zip(_records(ref)[8:], got, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
+    pa = load_file(ref / "job" / "final" / "model.safetensors")
+    pb = load_file(resumed / "job" / "final" / "model.safetensors")
+    num = sum(float(((pa[k] - pb[k]).double() ** 2).sum()) for k in pa) ** 0.5
+    den = sum(float((pa[k].double() ** 2).sum()) for k in pa) ** 0.5
+    assert num / den <= 1e-4, num / den
