@@ -52,7 +52,10 @@ def parse_args(argv=None):
     p.add_argument("--pp", type=int, default=1, help="pipeline stages per replica")
     p.add_argument("--shard", type=int, default=1, help="FSDP2 shards of each stage")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of each stage")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+    p.add_argument(
+        "--schedule", choices=["gpipe", "1f1b", "interleaved"], default="gpipe",
+        help="interleaved: 1F1B over 2 stages per rank (stages r and r + P), with --shard 1",
+    )  # fmt: skip
     p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: never)")
     p.add_argument("--resume", action="store_true", help="start from the newest checkpoint")
     return p.parse_args(argv)
@@ -112,19 +115,43 @@ class GPT(nn.Module):
         return x
 
 
-def cut(model, stage, stages):
-    """This stage's part of the whole model: contiguous, balanced layers; the embedding on the
-    first stage, the norm and head on the last. Parameter names stay the whole model's."""
+def layers_of(stage, stages, n):
+    """The layers of `stage`: contiguous and balanced."""
+    return range(stage * n // stages, (stage + 1) * n // stages)
+
+
+def cut(model, mine, stages):
+    """This rank's part of the whole model: the layers of its stages `mine`; the embedding with
+    the first stage, the norm and head with the last. Parameter names stay the whole model's."""
     n = len(model.layers)
-    lo, hi = stage * n // stages, (stage + 1) * n // stages
+    keep = {i for stage in mine for i in layers_of(stage, stages, n)}
     for i in list(model.layers):
-        if not lo <= int(i) < hi:
+        if int(i) not in keep:
             del model.layers[i]
-    if stage > 0:
+    if 0 not in mine:
         model.embed, model.pos = None, None
-    if stage < stages - 1:
+    if stages - 1 not in mine:
         model.norm, model.head = None, None
     return model
+
+
+class StageOf(nn.Module):
+    """One of several stages a rank holds (an interleaved schedule): the part's modules of that
+    stage, shared with the part (which is what the replica attaches: whole-model names)."""
+
+    def __init__(self, part, stage, stages, n_layers):
+        super().__init__()
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.embed, self.pos = (part.embed, part.pos) if self.first else (None, None)
+        self.blocks = nn.ModuleList(part.layers[str(i)] for i in layers_of(stage, stages, n_layers))
+        self.norm, self.head = (part.norm, part.head) if self.last else (None, None)
+
+    def forward(self, x):
+        if self.first:
+            x = self.embed(x) + self.pos[: x.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)) if self.last else x
 
 
 def lm_loss(logits, targets):
@@ -162,10 +189,16 @@ def main():
         args.data, seq_len=args.seq_len, microbatch_size=args.batch,
         microbatches=args.microbatches, seed=args.seed,
     )  # fmt: skip
+    if args.schedule == "interleaved" and args.shard > 1:
+        raise SystemExit("--schedule interleaved here runs stages that share the rank's FSDP2 "
+                         "units: use it with --shard 1")  # fmt: skip
     torch.manual_seed(args.seed)  # the same whole model in every process, then cut
     model = GPT(args)
-    stage = replica.mesh["pp"].get_local_rank() if args.pp > 1 else 0
-    model = cut(model, stage, args.pp)
+    stage = replica.mesh["pp"].get_local_rank() if args.pp > 1 else 0  # this rank's place
+    per_rank = 2 if args.schedule == "interleaved" and args.pp > 1 else 1
+    stages = args.pp * per_rank
+    mine = [stage + k * args.pp for k in range(per_rank)]  # looped: stages r, r + P, ...
+    model = cut(model, mine, stages)
 
     def dropout_seed(layer):
         j = replica.microbatch_id  # None in a schedule's shape inference: no microbatch's forward
@@ -210,11 +243,22 @@ def main():
 
     pipe = None
     if args.pp > 1:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
-        pp = replica.mesh["pp"]
-        pipe = PipelineStage(model, stage, args.pp, torch.device("cpu"), group=pp.get_group())
-        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
+        group, cpu = replica.mesh["pp"].get_group(), torch.device("cpu")
+        if per_rank == 1:
+            pipe = PipelineStage(model, stage, stages, cpu, group=group)
+        else:
+            n = args.layers
+            pipe = [PipelineStage(StageOf(model, s, stages, n), s, stages, cpu, group=group)
+                    for s in mine]  # fmt: skip
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+                "interleaved": ScheduleInterleaved1F1B}[args.schedule]  # fmt: skip
 
     args.out.mkdir(parents=True, exist_ok=True)
     for step in replica.steps(args.steps, start_step=start):

@@ -315,6 +315,10 @@ def assert_invariants(
     assert r.returncode == 0, r.stdout[-4000:]
     committed = committed_steps(out / "metrics.jsonl")
     assert sorted(committed) == list(range(steps)), "every step must be committed"
+    # ...and recorded once (committed_steps keeps the last record of a step: a second record of
+    # a step would pass through it unseen)
+    records = [r["step"] for r in read_metrics(out / "metrics.jsonl") if r.get("kind") == "step"]
+    assert sorted(records) == list(range(steps)), "a committed step recorded twice"
     assert all(s["microbatches"] == microbatches for s in committed.values()), "batch changed"
     result = compare_runs(reference, out)
     assert result.common_steps == steps
