@@ -247,3 +247,27 @@ def test_log_is_refused_outside_a_committed_step_and_for_what_is_not_a_scalar(jo
     optimizer.step()
     optimizer.zero_grad()
     assert list(steps) == []
+
+
+@pytest.mark.timeout(30)
+def test_the_pipeline_form_needs_stages_and_microbatch_id_names_the_id_in_flight(job):
+    """`replica.pipeline()` is for a replica cut into stages (Replica(pp=P)): on one rank it is
+    refused, naming the per-id form. In the per-id form `microbatch_id` is the id handed out
+    until its backward (a script seeds that microbatch's randomness by it), None outside."""
+    replica, model, optimizer = attached(job)
+    assert replica.microbatch_id is None
+    with pytest.raises(UsageError, match=r"Replica\(pp=P\).*replica.microbatches\(\)"):
+        for _ in replica.steps(1):
+            for _ in replica.pipeline():
+                pass
+    replica.close()
+    replica, model, optimizer = attached(job)
+    seen = []
+    for step in replica.steps(1):
+        for j in replica.microbatches():
+            seen.append(replica.microbatch_id == j)
+            replica.backward(loss_of(model, step, j))
+            seen.append(replica.microbatch_id is None)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert seen == [True, True] * 2
