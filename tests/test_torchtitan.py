@@ -1,0 +1,122 @@
+"""torchtitan's Llama 3 under ReCoVer (examples/train_torchtitan.py): torchtitan's model, its
+pipeline split and its FSDP2 inside every replica, a rank SIGKILLed mid-step, the run on the
+one-rank trajectory.
+
+torchtitan lives in an environment of its own: its pins (datasets, then huggingface-hub) conflict
+with the dev extra's transformers. CI makes `.venv-torchtitan` (`pip install torch==2.13.0 -e
+'.[torchtitan]'`); the tests run the script with that interpreter (or RECOVER_TORCHTITAN_PYTHON,
+or this one where torchtitan imports) and skip, saying so, where there is none.
+
+The default run kills a rank of 2 replicas of 2 stages; the slow one kills a rank of 2 replicas
+of 2 stages x FSDP2 2 and respawns it (every rank receives its stage's shards): the same path as
+tests/test_pipeline.py's pp x FSDP2 test, which the default run has, on torchtitan's model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import EXAMPLES, child_env, events, finish, leftover_processes
+
+ROOT = Path(__file__).resolve().parents[1]
+M = 6
+
+
+def _torchtitan_python() -> str | None:
+    given = os.environ.get("RECOVER_TORCHTITAN_PYTHON")
+    if given:
+        return given
+    own = ROOT / ".venv-torchtitan" / "bin" / "python"
+    if own.exists():
+        return str(own)
+    return sys.executable if importlib.util.find_spec("torchtitan") else None
+
+
+PYTHON = _torchtitan_python()
+pytestmark = pytest.mark.skipif(
+    PYTHON is None,
+    reason="torchtitan is not installed: make .venv-torchtitan (python3 -m venv .venv-torchtitan "
+    "&& .venv-torchtitan/bin/pip install torch==2.13.0 -e '.[torchtitan]'), as .ci/run does",
+)
+
+
+def run_torchtitan(out: Path, data: Path, *flags: str, steps: int, layout=(), timeout: float = 200):
+    """`recover run FLAGS -- TORCHTITAN_PYTHON examples/train_torchtitan.py ...`, to its end."""
+    cmd = [sys.executable, "-m", "recover.cli", "run", "--out", str(out / "job"), *flags, "--",
+           PYTHON, str(EXAMPLES / "train_torchtitan.py"), "--out", str(out / "result"),
+           "--data", str(data), "--size", "tiny", "--microbatches", str(M), "--batch", "2",
+           "--seq-len", "16", "--steps", str(steps), *layout]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
+    )
+    r = finish(proc, timeout)
+    assert leftover_processes(str(out)) == [], "processes of the run were left behind"
+    return r
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "result" / "losses.jsonl").read_text().splitlines()]
+
+
+def assert_same_run(reference: Path, out: Path, steps: int) -> list[dict]:
+    ref, got = _records(reference), _records(out)
+    assert [r["step"] for r in got] == list(range(steps)), "a step is missing or recorded twice"
+    assert all(r["microbatches"] == M for r in got), "a step did not sum M microbatches"
+    for a, b in zip(ref, got, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
+    pa = load_file(reference / "job" / "final" / "model.safetensors")
+    pb = load_file(out / "job" / "final" / "model.safetensors")
+    assert sorted(pa) == sorted(pb)
+    num = sum(float(((pa[k] - pb[k]).double() ** 2).sum()) for k in pa) ** 0.5
+    den = sum(float((pa[k].double() ** 2).sum()) for k in pa) ** 0.5
+    assert num / den <= 1e-4, num / den
+    return got
+
+
+def _kill_run(tmp_path, data, *, steps, layout, ranks, fault, respawn):
+    ref = tmp_path / "ref"
+    r = run_torchtitan(ref, data, "--replicas", "1", steps=steps)
+    assert r.returncode == 0, r.stdout[-3000:]
+    out = tmp_path / "killed"
+    r = run_torchtitan(
+        out, data, "--replicas", "2", "--ranks-per-replica", str(ranks),
+        *(["--respawn", "0"] if respawn else []), "--fault", f"kill:replica=1,{fault}",
+        steps=steps, layout=layout,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "Traceback" not in r.stdout, r.stdout[-3000:]
+    got = assert_same_run(ref, out, steps)
+    assert got[2]["attempts"] >= 2, got[2]  # recomputed in the step
+    return out, r
+
+
+@pytest.mark.timeout(240)
+def test_torchtitan_llama_in_pipeline_stages_survives_a_rank_kill(custom_token_file, tmp_path):
+    """2 replicas of torchtitan's Llama 3 in 2 stages (torchtitan's split, 1F1B); the last
+    stage's rank of replica 1 is SIGKILLed in its backward of step 2: its mate stops (status 7),
+    replica 0 recomputes the lost ids in the step, on the one-rank trajectory."""
+    _, r = _kill_run(tmp_path, custom_token_file, steps=10, layout=["--pp", "2"], ranks=2,
+                     fault="rank=1,step=2,phase=backward", respawn=False)  # fmt: skip
+    assert "replica 1 rank 0 exited with status 7" in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_torchtitan_llama_in_sharded_stages_survives_a_kill_and_its_respawn_gets_its_shards(
+    custom_token_file, tmp_path
+):
+    """2 replicas of torchtitan's Llama 3 in 2 stages x torchtitan's FSDP2 over 2 ranks; a rank
+    of replica 1 is SIGKILLed in a forward of step 2, the replica is respawned, and each of its
+    4 ranks receives its stage's shards of the model and of AdamW's moments."""
+    out, _ = _kill_run(tmp_path, custom_token_file, steps=80, layout=["--pp", "2", "--shard", "2"], ranks=4,
+                       fault="rank=1,step=2,phase=forward", respawn=True)  # fmt: skip
+    transfers = sorted((e["replica"], e["rank"]) for e in events(out / "job", "state_transfer"))
+    assert transfers == [(1, k) for k in range(4)], transfers
