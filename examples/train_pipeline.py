@@ -158,6 +158,33 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def compute_step(replica, model, data, step, loss_fn, pipe=None, kind=None, first=True, last=True):
+    """The step's microbatches: the per-id form without stages (`pipe` None), else each attempt's
+    share at once through a schedule of `kind` over this rank's stage(s) `pipe` (the first stage
+    takes the inputs, the last the targets). When it returns the step has committed."""
+    if pipe is None:
+        for j in replica.microbatches():
+            x, y = data.batch(step, j)  # a pure function of (step, j)
+            replica.backward(loss_fn(model(x), y))
+        return
+    for part in replica.pipeline():
+        schedule = part.schedule(kind, pipe, loss_fn=loss_fn)  # first: it may pad the part
+        x, y = part.batch(partial(data.batch, step))  # (step, j) of each id, stacked
+        if first:
+            schedule.step(x)
+        elif last:
+            schedule.step(target=y)
+        else:
+            schedule.step()
+
+
+def keep_records(replica, out):
+    """This script's own log: the records this replica writes now (a lost writer's first)."""
+    for record in replica.committed_steps():
+        with open(out / "losses.jsonl", "a") as f:
+            f.write(json.dumps({**record, "time": time.time()}) + "\n")
+
+
 def clip_grad_norm(model, max_norm, pp_group=None):
     """torch's clip_grad_norm_ over the whole model: each stage's squared norm (a DTensor's norm
     is taken over its mesh: FSDP2 shards, TP parts) summed over the stages."""
@@ -241,7 +268,7 @@ def main():
     if args.resume:
         start = saver.restore(model, optimizer, extra={"scheduler": scheduler}) or 0
 
-    pipe = None
+    pipe = kind = None
     if args.pp > 1:
         from torch.distributed.pipelining import (
             PipelineStage,
@@ -263,20 +290,9 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     for step in replica.steps(args.steps, start_step=start):
         model.train()
-        if pipe is None:  # the per-id form
-            for j in replica.microbatches():
-                x, y = data.batch(step, j)
-                replica.backward(lm_loss(model(x), y))
-        else:  # the pipeline form: the share of each attempt at once, through a schedule
-            for part in replica.pipeline():
-                schedule = part.schedule(kind, pipe, loss_fn=lm_loss)
-                x, y = part.batch(partial(data.batch, step))  # (step, j) for each id
-                if stage == 0:
-                    schedule.step(x)
-                elif stage == args.pp - 1:
-                    schedule.step(target=y)
-                else:
-                    schedule.step()
+        compute_step(
+            replica, model, data, step, lm_loss, pipe, kind, stage == 0, stage == args.pp - 1
+        )
         # .grad holds the committed mean gradient over the step's M microbatches
         norm = clip_grad_norm(model, 1.0, replica.mesh["pp"].get_group() if pipe else None)
         lr = optimizer.param_groups[0]["lr"]
@@ -284,9 +300,7 @@ def main():
         scheduler.step()
         optimizer.zero_grad()
         replica.log(lr=lr, grad_norm=norm)
-        for record in replica.committed_steps():
-            with open(args.out / "losses.jsonl", "a") as f:
-                f.write(json.dumps({**record, "time": time.time()}) + "\n")
+        keep_records(replica, args.out)
         due = args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps
         if due:  # every rank of the writing replica saves its part (is_writer: its first rank)
             writer = replica.intra.relay(replica.is_writer) if replica.intra else replica.is_writer

@@ -30,14 +30,11 @@ which build a mesh of their own; examples/train_pipeline.py shows TP under ReCoV
 """
 
 import argparse
-import json
-import time
-from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from train_pipeline import clip_grad_norm
+from train_pipeline import clip_grad_norm, compute_step, keep_records
 
 import recover
 
@@ -137,7 +134,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     replica.attach(model, optimizer)
 
-    pipe = None
+    pipe = kind = None
     if args.pp > 1:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -147,27 +144,14 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     for step in replica.steps(args.steps):
         model.train()
-        if pipe is None:  # the per-id form
-            for j in replica.microbatches():
-                x, y = data.batch(step, j)
-                replica.backward(lm_loss(model(x), y))
-        else:  # each attempt's share through the schedule
-            for part in replica.pipeline():
-                schedule = part.schedule(kind, pipe, loss_fn=lm_loss)
-                x, y = part.batch(partial(data.batch, step))
-                if stage == 0:
-                    schedule.step(x)
-                elif stage == args.pp - 1:
-                    schedule.step(target=y)
-                else:
-                    schedule.step()
+        compute_step(
+            replica, model, data, step, lm_loss, pipe, kind, stage == 0, stage == args.pp - 1
+        )
         norm = clip_grad_norm(model, 1.0, replica.mesh["pp"].get_group() if pipe else None)
         optimizer.step()
         optimizer.zero_grad()
         replica.log(grad_norm=norm)
-        for record in replica.committed_steps():
-            with open(args.out / "losses.jsonl", "a") as f:
-                f.write(json.dumps({**record, "time": time.time()}) + "\n")
+        keep_records(replica, args.out)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,13 @@ tests/test_pipeline.py's pp x FSDP2 test, which the default run has, on torchtit
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
+from test_pipeline import assert_on_the_reference
 
 from conftest import EXAMPLES, child_env, events, finish, leftover_processes
 
@@ -62,25 +61,6 @@ def run_torchtitan(out: Path, data: Path, *flags: str, steps: int, layout=(), ti
     return r
 
 
-def _records(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "result" / "losses.jsonl").read_text().splitlines()]
-
-
-def assert_same_run(reference: Path, out: Path, steps: int) -> list[dict]:
-    ref, got = _records(reference), _records(out)
-    assert [r["step"] for r in got] == list(range(steps)), "a step is missing or recorded twice"
-    assert all(r["microbatches"] == M for r in got), "a step did not sum M microbatches"
-    for a, b in zip(ref, got, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
-    pa = load_file(reference / "job" / "final" / "model.safetensors")
-    pb = load_file(out / "job" / "final" / "model.safetensors")
-    assert sorted(pa) == sorted(pb)
-    num = sum(float(((pa[k] - pb[k]).double() ** 2).sum()) for k in pa) ** 0.5
-    den = sum(float((pa[k].double() ** 2).sum()) for k in pa) ** 0.5
-    assert num / den <= 1e-4, num / den
-    return got
-
-
 def _kill_run(tmp_path, data, *, steps, layout, ranks, fault, respawn):
     ref = tmp_path / "ref"
     r = run_torchtitan(ref, data, "--replicas", "1", steps=steps)
@@ -93,7 +73,7 @@ def _kill_run(tmp_path, data, *, steps, layout, ranks, fault, respawn):
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:]
     assert "Traceback" not in r.stdout, r.stdout[-3000:]
-    got = assert_same_run(ref, out, steps)
+    got = assert_on_the_reference(ref, out, steps)
     assert got[2]["attempts"] >= 2, got[2]  # recomputed in the step
     return out, r
 
