@@ -4,12 +4,12 @@ schedule through `replica.pipeline()`, and survives a real SIGKILL of one of its
 one-rank trajectory.
 
 The process tests run examples/train_pipeline.py under `recover run`, 2 replicas per layout
-(pp 2 x FSDP2 2 with 1F1B and a respawn; pp 2 x TP 2 with GPipe; pp 2 with two stages per rank
-and the interleaved 1F1B schedule), against the same script's
-one-rank run (the per-id loop): every step recorded once with all M, the committed losses within
-rtol 1e-4, the final model (the stages merged by the writer) within relative L2 1e-4. The unit tests check how a part
-counts the schedule's losses with stand-in stages: by the output of each microbatch, never by
-call order (a schedule's shape inference calls the loss too), padding passes scaled by 0, and
+(pp 2 x FSDP2 2 with 1F1B; pp 2 x TP 2 with GPipe; pp 2 with two stages per rank, the
+interleaved 1F1B schedule and a respawn), against the same script's one-rank run (the per-id
+loop): every step recorded once with all M, the committed losses within rtol 1e-4, the final
+model (the stages merged by the writer) within relative L2 1e-4. The unit tests check how a
+part counts the schedule's losses with stand-in stages: by the output of each microbatch, never
+by call order (a schedule's shape inference calls the loss too), padding passes scaled by 0, and
 misuse refused.
 """
 
@@ -70,16 +70,18 @@ def assert_on_the_reference(reference: Path, out: Path, steps: int) -> list[dict
     return got
 
 
-# (layout, schedule, the killed rank and its fault, steps, whether the replica is respawned: 60
-# steps give a respawned replica time to join, which it did at steps 6-9 here; 8 processes of
-# pp x tp on 2 cores take 0.3-0.6 s a step, so that run is short and not respawned). A pipeline
-# of one stage per rank alone (pp 2) is what the 2-D layouts run with one axis fewer.
+# (layout, schedule, the killed rank and its fault, steps, whether the replica is respawned). The
+# respawn is the 2-rank layout's: 60 steps give a respawned replica time to join (it did at steps
+# 6-9 here), which the 4-rank layouts would pay for with 8 processes on 2 cores (0.3-0.6 s a
+# step; 44 s of the suite for pp x FSDP2), so they run 16 steps. A pipeline of one stage per rank
+# alone (pp 2) is what the 2-D layouts run with one axis fewer.
 LAYOUTS = {
-    "pp+shard": (["--pp", "2", "--shard", "2"], "1f1b", "rank=3,step=2,phase=backward", 60, True),
+    "pp+shard": (["--pp", "2", "--shard", "2"], "1f1b", "rank=3,step=2,phase=backward", 16, False),
     "pp+tp": (["--pp", "2", "--tp", "2"], "gpipe", "rank=0,step=2,phase=forward,microbatch=1",
               16, False),
-    # two stages per rank (stages r and r + 2 of 4), the interleaved 1F1B schedule
-    "pp-interleaved": (["--pp", "2"], "interleaved", "rank=1,step=2,phase=backward", 16, False),
+    # two stages per rank (stages r and r + 2 of 4), the interleaved 1F1B schedule; respawned:
+    # each rank of the new replica receives both of its stages' state
+    "pp-interleaved": (["--pp", "2"], "interleaved", "rank=1,step=2,phase=backward", 60, True),
 }  # fmt: skip
 
 
