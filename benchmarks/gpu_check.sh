@@ -2,7 +2,8 @@
 # The GPU checks, as one short script for a machine with a GPU (CI has none): the tests marked
 # `gpu` that the visible GPUs allow, then the runs on the GPU that no CPU test covers there:
 # a SIGKILLed replica respawned and fed the state by transfer, the reduce overlapped with the
-# backward pass (a kill inside it), a script's replica reducing over
+# backward pass (a kill inside it), a script's pipeline stages on the GPU (a kill in a
+# backward), a script's replica reducing over
 # NCCL (--cross-reduce nccl, not yet run on a GPU), and a --deterministic run with a kill that
 # must equal one replica bit for bit. Uses the python3 on the PATH (it must hold a
 # CUDA build of torch) and the package from src/ (no install). Logs go to $OUT (default: a
@@ -64,12 +65,26 @@ echo "overlap: $overlapped step(s) whose reduce started during the backward pass
 
 # The script API's NCCL reduce (--cross-reduce nccl), as far as one GPU allows: one replica of
 # examples/train_custom.py on the GPU, its epoch's group NCCL's (of one member: built, no reduce).
+"$PY" examples/train_custom.py --make-data "$WORK/custom.bin" >/dev/null
 if [ "$DEVICE" = cuda ]; then
-    "$PY" examples/train_custom.py --make-data "$WORK/custom.bin" >/dev/null
     check script-nccl run run --replicas 1 --cross-reduce nccl --out "$WORK/script-nccl" -- \
         "$PY" examples/train_custom.py --device cuda --data "$WORK/custom.bin" --steps 10 \
         --out "$WORK/script-nccl/result"
 fi
+
+# Pipeline stages through the script API (examples/train_pipeline.py, not yet run on a GPU): the
+# one-rank form on the GPU, then 2 replicas of 2 stages that share the one GPU, a rank killed in a
+# backward; the compare holds them to the one-rank trajectory. The stages send activations over
+# the replica's gloo group: whether gloo sends CUDA tensors point to point is what this finds out
+# (NCCL refuses two ranks on one device; on several GPUs each stage has its own).
+PIPE=(--data "$WORK/custom.bin" --steps 16 --layers 4 --dim 32 --seq-len 16 --batch 2
+      --device "$DEVICE")
+check pipe-one run run --replicas 1 --out "$WORK/pipe-one" -- \
+    "$PY" examples/train_pipeline.py "${PIPE[@]}" --out "$WORK/pipe-one/result"
+check pipe run run --replicas 2 --ranks-per-replica 2 --out "$WORK/pipe" \
+    --fault kill:replica=1,rank=1,step=2,phase=backward -- \
+    "$PY" examples/train_pipeline.py "${PIPE[@]}" --pp 2 --schedule 1f1b --out "$WORK/pipe/result"
+check pipe-compare run compare "$WORK/pipe-one" "$WORK/pipe"
 
 # --deterministic on the GPU: 3 replicas with a kill equal 1 replica, bit for bit.
 check det-one run train "${FLAGS[@]}" "${DATA[@]}" --replicas 1 --deterministic --out "$WORK/det1"

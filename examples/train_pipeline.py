@@ -56,6 +56,7 @@ def parse_args(argv=None):
         "--schedule", choices=["gpipe", "1f1b", "interleaved"], default="gpipe",
         help="interleaved: 1F1B over 2 stages per rank (stages r and r + P), with --shard 1",
     )  # fmt: skip
+    p.add_argument("--device", default="cpu", help="where the model computes (cpu, cuda)")
     p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: never)")
     p.add_argument("--resume", action="store_true", help="start from the newest checkpoint")
     return p.parse_args(argv)
@@ -162,14 +163,16 @@ def compute_step(replica, model, data, step, loss_fn, pipe=None, kind=None, firs
     """The step's microbatches: the per-id form without stages (`pipe` None), else each attempt's
     share at once through a schedule of `kind` over this rank's stage(s) `pipe` (the first stage
     takes the inputs, the last the targets). When it returns the step has committed."""
+    device = next(model.parameters()).device
     if pipe is None:
         for j in replica.microbatches():
-            x, y = data.batch(step, j)  # a pure function of (step, j)
+            x, y = (t.to(device) for t in data.batch(step, j))  # a pure function of (step, j)
             replica.backward(loss_fn(model(x), y))
         return
     for part in replica.pipeline():
         schedule = part.schedule(kind, pipe, loss_fn=loss_fn)  # first: it may pad the part
-        x, y = part.batch(partial(data.batch, step))  # (step, j) of each id, stacked
+        batch = part.batch(partial(data.batch, step))  # (step, j) of each id, stacked
+        x, y = (t.to(device) for t in batch)
         if first:
             schedule.step(x)
         elif last:
@@ -188,7 +191,7 @@ def keep_records(replica, out):
 def clip_grad_norm(model, max_norm, pp_group=None):
     """torch's clip_grad_norm_ over the whole model: each stage's squared norm (a DTensor's norm
     is taken over its mesh: FSDP2 shards, TP parts) summed over the stages."""
-    sq = torch.zeros((), dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
     for p in model.parameters():
         if p.grad is not None:
             n = torch.linalg.vector_norm(p.grad)
@@ -220,7 +223,7 @@ def main():
         raise SystemExit("--schedule interleaved here runs stages that share the rank's FSDP2 "
                          "units: use it with --shard 1")  # fmt: skip
     torch.manual_seed(args.seed)  # the same whole model in every process, then cut
-    model = GPT(args)
+    model = GPT(args).to(args.device)
     stage = replica.mesh["pp"].get_local_rank() if args.pp > 1 else 0  # this rank's place
     per_rank = 2 if args.schedule == "interleaved" and args.pp > 1 else 1
     stages = args.pp * per_rank
@@ -277,12 +280,12 @@ def main():
             ScheduleInterleaved1F1B,
         )
 
-        group, cpu = replica.mesh["pp"].get_group(), torch.device("cpu")
+        group, device = replica.mesh["pp"].get_group(), torch.device(args.device)
         if per_rank == 1:
-            pipe = PipelineStage(model, stage, stages, cpu, group=group)
+            pipe = PipelineStage(model, stage, stages, device, group=group)
         else:
             n = args.layers
-            pipe = [PipelineStage(StageOf(model, s, stages, n), s, stages, cpu, group=group)
+            pipe = [PipelineStage(StageOf(model, s, stages, n), s, stages, device, group=group)
                     for s in mine]  # fmt: skip
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
                 "interleaved": ScheduleInterleaved1F1B}[args.schedule]  # fmt: skip

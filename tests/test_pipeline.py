@@ -95,18 +95,20 @@ def test_pipeline_replicas_survive_a_rank_kill_on_the_one_rank_trajectory(
     even where the schedule re-raised the failed collective as its own error), replica 0
     recomputes the lost ids in the same step, and (where respawned) every rank of the new
     replica receives its stage's state at its position. The run stays on the one-rank run's
-    trajectory."""
+    trajectory. The pp x FSDP2 run also checkpoints step 8 (every rank of the writing replica
+    writes its stage's shards under the whole model's names), and the one-rank form of the
+    script resumes from it (DCP reshards on load) on the uninterrupted trajectory."""
     flags, schedule, fault, steps, respawn = LAYOUTS[layout]
     ranks = 1
     for size in flags[1::2]:
         ranks *= int(size)
     out = tmp_path / layout
+    data = ["--data", str(custom_token_file), *ARGS, "--steps", str(steps)]
+    checkpoints = ["--ckpt-every", "8"] if layout == "pp+shard" else []
     r = recover_run(
         out, "train_pipeline.py", "--replicas", "2", "--ranks-per-replica", str(ranks),
         *(["--respawn", "0"] if respawn else []), "--fault", f"kill:replica=1,{fault}",
-        script_args=["--data", str(custom_token_file), *ARGS, "--steps", str(steps), *flags,
-                     "--schedule", schedule],
-        timeout=200,
+        script_args=[*data, *flags, "--schedule", schedule, *checkpoints], timeout=200,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:]
     assert "Traceback" not in r.stdout, r.stdout[-3000:]
@@ -118,6 +120,32 @@ def test_pipeline_replicas_survive_a_rank_kill_on_the_one_rank_trajectory(
     assert got[2]["attempts"] >= 2, got[2]  # the step was redone in the step, not skipped
     transfers = sorted((e["replica"], e["rank"]) for e in events(out / "job", "state_transfer"))
     assert transfers == ([(1, k) for k in range(ranks)] if respawn else []), transfers
+    if checkpoints:
+        assert_resumes_on_one_rank(out, pipeline_reference(steps), data, steps)
+
+
+def assert_resumes_on_one_rank(staged: Path, reference: Path, data: list[str], steps: int) -> None:
+    """The one-rank form resumes from the checkpoint `staged` saved at step 8 and finishes on
+    the uninterrupted trajectory (the last steps' losses, the final model)."""
+    saved = staged / "result" / "checkpoints"
+    assert sorted(p.name for p in saved.iterdir() if p.name.startswith("step_")) == [
+        "step_00000008"
+    ]
+    resumed = staged.parent / "resumed"
+    (resumed / "result").mkdir(parents=True)
+    shutil.copytree(saved, resumed / "result" / "checkpoints")
+    r = recover_run(resumed, "train_pipeline.py", "--replicas", "1",
+                    script_args=[*data, "--resume"])  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    got = _records(resumed)
+    assert [x["step"] for x in got] == list(range(8, steps))
+    for a, b in zip(_records(reference)[8:], got, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
+    pa = load_file(reference / "job" / "final" / "model.safetensors")
+    pb = load_file(resumed / "job" / "final" / "model.safetensors")
+    num = sum(float(((pa[k] - pb[k]).double() ** 2).sum()) for k in pa) ** 0.5
+    den = sum(float((pa[k].double() ** 2).sum()) for k in pa) ** 0.5
+    assert num / den <= 1e-4, num / den
 
 
 # ---- how a part counts a schedule's losses (stand-in stages and schedule) ---------------------
@@ -232,38 +260,3 @@ def test_a_part_shorter_than_the_schedule_needs_grows_by_padding_passes():
     late.batch(lambda j: torch.tensor([j]))  # the batch first: it would miss the padding
     with pytest.raises(UsageError, match="before part.batch"):
         late.schedule(_NeedsTwo, _Stage(is_last=True), loss_fn=lambda out, _: out.sum())
-
-
-@pytest.mark.timeout(240)
-def test_a_checkpoint_of_sharded_stages_resumes_on_one_rank_on_the_trajectory(
-    custom_token_file, pipeline_reference, tmp_path
-):
-    """A replica of pp 2 x FSDP2 2 checkpoints step 8 (every rank writes its stage's shards
-    under the whole model's names); the one-rank form of the script resumes from it (DCP
-    reshards on load) and finishes on the uninterrupted one-rank trajectory."""
-    steps = 16
-    data = ["--data", str(custom_token_file), *ARGS, "--steps", str(steps)]
-    staged = tmp_path / "staged"
-    r = recover_run(staged, "train_pipeline.py", "--replicas", "1", "--ranks-per-replica", "4",
-                    script_args=[*data, "--pp", "2", "--shard", "2", "--ckpt-every", "8"])  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:]
-    saved = staged / "result" / "checkpoints"
-    assert sorted(p.name for p in saved.iterdir() if p.name.startswith("step_")) == [
-        "step_00000008"
-    ]
-    resumed = tmp_path / "resumed"
-    (resumed / "result").mkdir(parents=True)
-    shutil.copytree(saved, resumed / "result" / "checkpoints")
-    r = recover_run(resumed, "train_pipeline.py", "--replicas", "1",
-                    script_args=[*data, "--resume"])  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:]
-    ref = pipeline_reference(steps)
-    got = _records(resumed)
-    assert [x["step"] for x in got] == list(range(8, steps))
-    for a, b in zip(_records(ref)[8:], got, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
-    pa = load_file(ref / "job" / "final" / "model.safetensors")
-    pb = load_file(resumed / "job" / "final" / "model.safetensors")
-    num = sum(float(((pa[k] - pb[k]).double() ** 2).sum()) for k in pa) ** 0.5
-    den = sum(float((pa[k].double() ** 2).sum()) for k in pa) ** 0.5
-    assert num / den <= 1e-4, num / den
