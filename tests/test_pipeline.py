@@ -196,6 +196,7 @@ def test_a_part_counts_each_real_microbatch_once_by_its_output_and_zeroes_paddin
     assert part.ids == [7, 9, 7] and part.real == [True, True, False] and len(part) == 3
     schedule = part.schedule(_Schedule, _Stage(is_last=True), loss_fn=lambda out, _: out.sum() + 1)
     schedule.step()
+    assert part._outputs == []  # no output (a last stage's activations) kept past its loss
     part.check()
     # each id's loss counted once, by its own output (the inference call counted nothing);
     # the padding pass's loss scaled to exactly 0

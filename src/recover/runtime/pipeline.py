@@ -63,6 +63,7 @@ class StageFollower:
                 part.current = None
             if stage.is_last:  # the schedule computes this chunk's loss from this very object
                 part._outputs.append((out, chunk))
+                part._last_forwards += 1
             return out
 
         def backward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
@@ -111,7 +112,10 @@ class PipelinePart:
         self.next_index = k
         self._add_loss, self._phase, self._follower = add_loss, phase, follower
         self._forwards = 0  # chunk forwards of followed stages on this rank
-        self._outputs: list[tuple[Any, int]] = []  # the last stage's outputs, by chunk
+        # The last stage's outputs whose loss is still to come, by chunk (each dropped once its
+        # loss is computed: the schedule frees its activations, this must not keep them).
+        self._outputs: list[tuple[Any, int]] = []
+        self._last_forwards = 0  # chunk forwards of this rank's last stage
         self._counted: set[int] = set()  # chunks whose loss was computed
         self.current: int | None = None  # the id whose forward runs on this rank now
         self._batched = False  # batch() was called (the part's length is then fixed)
@@ -140,9 +144,10 @@ class PipelinePart:
 
         def counted(output: Any, target: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
             value = fn(output, target, *args, **kwargs)
-            n = next((c for out, c in self._outputs if out is output), None)
-            if n is None:  # shape inference's pass: no microbatch of the step
+            at = next((i for i, (out, _) in enumerate(self._outputs) if out is output), None)
+            if at is None:  # shape inference's pass: no microbatch of the step
                 return value
+            n = self._outputs.pop(at)[1]
             if n in self._counted:
                 raise UsageError(f"the schedule computed microbatch {n}'s loss twice")
             self._counted.add(n)
@@ -210,13 +215,13 @@ class PipelinePart:
                 "its schedule with part.schedule(cls, stage, loss_fn=...) and run schedule.step "
                 "with the part's batch once per part"
             )
-        if self._outputs and len(self._counted) != len(self.ids):
+        if self._last_forwards and len(self._counted) != len(self.ids):
             raise UsageError(
                 f"the schedule computed {len(self._counted)} losses for the {len(self.ids)} "
                 "microbatches of this part: build it with part.schedule(..., loss_fn=...) and "
                 "run schedule.step once per part"
             )
-        self._outputs = []  # (the outputs hold the last stage's activations)
+        self._outputs = []
 
     # ---- what the followed stages report -------------------------------------------------------
     def _position(self, chunk: int) -> int:
