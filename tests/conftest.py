@@ -57,9 +57,10 @@ _TIER_OF = {name: tier for tier, names in TIERS.items() for name in names}
 # alone; then the rest of the process tier, the in-process tier, and the many short unit tests,
 # which fill the gaps. The longest files, from the durations of the suite's runs.
 _LONGEST_FIRST = (
-    "test_rejoin", "test_multirank", "test_multihost", "test_api", "test_cpu_kernels",
-    "test_multireplica", "test_coordinator_takeover",
+    "test_rejoin", "test_multirank", "test_multihost", "test_api", "test_pipeline",
+    "test_cpu_kernels", "test_multireplica", "test_coordinator_takeover",
     "test_deterministic", "test_train_single", "test_run_views", "test_bench_compare",
+    "test_torchtitan",
 )  # fmt: skip
 _TIER_ORDER = ("process", "inprocess", "unit")
 
