@@ -48,7 +48,7 @@ TIERS = {
         "test_graceful", "test_logs", "test_multirank", "test_multireplica", "test_nonfinite",
         "test_rejoin", "test_run_views", "test_status", "test_transfer", "test_zygote",
         "test_cpu_kernels", "test_hosts", "test_storage", "test_agent", "test_slurm",
-        "test_optimizer_states", "test_pipeline", "test_torchtitan",
+        "test_optimizer_states", "test_pipeline", "test_torchtitan", "test_grads_layout",
     ),
 }  # fmt: skip
 _TIER_OF = {name: tier for tier, names in TIERS.items() for name in names}

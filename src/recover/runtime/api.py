@@ -58,7 +58,7 @@ from recover.logs import process_prefix, replica_name, setup_logging
 from recover.policy import deal_round_robin
 from recover.runtime.env import ReplicaEnv
 from recover.runtime.faults import FaultInjector, check_faults_fit
-from recover.runtime.grads import laid_out_like, local_part
+from recover.runtime.grads import set_aside
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.pipeline import PipelinePart, StageFollower
 from recover.runtime.script_record import StepRecords, dashboards_for
@@ -505,21 +505,13 @@ class Replica:
                 step, plan, first_index=index, add_loss=work.grads.add_loss,
                 phase=self._faults, follower=self._follower,
             )  # fmt: skip
-            # A new schedule may drop FSDP2 parameters' gradients: the sum of the step's earlier
-            # parts is set aside while this one runs, then added to what it leaves.
-            kept = [p.grad for p in params]
-            for p in params:
-                p.grad = None
-            self._follower.part = part
-            try:
-                yield part
-            finally:
-                self._follower.part = None
-            part.check()
-            for p, before in zip(params, kept, strict=True):
-                if before is not None:
-                    added = local_part(p.grad) if p.grad is not None else 0
-                    p.grad = laid_out_like(p, local_part(before) + added)
+            with set_aside(params):  # the step's earlier parts, kept from the new schedule
+                self._follower.part = part
+                try:
+                    yield part
+                finally:
+                    self._follower.part = None
+                part.check()
             self._guard.tick()
             index = part.next_index
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import cast
 
 import torch
@@ -25,6 +26,17 @@ import torch
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """The part of a tensor this rank holds: the local shard of a DTensor, else the tensor."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_grad(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `grad` laid out as parameter `p` is: a DTensor gradient whose
+    placements differ from its parameter's (a module that leaves its weight's gradient replicated
+    or partial over the tensor-parallel ranks while the weight is sharded) is redistributed to
+    the parameter's first, a collective over p's mesh that every rank of the replica makes."""
+    if hasattr(grad, "placements") and hasattr(p, "placements"):
+        if tuple(grad.placements) != tuple(p.placements):
+            grad = grad.redistribute(p.device_mesh, p.placements)
+    return local_part(grad)
 
 
 def laid_out_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -38,6 +50,23 @@ def laid_out_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(
         local, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
     )
+
+
+@contextmanager
+def set_aside(params: list[torch.Tensor]) -> Iterator[None]:
+    """Run a pipeline schedule over `params` with their gradient sum so far set aside, then add
+    it back to what the schedule left: a new schedule drops FSDP2 parameters' gradients (after
+    its shape inference, even with static shapes), so the sum of a step's earlier parts (a redo
+    of lost ids runs a second schedule) would otherwise be lost. Nothing is added back when the
+    schedule raises: that attempt is abandoned with its gradients."""
+    kept = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    yield
+    for p, before in zip(params, kept, strict=True):
+        if before is not None:
+            added = local_grad(p, p.grad) if p.grad is not None else 0
+            p.grad = laid_out_like(p, local_grad(p, before) + added)
 
 
 class GradientSum:
@@ -87,9 +116,9 @@ class GradientSum:
         """Write parameter i's local gradient into its range of `flat` (the snapshot's layout): a
         copy, or zeros where it has no gradient."""
         start, stop = self.ranges[i]
-        grad = self.params[i].grad
-        if grad is not None:
-            flat[start:stop].copy_(local_part(grad).reshape(-1))
+        p = self.params[i]
+        if p.grad is not None:
+            flat[start:stop].copy_(local_grad(p, p.grad).reshape(-1))
         else:
             flat[start:stop].zero_()
 

@@ -65,7 +65,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from recover.data.addressing import TokenDataset, microbatch_seed
 from recover.policy import deal_round_robin
-from recover.runtime.grads import laid_out_like, local_part
+from recover.runtime.grads import laid_out_like, local_part, set_aside
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.update_guard import on_every_rank
 from recover.training.config import TrainConfig
@@ -421,37 +421,30 @@ class PipelineTrainer(MultiRankTrainer):
             loss = lm_loss(logits, targets)
             return loss if real else loss * 0.0  # padding: its gradient is exactly zero
 
-        # Set aside the gradient sum so far: a new schedule drops FSDP2 parameters' gradients
-        # (after its shape inference, even with static shapes), and what the call adds is then
-        # exactly the gradients it leaves, which the tied ends need on their own. (A step's first
-        # call sets nothing aside; a later one, recomputing lost ids, holds a second gradient.)
-        kept = [p.grad for p in self.params]
-        for p in self.params:
-            p.grad = None
-        stage.before_forward = before_forward
-        try:
-            schedule = ScheduleGPipe(
-                self._pipe, n_microbatches=len(plan), loss_fn=loss_fn, scale_grads=False
-            )
-            if stage.first:
-                schedule.step(torch.cat([self._tokens(step, j)[0] for j, _ in plan]))
-            elif stage.last:
-                losses: list[torch.Tensor] = []
-                schedule.step(
-                    target=torch.cat([self._tokens(step, j)[1] for j, _ in plan]), losses=losses
+        # The gradient sum so far is set aside (recover.runtime.grads.set_aside): what the call
+        # adds is then exactly the gradients it leaves, which the tied ends need on their own.
+        with set_aside(self.params):
+            stage.before_forward = before_forward
+            try:
+                schedule = ScheduleGPipe(
+                    self._pipe, n_microbatches=len(plan), loss_fn=loss_fn, scale_grads=False
                 )
-                for x, (j, real) in zip(losses, plan, strict=True):
-                    if real:
-                        self.grads.add_loss(j, float(x.detach()))
-            else:
-                schedule.step()
-        finally:
-            stage.before_forward = None
-        self._sum_tied()
-        for p, before in zip(self.params, kept, strict=True):
-            if before is not None:
-                added = local_part(p.grad) if p.grad is not None else 0
-                p.grad = laid_out_like(p, local_part(before) + added)
+                if stage.first:
+                    schedule.step(torch.cat([self._tokens(step, j)[0] for j, _ in plan]))
+                elif stage.last:
+                    losses: list[torch.Tensor] = []
+                    schedule.step(
+                        target=torch.cat([self._tokens(step, j)[1] for j, _ in plan]),
+                        losses=losses,
+                    )
+                    for x, (j, real) in zip(losses, plan, strict=True):
+                        if real:
+                            self.grads.add_loss(j, float(x.detach()))
+                else:
+                    schedule.step()
+            finally:
+                stage.before_forward = None
+            self._sum_tied()
 
     def _sum_tied(self) -> None:
         """Sum this call's contributions to the tied weight between the two ends, on both (on
