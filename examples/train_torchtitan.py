@@ -1,19 +1,19 @@
-"""torchtitan's Llama 3 trained under ReCoVer, with torchtitan's own pipeline split and FSDP2
-inside every replica.
+"""torchtitan's Llama 3 trained under ReCoVer, with torchtitan's own pipeline split, tensor
+parallelism and FSDP2 inside every replica.
 
 The model is torchtitan's (`torchtitan.models.llama3`, built with its own builders at its debug
 model's dimensions, or at dim 64 for CPU tests), cut into pipeline stages by torchtitan's
-splitter (whole-model parameter names kept) and sharded by torchtitan's FSDP2 helper over the
-replica's `shard` ranks. ReCoVer runs the loop: each step's share goes to a
-`torch.distributed.pipelining` schedule through `replica.pipeline()`, a failed rank's replica is
-recomputed in the same step by the others, and a respawned replica receives every rank's stage
-state. With one rank the same model trains in the per-id form: the trajectory every layout and
-every failure must reproduce.
+splitter (whole-model parameter names kept), split by torchtitan's TP plan over the replica's
+`tp` ranks and sharded by torchtitan's FSDP2 helper over its `shard` ranks. ReCoVer runs the
+loop: each step's share goes to a `torch.distributed.pipelining` schedule through
+`replica.pipeline()`, a failed rank's replica is recomputed in the same step by the others, and
+a respawned replica receives every rank's part of the state. With one rank the same model trains
+in the per-id form: the trajectory every layout and every failure must reproduce.
 
     pip install -e '.[torchtitan]'                                   # torchtitan, and triton
-    recover run --replicas 2 --ranks-per-replica 4 --respawn 0 \\
-        --fault kill:replica=1,rank=3,step=3,phase=backward \\
-        -- python examples/train_torchtitan.py --pp 2 --shard 2 --data data/custom.bin
+    recover run --replicas 2 --ranks-per-replica 8 --respawn 0 \\
+        --fault kill:replica=1,rank=5,step=2,phase=forward \\
+        -- python examples/train_torchtitan.py --pp 2 --shard 2 --tp 2 --data data/custom.bin
 
 Why the model and its parallelism from torchtitan inside this script, and not a ReCoVer train
 step for torchtitan's trainer: torchtitan's `Trainer` owns the data loader, the step and the
@@ -24,9 +24,7 @@ is what this script is; torchtitan's parallelize entry points (`parallelize_llam
 
 Shims for CPU, kept here: torchtitan's language models ask for FlexAttention or varlen
 attention (block masks, GPU kernels); each layer's inner attention is set to torchtitan's dense
-`ScaledDotProductAttention` (causal; one document per sequence here). Tensor parallelism is not
-wired in this example: torchtitan applies it through its `ParallelDims` and sharding configs,
-which build a mesh of their own; examples/train_pipeline.py shows TP under ReCoVer.
+`ScaledDotProductAttention` (causal; one document per sequence here).
 """
 
 import argparse
@@ -54,11 +52,12 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pp", type=int, default=1, help="pipeline stages per replica")
     p.add_argument("--shard", type=int, default=1, help="FSDP2 shards of each stage")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of each stage")
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
     return p.parse_args(argv)
 
 
-def llama3_config(size, layers):
+def llama3_config(size, layers, tp=1):
     """torchtitan's Llama 3 built with its own builders: the debug model's dimensions (or dim 64
     for CPU tests), `layers` layers, q, k and v as three weights, the dense inner attention."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
@@ -94,10 +93,30 @@ def llama3_config(size, layers):
     )  # fmt: skip
     for layer in cfg.layers:  # CPU shim: dense causal attention instead of FlexAttention
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    if tp > 1:  # torchtitan's TP plan, declared on the configs (no sequence parallelism)
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+        set_llama3_sharding_config(cfg, enable_sp=False)
     return cfg
 
 
+def tensor_parallel(model, tp_mesh):
+    """torchtitan's own TP: `Module.parallelize` distributes each module's weights as its
+    sharding config declares, on the mesh its `ParallelDims` names "tp". The replica's "tp"
+    mesh is handed in (the one ReCoVer aborts and rebuilds with the replica), rather than a world
+    mesh of torchtitan's own making."""
+    from torchtitan.distributed import ParallelDims
+
+    degree = tp_mesh.size()
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=degree, pp=1, ep=1,
+                        world_size=degree, spmd_backend="partial_dtensor")  # fmt: skip
+    dims._single_axis_meshes = {"tp": tp_mesh}  # (private: pinned torchtitan==0.3.0)
+    model.parallelize(dims)
+
+
 def lm_loss(logits, targets):
+    if hasattr(logits, "full_tensor"):  # TP: the vocabulary's parts, gathered
+        logits = logits.full_tensor()
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
@@ -105,7 +124,7 @@ def main():
     args = parse_args()
     torch.set_num_threads(1)
     replica = recover.Replica(  # first: it builds the replica's group and mesh
-        microbatches=args.microbatches, pp=args.pp, shard=args.shard,
+        microbatches=args.microbatches, pp=args.pp, shard=args.shard, tp=args.tp,
         config={"lr": args.lr, "seed": args.seed, "size": args.size, "layers": args.layers},
     )  # fmt: skip
     data = recover.TokenWindows(
@@ -113,7 +132,7 @@ def main():
         microbatches=args.microbatches, seed=args.seed,
     )  # fmt: skip
     torch.manual_seed(args.seed)  # the same whole model in every process, then split
-    model = llama3_config(args.size, args.layers).build()
+    model = llama3_config(args.size, args.layers, args.tp).build()
     model.init_states()  # torchtitan's own initialisation
     stage = replica.mesh["pp"].get_local_rank() if args.pp > 1 else 0
     if args.pp > 1:  # torchtitan's split: this stage's modules, whole-model names kept
@@ -124,6 +143,8 @@ def main():
 
         names = _generate_llm_fqn_per_model_part(args.pp, len(model.layers))
         model = _split_module(model, names[stage])
+    if args.tp > 1:  # TP inside each stage, then FSDP2 over it, as torchtitan orders them
+        tensor_parallel(model, replica.mesh["tp"])
     if args.shard > 1:  # torchtitan's FSDP2: each block a unit, then the stage
         from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
@@ -139,7 +160,13 @@ def main():
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         group = replica.mesh["pp"].get_group()
-        pipe = PipelineStage(model, stage, args.pp, torch.device("cpu"), group=group)
+        # Under TP the activations between stages are DTensors over the "tp" mesh: each stage
+        # rebuilds a received one on its own stage's "tp" ranks.
+        tp_mesh = replica.mesh["tp"] if args.tp > 1 else None
+        pipe = PipelineStage(
+            model, stage, args.pp, torch.device("cpu"), group=group,
+            get_mesh=lambda names, layout: tp_mesh if tuple(names) == ("tp",) else None,
+        )  # fmt: skip
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
     args.out.mkdir(parents=True, exist_ok=True)
     for step in replica.steps(args.steps):

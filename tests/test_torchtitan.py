@@ -1,15 +1,16 @@
 """torchtitan's Llama 3 under ReCoVer (examples/train_torchtitan.py): torchtitan's model, its
-pipeline split and its FSDP2 inside every replica, a rank SIGKILLed mid-step, the run on the
-one-rank trajectory.
+pipeline split, its tensor parallelism and its FSDP2 inside every replica, a rank SIGKILLed
+mid-step, the run on the one-rank trajectory.
 
 torchtitan lives in an environment of its own: its pins (datasets, then huggingface-hub) conflict
 with the dev extra's transformers. CI makes `.venv-torchtitan` (`pip install torch==2.13.0 -e
 '.[torchtitan]'`); the tests run the script with that interpreter (or RECOVER_TORCHTITAN_PYTHON,
 or this one where torchtitan imports) and skip, saying so, where there is none.
 
-The default run kills a rank of 2 replicas of 2 stages; the slow one kills a rank of 2 replicas
-of 2 stages x FSDP2 2 and respawns it (every rank receives its stage's shards): the same path as
-tests/test_pipeline.py's pp x FSDP2 test, which the default run has, on torchtitan's model.
+The default run kills a rank of 2 replicas of 2 stages x TP 2; the slow one kills a rank of 2
+replicas of 2 stages x FSDP2 2 x TP 2 (8 ranks each) and respawns it, every rank receiving its
+shards. Its paths are each in the default run: torchtitan's stages under TP here, pp x FSDP2 with
+a respawn of sharded stages in tests/test_pipeline.py, FSDP2 x TP transfers in tests/test_api.py.
 """
 
 from __future__ import annotations
@@ -79,26 +80,33 @@ def _kill_run(tmp_path, data, *, steps, layout, ranks, fault, respawn):
 
 
 @pytest.mark.timeout(240)
-def test_torchtitan_llama_in_pipeline_stages_survives_a_rank_kill(custom_token_file, tmp_path):
-    """2 replicas of torchtitan's Llama 3 in 2 stages (torchtitan's split, 1F1B); the last
-    stage's rank of replica 1 is SIGKILLed in its backward of step 2: its mate stops (status 7),
-    replica 0 recomputes the lost ids in the step, on the one-rank trajectory."""
-    _, r = _kill_run(tmp_path, custom_token_file, steps=10, layout=["--pp", "2"], ranks=2,
-                     fault="rank=1,step=2,phase=backward", respawn=False)  # fmt: skip
-    assert "replica 1 rank 0 exited with status 7" in r.stdout, r.stdout[-3000:]
+def test_torchtitan_llama_in_tensor_parallel_stages_survives_a_rank_kill(
+    custom_token_file, tmp_path
+):
+    """2 replicas of torchtitan's Llama 3 in 2 stages (torchtitan's split, 1F1B) x torchtitan's
+    TP over 2 ranks; a last-stage rank of replica 1 is SIGKILLed in its backward of step 2: its
+    3 mates stop (status 7), replica 0 recomputes the lost ids in the step, on the one-rank
+    trajectory."""
+    _, r = _kill_run(tmp_path, custom_token_file, steps=10, layout=["--pp", "2", "--tp", "2"],
+                     ranks=4, fault="rank=3,step=2,phase=backward", respawn=False)  # fmt: skip
+    for rank in range(3):
+        assert f"replica 1 rank {rank} exited with status 7" in r.stdout, r.stdout[-3000:]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_torchtitan_llama_in_sharded_stages_survives_a_kill_and_its_respawn_gets_its_shards(
+@pytest.mark.timeout(900)
+def test_torchtitan_llama_in_3d_replicas_survives_a_kill_and_its_respawn_gets_its_shards(
     custom_token_file, tmp_path
 ):
-    """2 replicas of torchtitan's Llama 3 in 2 stages x torchtitan's FSDP2 over 2 ranks; a rank
-    of replica 1 is SIGKILLed in a forward of step 2, the replica is respawned, and each of its
-    4 ranks receives its stage's shards of the model and of AdamW's moments. (150 steps: the
-    respawned ranks, each importing torch, torchtitan and triton afresh, took 25 s to register
-    on 2 cores, while the survivor ran 80 steps.)"""
-    out, _ = _kill_run(tmp_path, custom_token_file, steps=150, layout=["--pp", "2", "--shard", "2"], ranks=4,
-                       fault="rank=1,step=2,phase=forward", respawn=True)  # fmt: skip
+    """2 replicas of torchtitan's Llama 3, each 8 ranks: 2 stages x torchtitan's FSDP2 over 2
+    ranks x its TP over 2 ranks. A rank of replica 1 is SIGKILLed in a forward of step 2, its 7
+    mates stop, the replica is respawned, and each of its 8 ranks receives its part of the model
+    and of AdamW's moments. (16 processes on 2 cores: about 200 s. 150 steps: the respawned
+    ranks, each importing torch, torchtitan and triton afresh, take tens of seconds to register
+    while the survivor runs on.)"""
+    out, r = _kill_run(tmp_path, custom_token_file, steps=150,
+                       layout=["--pp", "2", "--shard", "2", "--tp", "2"], ranks=8,
+                       fault="rank=5,step=2,phase=forward", respawn=True)  # fmt: skip
+    assert "respawning replica 1" in r.stdout, r.stdout[-3000:]
     transfers = sorted((e["replica"], e["rank"]) for e in events(out / "job", "state_transfer"))
-    assert transfers == [(1, k) for k in range(4)], transfers
+    assert transfers == [(1, k) for k in range(8)], transfers
