@@ -34,8 +34,11 @@ def local_grad(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     or partial over the tensor-parallel ranks while the weight is sharded) is redistributed to
     the parameter's first, a collective over p's mesh that every rank of the replica makes."""
     if hasattr(grad, "placements") and hasattr(p, "placements"):
-        if tuple(grad.placements) != tuple(p.placements):
-            grad = grad.redistribute(p.device_mesh, p.placements)
+        from torch.distributed.tensor import DTensor
+
+        g, w = cast(DTensor, grad), cast(DTensor, p)
+        if tuple(g.placements) != tuple(w.placements):
+            grad = g.redistribute(w.device_mesh, w.placements)
     return local_part(grad)
 
 
