@@ -328,7 +328,15 @@ def assert_invariants(
     hashes = {e["replica"]: e["param_hash"] for e in events(out, "replica_finished")}
     assert hashes, "no replica finished"
     assert len(set(hashes.values())) == 1, f"survivors diverged: {hashes}"
+    assert_faults_fired(out)
     assert leftover_processes(str(out)) == [], "processes of the run were left behind"
+
+
+def assert_faults_fired(out: Path) -> None:
+    """Every fault the run `out` declared fired (the launcher's verdict lists those that did not):
+    a drill whose kill never fired proves nothing."""
+    unfired = [f for v in events(out, "launcher.verdict") for f in v.get("unfired", [])]
+    assert not unfired, f"declared faults that never fired: {unfired}"
 
 
 def coordinator_lost_lines(r: subprocess.CompletedProcess) -> list[str]:

@@ -40,6 +40,7 @@ from recover.runtime.faults import (
     fault_flag,
     parse_fault,
     read_fired,
+    record_fired,
 )
 from recover.training.config import TrainConfig
 
@@ -201,6 +202,43 @@ def test_a_run_record_missing_a_step_fails_the_verdict_with_a_line(tmp_path, cap
     finally:
         log.handlers[:], log.level, log.propagate = saved
         launcher.writer.close()
+
+
+def test_the_verdict_names_a_declared_fault_that_never_fired(tmp_path, capsys):
+    """A drill whose fault never fired (its replica was planned no such microbatch, or the run
+    ended before its step) did not exercise what it declared: the launcher says so, naming the
+    fault, and records it in its verdict; a run whose every step committed still exits 0."""
+    fired, never, slow = (
+        parse_fault(s)
+        for s in (
+            "kill:replica=1,step=1,phase=backward,microbatch=0",
+            "kill:replica=0,step=2,phase=forward,microbatch=3",
+            "slow:replica=1,step=0,factor=2",
+        )
+    )
+    cfg = TrainConfig(preset="tiny", steps=3, microbatches=M)
+    launcher = LocalLauncher(
+        cfg, LaunchConfig(replicas=2, faults=(fired, never, slow)), data=tmp_path, out=tmp_path,
+        resume=False, data_info={}, console=sys.stdout,  # (capsys's)
+    )  # fmt: skip
+    launcher.writer = MetricsWriter(launcher.paths.metrics)
+    log = logging.getLogger("recover")
+    saved = (list(log.handlers), log.level, log.propagate)
+    setup_logging("info")  # as `recover train` does: the launcher's lines are logged
+    try:
+        for step in range(3):
+            launcher.writer.step(step=step, loss=1.0, microbatches=M)
+        record_fired(launcher.fired_file, fired)  # what the injector does before it acts
+        assert launcher._verdict([(0, 0, 0), (1, 0, -signal.SIGKILL)]) == 0
+    finally:
+        log.handlers[:], log.level, log.propagate = saved
+        launcher.writer.close()
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if "never fired" in x)
+    assert fault_flag(never) in line and fault_flag(fired) not in line, line
+    assert "slow:" not in line  # a slow fault acts from its step on; it never "fires" once
+    (verdict,) = events(tmp_path, "launcher.verdict")
+    assert verdict["ok"] and verdict["unfired"] == [fault_flag(never)]
 
 
 def test_the_launcher_gives_a_new_process_only_the_faults_not_recorded_as_fired(tmp_path):

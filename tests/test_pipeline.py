@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from test_api import recover_run
 
-from conftest import events
+from conftest import assert_faults_fired, events
 from recover.runtime.pipeline import PipelinePart, StageFollower
 from recover.runtime.usage import UsageError
 
@@ -67,6 +67,7 @@ def assert_on_the_reference(reference: Path, out: Path, steps: int) -> list[dict
     num = sum(float(((pa[k] - pb[k]).double() ** 2).sum()) for k in pa) ** 0.5
     den = sum(float((pa[k].double() ** 2).sum()) for k in pa) ** 0.5
     assert num / den <= 1e-4, num / den
+    assert_faults_fired(out / "job")
     return got
 
 

@@ -137,7 +137,7 @@ class LocalLauncher(ProcessHost):
         """The zygote's import overlaps the coordinator's start; it runs with the run folder on
         its command line, as its children do (they share its command line)."""
         if self.lcfg.warm_start:
-            self.start_zygote(str(self.paths.out))
+            self.start_zygote(str(self.paths.out), self.lcfg.preload)
 
     def _replica_command(self, r: int, host: str, port: int, *, fresh: bool) -> list[str]:
         """The command of every process of replica r: a `recover worker` of the built-in
@@ -427,7 +427,19 @@ class LocalLauncher(ProcessHost):
         if not any(c == 0 for _, _, c in codes):
             problems.append("no replica finished")
         problems += self._record_problems()
-        self.writer.event("launcher.verdict", ok=not problems, problems=problems, deaths=deaths)
+        unfired = self._unfired_faults()
+        self.writer.event(
+            "launcher.verdict", ok=not problems, problems=problems, deaths=deaths, unfired=unfired
+        )
+        if unfired:
+            # Not a failed run (training went on as it should), but a drill that did not happen:
+            # the replica was planned no such microbatch, or the run ended first.
+            self.say(
+                f"declared fault(s) that never fired: {', '.join(unfired)} (the replica computed "
+                "no such microbatch at that step and phase, or the run ended before it): the run "
+                "did not exercise them",
+                logging.WARNING,
+            )
         if problems:
             self.say("training failed: " + "; ".join(problems + deaths), logging.ERROR)
             return 1
@@ -437,6 +449,16 @@ class LocalLauncher(ProcessHost):
                 "way: " + "; ".join(deaths)
             )
         return 0
+
+    def _unfired_faults(self) -> list[str]:
+        """The --fault texts of the declared faults no process recorded as fired (`slow` ones
+        are never recorded: every step from theirs on is slow)."""
+        fired = read_fired(self.fired_file)
+        return [
+            fault_flag(f)
+            for f in self.lcfg.faults
+            if f.kind != "slow" and fault_flag(f) not in fired
+        ]
 
     def _record_problems(self) -> list[str]:
         """What the run record lacks: steps 0..steps-1 each with a step record summing all M
