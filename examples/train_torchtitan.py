@@ -11,7 +11,7 @@ a respawned replica receives every rank's part of the state. With one rank the s
 in the per-id form: the trajectory every layout and every failure must reproduce.
 
     pip install -e '.[torchtitan]'                                   # torchtitan, and triton
-    recover run --replicas 2 --ranks-per-replica 8 --respawn 0 \\
+    recover run --replicas 2 --ranks-per-replica 8 --respawn 0 --preload torchtitan.models.llama3 \\
         --fault kill:replica=1,rank=5,step=2,phase=forward \\
         -- python examples/train_torchtitan.py --pp 2 --shard 2 --tp 2 --data data/custom.bin
 

@@ -114,6 +114,7 @@ class AgentConfig:
     start_timeout_s: float = 60.0  # the coordinator must have answered by then
     stop_grace_s: float = 30.0  # a drain: how long the replicas get to leave
     warm_start: bool = True
+    preload: tuple[str, ...] = ()  # --preload: the warm start's imports besides torch's
     # The agent relays its replicas' sessions (coordinator/relay.py): they speak to it on
     # 127.0.0.1, it holds their leases and long-polls and sends the coordinator one beat and one
     # batch of done reports per step for the whole node.
@@ -203,7 +204,7 @@ class NodeAgent(ProcessHost):
         try:
             beater.start()
             if cfg.warm_start:
-                self.start_zygote(f"{cfg.out}:{cfg.node}")
+                self.start_zygote(f"{cfg.out}:{cfg.node}", cfg.preload)
             code, reason = self._loop()
         except KeyboardInterrupt:
             code, reason = exits.STOPPED, "interrupted"

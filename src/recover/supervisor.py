@@ -29,7 +29,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -186,12 +186,14 @@ class ProcessHost:
         self._zygote: Zygote | None = None
         self._prefixes: dict[int, list[str]] = {}  # id(process) -> its output prefix
 
-    def start_zygote(self, tag: str) -> None:
+    def start_zygote(self, tag: str, preload: Sequence[str] = ()) -> None:
         """Start the zygote (recover.zygote) now, so that its import overlaps whatever starts
         next; the first child forked waits for it. `tag` goes on its command line (and its
-        children's), so every process of the job names it."""
+        children's), so every process of the job names it; `preload`: the user's modules it
+        imports after WARM_MODULES (--preload)."""
         if self.WARM_MODULES:
-            self._zygote = Zygote(list(self.WARM_MODULES), self.child_env(), tag=tag)
+            modules = [*self.WARM_MODULES, *preload]
+            self._zygote = Zygote(modules, self.child_env(), tag=tag)
 
     def child_env(self, extra_env: dict | None = None) -> dict[str, str]:
         """The environment of every process this host starts (the zygote's too)."""

@@ -163,9 +163,21 @@ def _main() -> None:
     die_with_launcher()
     for name in sys.argv[3:]:  # (argv[2]: the tag, for people reading `ps`)
         module, _, warm = name.partition(":")
-        loaded = importlib.import_module(module)
+        try:
+            loaded = importlib.import_module(module)
+        except Exception as e:  # a --preload of the user's: one line, and the launcher goes cold
+            print(f"recover zygote: importing {module} failed: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            os._exit(1)
         if warm:  # MODULE:FUNCTION: also call it, for what it imports lazily (a CLI's parsers)
             getattr(loaded, warm)()
+    # Forking is safe only from one thread: a module that started one (a --preload's pool, any
+    # native thread) would leave each child a copy of it stopped mid-way.
+    threads = len(os.listdir("/proc/self/task"))
+    if threads > 1:
+        print(f"recover zygote: the imports ({', '.join(sys.argv[3:])}) started {threads - 1} "
+              "thread(s): forking would copy them half-done", file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(1)
     sock.sendall(_READY)
     _serve(sock)
     os._exit(0)  # nothing to flush or tear down: skip the interpreter's (slow with torch) exit

@@ -150,6 +150,35 @@ def add_start_flags(parser: argparse.ArgumentParser) -> None:
         "MODULE`) from one process that imported torch once (the default warm start; other "
         "commands are always started afresh)",
     )
+    parser.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a module the warm start imports once, besides torch, before it forks the "
+        "script's processes: a heavy import of the script (torchtitan's model, transformers) "
+        "paid once per host instead of in every process and respawn; repeatable",
+    )
+
+
+def preloads(args: argparse.Namespace) -> tuple[str, ...]:
+    """--preload's modules, checked before anything starts: each a dotted module name whose
+    top-level package this interpreter finds (found, not imported: the zygote imports it), and
+    only with the warm start."""
+    import importlib.util
+
+    names = tuple(args.preload)
+    if names and args.cold_start:
+        raise ValueError("--preload imports modules for the warm start: drop --cold-start")
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ValueError(f"--preload {name!r}: not a module name (e.g. torchtitan.models)")
+        if importlib.util.find_spec(name.split(".")[0]) is None:
+            raise ValueError(
+                f"--preload {name}: no module {name.split('.')[0]!r} in this Python "
+                f"({sys.executable})"
+            )
+    return names
 
 
 def supervision(args: argparse.Namespace) -> dict:

@@ -22,6 +22,7 @@ from recover.cli.flags import (
     default_out,
     is_unwritable,
     parse_faults,
+    preloads,
     start_logging,
     storage_error,
     supervision,
@@ -190,6 +191,7 @@ def run_script(args: argparse.Namespace) -> int:
             faults=parse_faults(args.fault),
             start_timeout_s=args.start_timeout,
             warm_start=not args.cold_start,
+            preload=preloads(args),
             **supervision(args),
         )
         if spec.cross_reduce == "nccl":  # a GPU per process here (a script checks its own too)
@@ -257,6 +259,7 @@ def run_agent(args: argparse.Namespace) -> int:
             start_timeout_s=args.start_timeout,
             stop_grace_s=args.stop_grace,
             warm_start=not args.cold_start,
+            preload=preloads(args),
             relay=args.relay,
         )
         check_command_interpreter(command, os.environ)

@@ -48,6 +48,9 @@ class LaunchConfig:
     # Fork `recover train`'s replica processes from one that has imported torch already
     # (recover.zygote), instead of paying the import in each one; False: start each afresh.
     warm_start: bool = True
+    # Modules the warm start imports besides torch and recover's own before it forks (--preload:
+    # a script's heavy imports, paid once per host).
+    preload: tuple[str, ...] = ()
     # Warm standbys: processes that built the replica (model, optimizer, dataset) and wait,
     # unregistered, to take a dead replica's slot at once (`recover train` only). 0 by default:
     # each holds a whole replica's memory (on GPUs, a device's worth) for a fault that may not
