@@ -8,10 +8,11 @@ with the dev extra's transformers. CI makes `.venv-torchtitan` (`pip install tor
 or this one where torchtitan imports; recover is installed there too, and launches the runs) and
 skip, saying so, where there is none.
 
-The default run kills a rank of 2 replicas of 2 stages x TP 2; the slow one kills a rank of 2
-replicas of 2 stages x FSDP2 2 x TP 2 (8 ranks each) and respawns it, every rank receiving its
-shards. Its paths are each in the default run: torchtitan's stages under TP here, pp x FSDP2 with
-a respawn of sharded stages in tests/test_pipeline.py, FSDP2 x TP transfers in tests/test_api.py.
+The default run kills a rank of 2 replicas of 2 stages x TP 2 and respawns it, every rank
+receiving its part; the slow one does the same to 2 replicas of 2 stages x FSDP2 2 x TP 2 (8
+ranks each, 16 processes). Its paths are each in the default run: torchtitan's stages under TP
+with a respawn here, and a respawn of FSDP2-sharded stages in tests/test_pipeline.py; what only
+the slow run has is a respawn receiving 2-D (FSDP2 x TP) DTensors.
 """
 
 from __future__ import annotations
@@ -86,17 +87,21 @@ def _kill_run(tmp_path, data, *, steps, layout, ranks, fault, respawn):
 
 
 @pytest.mark.timeout(240)
-def test_torchtitan_llama_in_tensor_parallel_stages_survives_a_rank_kill(
+def test_torchtitan_llama_in_tensor_parallel_stages_survives_a_kill_and_its_respawn_gets_its_parts(
     custom_token_file, tmp_path
 ):
     """2 replicas of torchtitan's Llama 3 in 2 stages (torchtitan's split, 1F1B) x torchtitan's
     TP over 2 ranks; a last-stage rank of replica 1 is SIGKILLed in its backward of step 2: its
-    3 mates stop (status 7), replica 0 recomputes the lost ids in the step, on the one-rank
-    trajectory."""
-    _, r = _kill_run(tmp_path, custom_token_file, steps=10, layout=["--pp", "2", "--tp", "2"],
-                     ranks=4, fault="rank=3,step=2,phase=backward", respawn=False)  # fmt: skip
+    3 mates stop (status 7), replica 0 recomputes the lost ids in the step, the replica is
+    respawned and each of its 4 ranks receives its stage's TP part of the model and of AdamW's
+    moments; the run stays on the one-rank trajectory. (24 steps: preloaded, the respawn joined
+    at step 4 of 30 here.)"""
+    out, r = _kill_run(tmp_path, custom_token_file, steps=24, layout=["--pp", "2", "--tp", "2"],
+                       ranks=4, fault="rank=3,step=2,phase=backward", respawn=True)  # fmt: skip
     for rank in range(3):
         assert f"replica 1 rank {rank} exited with status 7" in r.stdout, r.stdout[-3000:]
+    transfers = sorted((e["replica"], e["rank"]) for e in events(out / "job", "state_transfer"))
+    assert transfers == [(1, k) for k in range(4)], transfers
 
 
 @pytest.mark.slow
