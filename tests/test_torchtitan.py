@@ -112,10 +112,10 @@ def test_torchtitan_llama_in_3d_replicas_survives_a_kill_and_its_respawn_gets_it
     """2 replicas of torchtitan's Llama 3, each 8 ranks: 2 stages x torchtitan's FSDP2 over 2
     ranks x its TP over 2 ranks. A rank of replica 1 is SIGKILLed in a forward of step 2, its 7
     mates stop, the replica is respawned, and each of its 8 ranks receives its part of the model
-    and of AdamW's moments. (16 processes on 2 cores: about 200 s. 150 steps: the respawned
-    ranks, each importing torch, torchtitan and triton afresh, take tens of seconds to register
-    while the survivor runs on.)"""
-    out, r = _kill_run(tmp_path, custom_token_file, steps=150,
+    and of AdamW's moments. (16 processes on 2 cores. 60 steps: cold, the respawned ranks took
+    tens of seconds to register while the survivor ran 80 steps; preloaded they fork with
+    torchtitan imported.)"""
+    out, r = _kill_run(tmp_path, custom_token_file, steps=60,
                        layout=["--pp", "2", "--shard", "2", "--tp", "2"], ranks=8,
                        fault="rank=5,step=2,phase=forward", respawn=True)  # fmt: skip
     assert "respawning replica 1" in r.stdout, r.stdout[-3000:]
