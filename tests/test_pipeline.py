@@ -72,9 +72,9 @@ def assert_on_the_reference(reference: Path, out: Path, steps: int) -> list[dict
 
 
 # (layout, schedule, the killed rank and its fault, steps, whether the replica is respawned). The
-# respawn is the 2-rank layout's: 60 steps give a respawned replica time to join (it did at steps
-# 6-9 here), which the 4-rank layouts would pay for with 8 processes on 2 cores (0.3-0.6 s a
-# step; 44 s of the suite for pp x FSDP2), so they run 16 steps. A pipeline of one stage per rank
+# respawn is the 2-rank layout's: 36 steps give a respawned replica time to join (it did at steps
+# 6-9 here, unloaded and under a full suite), which the 4-rank layouts would pay for with 8
+# processes on 2 cores (0.3-0.6 s a step; 44 s of the suite for pp x FSDP2), so they run 16 steps. A pipeline of one stage per rank
 # alone (pp 2) is what the 2-D layouts run with one axis fewer.
 LAYOUTS = {
     "pp+shard": (["--pp", "2", "--shard", "2"], "1f1b", "rank=3,step=2,phase=backward", 16, False),
@@ -82,7 +82,7 @@ LAYOUTS = {
               16, False),
     # two stages per rank (stages r and r + 2 of 4), the interleaved 1F1B schedule; respawned:
     # each rank of the new replica receives both of its stages' state
-    "pp-interleaved": (["--pp", "2"], "interleaved", "rank=1,step=2,phase=backward", 60, True),
+    "pp-interleaved": (["--pp", "2"], "interleaved", "rank=1,step=2,phase=backward", 36, True),
 }  # fmt: skip
 
 
