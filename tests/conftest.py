@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -330,6 +331,36 @@ def assert_invariants(
     assert len(set(hashes.values())) == 1, f"survivors diverged: {hashes}"
     assert_faults_fired(out)
     assert leftover_processes(str(out)) == [], "processes of the run were left behind"
+
+
+def on_gloo_ranks(target: Callable, *args, nprocs: int = 2) -> dict:
+    """`target(rank, *args)` in `nprocs` spawned processes (one thread each) that form one gloo
+    group on 127.0.0.1; what each returned, by rank. An exception in one is its repr there, and
+    the spawn raises. `target` must be a module-level function (the children import it)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_gloo_rank, args=(nprocs, port, results, target, args), nprocs=nprocs, join=True)
+        return dict(results)
+
+
+def _gloo_rank(rank: int, nprocs: int, port: int, results, target: Callable, args: tuple) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=nprocs)
+    try:
+        results[rank] = target(rank, *args)
+    except BaseException as e:  # reported by the test
+        results[rank] = repr(e)
+        raise
+    finally:
+        dist.destroy_process_group()
 
 
 def assert_faults_fired(out: Path) -> None:

@@ -12,6 +12,7 @@ elsewhere still has each fault fire once, its second respawn given neither again
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -176,17 +177,28 @@ def test_a_fault_in_a_respawned_incarnation_still_exits_0_when_every_step_commit
     assert leftover_processes(str(out)) == []
 
 
-def test_a_run_record_missing_a_step_fails_the_verdict_with_a_line(tmp_path, capsys):
-    cfg = TrainConfig(preset="tiny", steps=4, microbatches=M)
+@contextlib.contextmanager
+def verdict_launcher(tmp_path: Path, steps: int, faults=()):
+    """A launcher of `steps` steps, given `faults`, whose verdict is read without running: its
+    record written by the test, its lines logged as `recover train` logs them (to stderr)."""
+    cfg = TrainConfig(preset="tiny", steps=steps, microbatches=M)
     launcher = LocalLauncher(
-        cfg, LaunchConfig(replicas=2), data=tmp_path, out=tmp_path, resume=False, data_info={},
-        console=sys.stdout,  # (capsys's)
+        cfg, LaunchConfig(replicas=2, faults=tuple(faults)), data=tmp_path, out=tmp_path,
+        resume=False, data_info={}, console=sys.stdout,  # (capsys's)
     )  # fmt: skip
     launcher.writer = MetricsWriter(launcher.paths.metrics)
     log = logging.getLogger("recover")
     saved = (list(log.handlers), log.level, log.propagate)
-    setup_logging("info")  # as `recover train` does: the launcher's lines are logged
+    setup_logging("info")
     try:
+        yield launcher
+    finally:
+        log.handlers[:], log.level, log.propagate = saved
+        launcher.writer.close()
+
+
+def test_a_run_record_missing_a_step_fails_the_verdict_with_a_line(tmp_path, capsys):
+    with verdict_launcher(tmp_path, 4) as launcher:
         for step, microbatches in ((0, M), (1, M), (3, M - 2)):
             launcher.writer.step(step=step, loss=1.0, microbatches=microbatches)
         assert launcher._verdict([(0, 0, 0), (1, 0, -signal.SIGTERM)]) == 1
@@ -199,9 +211,6 @@ def test_a_run_record_missing_a_step_fails_the_verdict_with_a_line(tmp_path, cap
         assert launcher._verdict([(0, 0, 0), (1, 0, -signal.SIGTERM)]) == 0
         assert launcher._verdict([(0, 0, 3), (1, 0, 3)]) == 1  # quorum lost
         assert "replica 0: quorum lost" in capsys.readouterr().err
-    finally:
-        log.handlers[:], log.level, log.propagate = saved
-        launcher.writer.close()
 
 
 def test_the_verdict_names_a_declared_fault_that_never_fired(tmp_path, capsys):
@@ -216,23 +225,11 @@ def test_the_verdict_names_a_declared_fault_that_never_fired(tmp_path, capsys):
             "slow:replica=1,step=0,factor=2",
         )
     )
-    cfg = TrainConfig(preset="tiny", steps=3, microbatches=M)
-    launcher = LocalLauncher(
-        cfg, LaunchConfig(replicas=2, faults=(fired, never, slow)), data=tmp_path, out=tmp_path,
-        resume=False, data_info={}, console=sys.stdout,  # (capsys's)
-    )  # fmt: skip
-    launcher.writer = MetricsWriter(launcher.paths.metrics)
-    log = logging.getLogger("recover")
-    saved = (list(log.handlers), log.level, log.propagate)
-    setup_logging("info")  # as `recover train` does: the launcher's lines are logged
-    try:
+    with verdict_launcher(tmp_path, 3, (fired, never, slow)) as launcher:
         for step in range(3):
             launcher.writer.step(step=step, loss=1.0, microbatches=M)
         record_fired(launcher.fired_file, fired)  # what the injector does before it acts
         assert launcher._verdict([(0, 0, 0), (1, 0, -signal.SIGKILL)]) == 0
-    finally:
-        log.handlers[:], log.level, log.propagate = saved
-        launcher.writer.close()
     err = capsys.readouterr().err
     line = next(x for x in err.splitlines() if "never fired" in x)
     assert fault_flag(never) in line and fault_flag(fired) not in line, line

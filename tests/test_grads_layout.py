@@ -8,66 +8,48 @@ Two gloo ranks over a mesh of 2; the gradients are set by hand, each rank a diff
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from conftest import on_gloo_ranks
 
 
-def _rank(rank: int, port: int, results) -> None:
-    import torch.distributed as dist
+def _rank(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from recover.runtime.grads import GradientSum, set_aside
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        norm = torch.nn.Parameter(distribute_tensor(torch.ones(4), mesh, [Replicate()]))
-        proj = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+    mesh = init_device_mesh("cpu", (2,))
+    norm = torch.nn.Parameter(distribute_tensor(torch.ones(4), mesh, [Replicate()]))
+    proj = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
 
-        def partial_grads(scale: float) -> None:  # rank r holds the term (r + 1) * scale
-            term = float(rank + 1) * scale
-            norm.grad = DTensor.from_local(torch.full((4,), term), mesh, [Partial()])
-            proj.grad = DTensor.from_local(torch.full((4, 2), term), mesh, [Partial()])
+    def partial_grads(scale: float) -> None:  # rank r holds the term (r + 1) * scale
+        term = float(rank + 1) * scale
+        norm.grad = DTensor.from_local(torch.full((4,), term), mesh, [Partial()])
+        proj.grad = DTensor.from_local(torch.full((4, 2), term), mesh, [Partial()])
 
-        sums = GradientSum([norm, proj], device="cpu")
-        partial_grads(1.0)
-        flat = sums.snapshot()
-        # the whole gradient is 1 + 2 = 3: the norm's all of it, the projection's rows of this rank
-        got = {"norm": flat[:4].tolist(), "proj": flat[4:8].tolist()}
-        # a second schedule's gradients added to the first's, both partial, in the weights' layout
-        partial_grads(1.0)
-        with set_aside([norm, proj]):
-            partial_grads(10.0)  # the terms 10 and 20: 30
-        got["after_set_aside"] = [
-            tuple(norm.grad.placements) == (Replicate(),),
-            tuple(proj.grad.placements) == (Shard(0),),
-            norm.grad.to_local().tolist(),
-            proj.grad.to_local().flatten().tolist(),
-        ]
-        results[rank] = got
-    except BaseException as e:  # reported by the test
-        results[rank] = repr(e)
-        raise
-    finally:
-        dist.destroy_process_group()
+    sums = GradientSum([norm, proj], device="cpu")
+    partial_grads(1.0)
+    flat = sums.snapshot()
+    # the whole gradient is 1 + 2 = 3: the norm's all of it, the projection's rows of this rank
+    got = {"norm": flat[:4].tolist(), "proj": flat[4:8].tolist()}
+    # a second schedule's gradients added to the first's, both partial, in the weights' layout
+    partial_grads(1.0)
+    with set_aside([norm, proj]):
+        partial_grads(10.0)  # the terms 10 and 20: 30
+    got["after_set_aside"] = [
+        tuple(norm.grad.placements) == (Replicate(),),
+        tuple(proj.grad.placements) == (Shard(0),),
+        norm.grad.to_local().tolist(),
+        proj.grad.to_local().flatten().tolist(),
+    ]
+    return got
 
 
 @pytest.mark.timeout(60)
 def test_partial_gradients_enter_the_sum_in_their_parameters_layout():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(port, results), nprocs=2, join=True)
-        results = dict(results)
+    results = on_gloo_ranks(_rank)
     for rank in (0, 1):
         assert results[rank] == {
             "norm": [3.0] * 4,

@@ -10,16 +10,15 @@ replica, real gloo groups, FSDP2 over a 1-D mesh.
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (the spawned ranks import this file)
+
+from conftest import on_gloo_ranks  # noqa: E402
 
 
 class ShardLocal(torch.optim.Optimizer):
@@ -94,59 +93,44 @@ def _equal(a: list[dict], b: list[dict]) -> bool:
     )
 
 
-def _rank(rank: int, port: int, folder: str, results) -> None:
+def _rank(rank: int, folder: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import recover.checkpoint as ckpt
     from recover.runtime.script_work import ScriptWork
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        model, opt = _trained(mesh, rank)
-        mine = _states(opt)
-        other = dist.get_world_size() - 1 - rank
-        box = [None, None]
-        dist.all_gather_object(box, mine)
-        assert not _equal(box[other], mine)  # the ranks' states differ: a mix-up would show
-        ckpt.save(folder, 2, model, opt)
-        restored, opt2 = _model(mesh)
-        saver = ckpt.Checkpointer(folder)
-        assert saver.restore(restored, opt2) == 2
-        saver.close()
-        # The live transfer: this rank's state, laid out as a joiner's (recover.Replica sends
-        # each rank's own part to the joiner's rank at the same place in the replica).
-        joiner, opt3 = _model(mesh)
-        sent = ScriptWork(model, opt, {}, None, None, one_rank=False).transfer_state_dict()
-        ScriptWork(joiner, opt3, {}, None, None, one_rank=False).load_transfer_state(sent)
-        results[rank] = {
-            "checkpoint": _equal(_states(opt2), mine),
-            "transfer": _equal(_states(opt3), mine),
-            "params": all(
-                torch.equal(a.to_local(), b.to_local())
-                for a, b in zip(model.parameters(), joiner.parameters(), strict=True)
-            ),
-        }
-    except BaseException as e:  # reported by the test
-        results[rank] = repr(e)
-        raise
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2,))
+    model, opt = _trained(mesh, rank)
+    mine = _states(opt)
+    other = dist.get_world_size() - 1 - rank
+    box = [None, None]
+    dist.all_gather_object(box, mine)
+    assert not _equal(box[other], mine)  # the ranks' states differ: a mix-up would show
+    ckpt.save(folder, 2, model, opt)
+    restored, opt2 = _model(mesh)
+    saver = ckpt.Checkpointer(folder)
+    assert saver.restore(restored, opt2) == 2
+    saver.close()
+    # The live transfer: this rank's state, laid out as a joiner's (recover.Replica sends each
+    # rank's own part to the joiner's rank at the same place in the replica).
+    joiner, opt3 = _model(mesh)
+    sent = ScriptWork(model, opt, {}, None, None, one_rank=False).transfer_state_dict()
+    ScriptWork(joiner, opt3, {}, None, None, one_rank=False).load_transfer_state(sent)
+    return {
+        "checkpoint": _equal(_states(opt2), mine),
+        "transfer": _equal(_states(opt3), mine),
+        "params": all(
+            torch.equal(a.to_local(), b.to_local())
+            for a, b in zip(model.parameters(), joiner.parameters(), strict=True)
+        ),
+    }
 
 
 @pytest.mark.timeout(120)
 def test_shard_local_optimizer_states_are_checkpointed_and_transferred_per_rank(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     folder = str(tmp_path / "checkpoints")
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(port, folder, results), nprocs=2, join=True)
-        results = dict(results)
+    results = on_gloo_ranks(_rank, folder)
     assert results == {r: {"checkpoint": True, "transfer": True, "params": True} for r in (0, 1)}
 
     # Another layout (one rank: no shards) cannot be given those states: refused, naming why.
