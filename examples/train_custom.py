@@ -39,6 +39,11 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", help="where the model computes (cpu, cuda)")
     p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (0: never)")
     p.add_argument("--resume", action="store_true", help="start from the newest checkpoint")
+    p.add_argument(
+        "--early-update", action="store_true",
+        help="hand the update to the library (attach(update=...)): it runs while each step's "
+        "vote completes, off the step's critical path",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -79,25 +84,38 @@ def optimizer_for(model, args):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
+def update_of(model, optimizer, scheduler):
+    """The update: clipping, the optimizer and schedule steps, on the mean gradient in .grad.
+    Its scalars go into the step's record."""
+
+    def update():
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        return {"lr": lr, "grad_norm": float(norm)}
+
+    return update
+
+
 def train(replica, model, optimizer, scheduler, data, args, *, saver=None, start=0):
     """The loop: plain PyTorch, with each step's microbatches taken from the replica."""
     args.out.mkdir(parents=True, exist_ok=True)
+    update = update_of(model, optimizer, scheduler)
     for step in replica.steps(args.steps, start_step=start):
         for j in replica.microbatches():  # this replica's ids, then any reassigned to it
             x, y = (t.to(args.device) for t in data.batch(step, j))  # a pure function of (step, j)
             torch.manual_seed(args.seed * 1_000_003 + step * args.microbatches + j)  # dropout
             logits = model(x)
             replica.backward(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
-        # .grad holds the committed mean gradient over the step's M microbatches
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+        # .grad holds the committed mean gradient over the step's M microbatches (with
+        # --early-update the library has run the update already, during the step's vote)
+        scalars = {} if args.early_update else update()
         # Added to the step's record in the run's metrics.jsonl (with its loss and M), on every
         # replica: whichever writes it, now or after a writer is lost, has them.
         tokens = replica.committed_microbatches * args.batch * args.seq_len
-        replica.log(lr=lr, grad_norm=float(norm), tokens=tokens)
+        replica.log(**scalars, tokens=tokens)
         # This script keeps a log of its own too: the records this replica writes now (none on
         # the others), with any step a lost writer left unwritten, so it loses nothing either.
         for record in replica.committed_steps():
@@ -124,7 +142,10 @@ def main():
         check_every=5,
         check_data=data.batch,  # opt-in: every 5 steps the replicas compare a replayed microbatch
     )
-    replica.attach(model, optimizer, extra_state={"scheduler": scheduler})
+    replica.attach(
+        model, optimizer, extra_state={"scheduler": scheduler},
+        update=update_of(model, optimizer, scheduler) if args.early_update else None,
+    )  # fmt: skip
     saver, start = None, 0
     if args.ckpt_every or args.resume:
         saver = recover.checkpoint.Checkpointer(args.out / "checkpoints", keep=2)

@@ -37,7 +37,7 @@ TIERS = {
     ),
     "inprocess": (
         "test_addresses", "test_api_usage", "test_coordinator_server", "test_reach",
-        "test_step_machine", "test_overlap", "test_early_update",
+        "test_step_machine", "test_overlap", "test_early_update", "test_script_update",
         "test_train_single",
     ),
     "process": (

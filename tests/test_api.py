@@ -99,8 +99,10 @@ def custom_reference(custom_token_file, tmp_path_factory) -> Path:
 def test_a_script_of_its_own_survives_kills_and_its_respawns_get_its_state(
     custom_token_file, custom_reference, tmp_path
 ):
-    """Replica 0, the writer, is SIGKILLed in its optimizer step of step 2 (the step committed,
-    its records never written), replica 1 in the backward of step 3; each is respawned at once.
+    """The script hands its update to the library (--early-update: attach(update=...)), which
+    runs it while each step's vote completes. Replica 0, the writer, is SIGKILLed in its
+    optimizer step of step 2 (its done report on record, so the step commits; its records never
+    written), replica 1 in the backward of step 3; each is respawned at once.
     The survivor recomputes the lost ids of step 3 in the step (the run stays on the one-replica
     failure-free trajectory), and each respawned replica joins at a step boundary and receives
     the model, the SGD momentum and the LambdaLR state from a live replica (a joiner with a fresh
@@ -108,7 +110,8 @@ def test_a_script_of_its_own_survives_kills_and_its_respawns_get_its_state(
 
     The record: the writer of step 3 (named by the coordinator with `records_from` 2: replica 2,
     the one survivor that saw step 2) writes step 2's record from what it kept. Every step is in
-    the job's metrics.jsonl once, with the scalars the script gave `replica.log`, in the
+    the job's metrics.jsonl once, with the scalars its update returned (each update run during
+    its vote) and those the script gave `replica.log`, in the
     script's own log once (`replica.committed_steps()`), and in TensorBoard once (the writers'
     mirrors); `recover compare` reads the job as a run."""
     tb = tmp_path / "tb"
@@ -116,9 +119,10 @@ def test_a_script_of_its_own_survives_kills_and_its_respawns_get_its_state(
         tmp_path, "train_custom.py", "--replicas", "3", "--respawn", "0", "--tensorboard", str(tb),
         "--fault", "kill:replica=0,step=2,phase=optimizer",
         "--fault", "kill:replica=1,step=3,phase=backward,microbatch=0",
-        script_args=custom_args(custom_token_file),
+        script_args=[*custom_args(custom_token_file), "--early-update"],
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:]
+    # (the reference steps its optimizer in the loop, after each commit)
     assert_same_trajectory(custom_reference, tmp_path, steps=STEPS)  # (the script's own log)
     job = tmp_path / "job"
     assert sorted(e["replica"] for e in events(job, "coordinator.member_dead"))[:2] == [0, 1]
@@ -132,6 +136,7 @@ def test_a_script_of_its_own_survives_kills_and_its_respawns_get_its_state(
     by_step = {e["step"]: e for e in steps}
     assert by_step[1]["writer"] == 0 and by_step[2]["writer"] == 2, (by_step[1], by_step[2])
     assert all(e["microbatches"] == M and e["lr"] > 0 and e["grad_norm"] > 0 for e in steps)
+    assert all(e["update_in_vote"] and e["parts"]["apply"] > 0 for e in steps), steps[:3]
     (filled,) = events(job, "records_filled")
     assert filled["steps"] == [2] and filled["replica"] == 2, filled
     own = {e["step"]: e["loss"] for e in records(tmp_path)}

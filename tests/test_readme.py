@@ -102,7 +102,7 @@ def _runnable(line: str, *, venv_bin: Path, script_args: list[str], coordinator:
     for word in argv:
         if word.startswith(".venv/bin/"):
             word = str(venv_bin / word.removeprefix(".venv/bin/"))
-        elif word in ("train.py", "train_fsdp.py"):
+        elif word in ("train.py", "train_fsdp.py", "train_pipeline.py"):
             word = str(ROOT / "examples" / ("train_custom.py" if word == "train.py" else word))
         elif word == "ARGS":
             out += script_args
@@ -113,12 +113,12 @@ def _runnable(line: str, *, venv_bin: Path, script_args: list[str], coordinator:
     return out
 
 
-@pytest.mark.slow  # four runs, the Quickstart's a minute of training; the test above parses them
+@pytest.mark.slow  # five runs, the Quickstart's a minute of training; the test above parses them
 @pytest.mark.process
 @pytest.mark.timeout(900)
 def test_every_readme_command_that_can_run_here_runs(custom_token_file, tmp_path):
     """Every README command that this machine can run, as written but for its placeholders: the
-    Quickstart's training (its set-up is CI's), both `recover run` lines and the `torchrun` line
+    Quickstart's training (its set-up is CI's), the three `recover run` lines and the `torchrun` line
     against a coordinator. The test command is this suite; the other indexes are unreachable."""
     import json
     import os
@@ -146,7 +146,7 @@ def test_every_readme_command_that_can_run_here_runs(custom_token_file, tmp_path
             line for line in LINES
             if "recover train" in line or "recover run" in line or "torchrun" in line
         ]  # fmt: skip
-        assert len(runnable) == 4, runnable
+        assert len(runnable) == 5, runnable
         ran: list[str] = []
         for i, line in enumerate(runnable):
             cwd = tmp_path / f"line{i}"
@@ -178,7 +178,7 @@ def test_every_readme_command_that_can_run_here_runs(custom_token_file, tmp_path
                 assert sorted(steps) == list(range(total)), (line, sorted(steps)[-5:])
             ran.append(argv[0])
             assert leftover_processes(str(cwd)) == []
-        assert [Path(a).name for a in ran] == ["recover", "recover", "recover", "torchrun"]
+        assert [Path(a).name for a in ran] == [*["recover"] * 4, "torchrun"]
     finally:
         if serve.poll() is None:
             serve.terminate()

@@ -22,29 +22,37 @@ def train_args(data: Path, out: Path, *extra: str) -> list[str]:
     return ["train", *TINY_TRAIN_FLAGS, "--data", str(data), "--out", str(out), *extra]
 
 
-def test_two_runs_are_identical_and_compare_passes_at_rtol_0(tiny_dataset, tmp_path):
-    for name in ("A", "B"):
-        r = run_cli(train_args(tiny_dataset, tmp_path / name, "--steps", "8"))
-        assert r.returncode == 0, r.stderr
-    steps = committed_steps(tmp_path / "A" / "metrics.jsonl")
+@pytest.fixture(scope="module")
+def run_a(tiny_dataset, tmp_path_factory) -> Path:
+    """A run of 8 steps with the default seed, which both tests below compare another with."""
+    out = tmp_path_factory.mktemp("single") / "A"
+    r = run_cli(train_args(tiny_dataset, out, "--steps", "8"))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_two_runs_are_identical_and_compare_passes_at_rtol_0(run_a, tiny_dataset, tmp_path):
+    r = run_cli(train_args(tiny_dataset, tmp_path / "B", "--steps", "8"))
+    assert r.returncode == 0, r.stderr
+    steps = committed_steps(run_a / "metrics.jsonl")
     assert sorted(steps) == list(range(8))
     assert all(s["microbatches"] == 4 for s in steps.values())
-    assert (tmp_path / "A" / "final" / "model.safetensors").exists()
-    config = json.loads((tmp_path / "A" / "config.json").read_text())
+    assert (run_a / "final" / "model.safetensors").exists()
+    config = json.loads((run_a / "config.json").read_text())
     assert config["train"]["microbatches"] == 4
-    r = cli_here(["compare", str(tmp_path / "A"), str(tmp_path / "B"), "--rtol", "0"])
+    r = cli_here(["compare", str(run_a), str(tmp_path / "B"), "--rtol", "0"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout
 
 
-def test_compare_fails_on_a_different_trajectory(tiny_dataset, tmp_path):
-    for name, seed in (("A", "1"), ("B", "2")):
-        r = run_cli(train_args(tiny_dataset, tmp_path / name, "--steps", "3", "--seed", seed))
-        assert r.returncode == 0, r.stderr
-    result = compare_runs(tmp_path / "A", tmp_path / "B")
+def test_compare_fails_on_a_different_trajectory(run_a, tiny_dataset, tmp_path):
+    """Another seed, 3 steps: compared over the steps the two runs share."""
+    r = run_cli(train_args(tiny_dataset, tmp_path / "B", "--steps", "3", "--seed", "2"))
+    assert r.returncode == 0, r.stderr
+    result = compare_runs(run_a, tmp_path / "B")
     assert result.common_steps == 3
     assert result.max_loss_rel_diff > 1e-4 and result.param_rel_l2 > 1e-3
-    r = cli_here(["compare", str(tmp_path / "A"), str(tmp_path / "B")])
+    r = cli_here(["compare", str(run_a), str(tmp_path / "B")])
     assert r.returncode == 1 and "FAIL" in r.stdout
 
 

@@ -62,6 +62,7 @@ from recover.runtime.grads import set_aside
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.pipeline import PipelinePart, StageFollower
 from recover.runtime.script_record import StepRecords, dashboards_for
+from recover.runtime.script_update import ScriptUpdate, Update
 from recover.runtime.script_work import (
     ScriptWork,
     explain_divergence,
@@ -232,6 +233,7 @@ class Replica:
         self._pending: tuple[int, int, int | None, float] | None = None
         self._follower = StageFollower()  # the pipeline stages' chunks, for pipeline()
         self._in_step = False
+        self._update: ScriptUpdate | None = None  # attach(update=...)
         self._closed = False
 
     @property
@@ -263,10 +265,19 @@ class Replica:
         optimizer: torch.optim.Optimizer,
         *,
         extra_state: Mapping[str, Any] | None = None,
+        update: Update | None = None,
     ) -> None:
         """The model (wrapped as the script likes) and optimizer whose gradients and state the
         library manages; `extra_state` objects (LR schedulers...) with state_dict() and
-        load_state_dict() travel to joiners too."""
+        load_state_dict() travel to joiners too.
+
+        `update`, optional: the script's update as a callable of no arguments (its clipping,
+        `optimizer.step()`, `scheduler.step()`, `optimizer.zero_grad()`), returning None or a
+        dict of scalars for the step's record. The library runs it once per committed step, on
+        the mean gradient, before the loop body goes on after `microbatches()`; the body then
+        steps no optimizer. In a replica of one rank it runs while the step's vote completes
+        (the coordinator's round trip off the critical path); a redo undoes it (parameters,
+        optimizer state and hyper-parameters, `extra_state`), so it must change nothing else."""
         if self._work is not None:
             raise UsageError("attach() was called already: one model and optimizer per Replica")
         extra = dict(extra_state or {})
@@ -286,19 +297,32 @@ class Replica:
             self.env.spec.stall_s, replica=self.replica_id, rank=self.rank, emit=self.event
         )
         self._update_guard = UpdateGuard(optimizer)
+        if update is not None:
+            self._update = ScriptUpdate(
+                update, grads=self._work.grads, guard=self._update_guard, stall=self._guard,
+                extra=extra,
+            )  # fmt: skip
         optimizer.register_step_pre_hook(self._before_optimizer_step)
 
     def _before_optimizer_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        if self._in_step:
+        step = self._committed
+        if self._update is not None:
+            if not self._update.running:
+                raise UsageError(
+                    "optimizer.step() was called outside the update given to replica.attach("
+                    "update=...): the library runs that update after each step commits"
+                )
+            step = self.step if self.step is not None else -1  # (maybe during its vote)
+        elif self._in_step:
             raise UsageError(
                 "optimizer.step() was called inside replica.microbatches(): step the optimizer "
                 "after the loop over microbatches has ended (the step has committed then)"
             )
-        if self._committed >= 0:
+        if step >= 0:
             self._guard.tick()
-            self._faults("optimizer", self._committed, None)
+            self._faults("optimizer", step, None)
 
     def _fingerprint(self, total_steps: int) -> dict[str, Any]:
         model = self._attached.model
@@ -329,6 +353,9 @@ class Replica:
                 f"this replica starts at step {start_step}, the job is at step {view.step}: "
                 "give every replica the same start_step (the step its checkpoint holds)"
             )
+        # An update given to attach() runs during the vote in a replica of one rank.
+        update = self._update
+        early = update.early if update is not None and self.intra is None else None
         self._machine = session.start(
             self._work,
             peer=self.peer,
@@ -338,7 +365,9 @@ class Replica:
                 check_every=self.check_every,
                 deterministic=self.env.spec.deterministic,
             ),
-            hooks=StepHooks(phase=self._faults, event=self.event, guard=self._guard),
+            hooks=StepHooks(
+                phase=self._faults, event=self.event, guard=self._guard, apply_early=early
+            ),
             has_state=not joining,
         )
         self._groups = session.groups
@@ -579,13 +608,17 @@ class Replica:
         self._records.committed(
             step, loss=self.loss, microbatches=commit.count, replicas=len(commit.shares),
             attempts=commit.attempts, epoch=commit.epoch, writer=commit.writer,
-            records_from=commit.records_from, overlapped=commit.overlapped,
+            records_from=commit.records_from, overlapped=commit.overlapped, parts=commit.parts,
         )  # fmt: skip
         if self.skipped:
             # Never applied: every .grad is None, so the optimizer step changes no parameter
             # (torch's optimizers pass over parameters without a gradient).
+            if commit.applied and self._update is not None:
+                self._update.take(step)  # (nothing was applied: the sum was not finite)
             work.grads.clear()
             self._skip(step, "non-finite")
+        elif self._update is not None:
+            self._run_update(step, commit)
         else:
             work.grads.load(commit.reduced, divide_by=commit.count)
             # The script's optimizer step comes next: what it produces is checked after it
@@ -601,6 +634,29 @@ class Replica:
                     f"[recover] step {step} committed with all {commit.count} microbatches, "
                     f"{commit.recovered_s:.3f} s after this replica saw the failure"
                 )
+
+    def _run_update(self, step: int, commit: Any) -> None:
+        """The update given to attach() of a committed step: taken from its vote, where it ran
+        meanwhile (a replica of one rank), or run now; then checked on every rank of the
+        replica, undone where it made a value that is not finite, its scalars logged where not."""
+        update = self._update
+        assert update is not None
+        done = update.take(step) if commit.applied else None
+        if done is None:  # (not run during the vote)
+            self._attached.grads.load(commit.reduced, divide_by=commit.count)
+            done = update.apply()
+        self._records.update_ran(step, done.seconds, during_vote=done.during_vote)
+        if not self._link.agree(done.finite):
+            self._update_guard.restore()
+            self.skipped = True
+            self._say(f"step {step}'s update made a value that is not finite: undone", 0)
+            self._skip(step, "non-finite update")
+            return
+        self._skips = 0
+        try:
+            self._records.log(step, done.scalars)
+        except ValueError as e:
+            raise UsageError(f"the update given to attach() returned {e}") from None
 
     def _skip(self, step: int, reason: str) -> None:
         """Count step `step` as skipped (its update never applied, or undone); `NonFinite`
@@ -620,8 +676,8 @@ class Replica:
         """After the script's optimizer step of a committed step: where it made any parameter
         or optimizer state non-finite on any rank of the replica, every rank puts the state
         saved before it back, and the step counts as skipped (`replica.skipped`)."""
-        if self.skipped:
-            return  # nothing was applied
+        if self.skipped or self._update is not None:
+            return  # nothing was applied, or the update given to attach() was checked already
         if self._link.agree(self._update_guard.finite()):
             self._skips = 0
             return

@@ -45,7 +45,7 @@ RECENT_KEPT = 64
 # Fields of a step record that the library owns; a script's scalars may not use these names.
 OWN_FIELDS = frozenset(
     {"kind", "t_wall", "step", "loss", "microbatches", "replicas", "attempts", "epoch",
-     "step_s", "wall_s", "writer", "skipped"}
+     "step_s", "wall_s", "writer", "skipped", "overlapped", "parts", "update_in_vote"}
 )  # fmt: skip
 
 
@@ -85,6 +85,7 @@ class StepRecords:
         writer: bool,
         records_from: int,
         overlapped: float = 0.0,
+        parts: Mapping[str, float] | None = None,
     ) -> None:
         """Step `step` committed with this mean loss; `writer`: this replica writes its records,
         and those from `records_from` on that the run folder lacks (a lost writer's)."""
@@ -97,6 +98,8 @@ class StepRecords:
             "attempts": attempts,
             "epoch": epoch,
             "overlapped": overlapped,
+            # where this rank's time in the step went (the step machine's PARTS)
+            "parts": {k: round(v, 6) for k, v in (parts or {}).items()},
             "step_s": round(now - self._t_last, 6),
             "wall_s": round(now - self._t_start, 6),
         }
@@ -142,6 +145,13 @@ class StepRecords:
                 for k, v in scalars.items()
             }
         )
+
+    def update_ran(self, step: int, seconds: float, *, during_vote: bool) -> None:
+        """The update given to attach() ran for step `step`: its time is the step's "apply"
+        part, and whether it ran while the vote completed is `update_in_vote`."""
+        record = self._recent[step]
+        record["parts"]["apply"] = round(seconds, 6)
+        record["update_in_vote"] = during_vote
 
     def skipped(self, step: int, reason: str) -> None:
         self._recent[step]["skipped"] = reason

@@ -3,8 +3,10 @@
 Job: the failure-free cost of adopting the drop-in API. Runs on one machine (a) the DDP version
 of a script under torchrun (gradient accumulation with `no_sync`: the last microbatch's backward
 pass reduces in buckets; examples/train_ddp.py) and (b) the ReCoVer version under `recover run`
-(examples/train_custom.py), with the same model, data, M and replicas, and states the step-time
-ratio b / a with a 95% interval, for the median steps and for the fastest ones.
+(examples/train_custom.py, by default with --early-update: its update runs during each step's
+vote), with the same model, data, M and replicas, and states the step-time ratio b / a with a 95%
+interval, for the median steps and for the fastest ones, and where recover's step went (the
+parts its step records carry).
 
 Method: `recover bench overhead`'s interleaved blocks (recover.tooling.bench.overhead): both
 jobs started once and run side by side but never at once (every process of one is frozen while
@@ -22,18 +24,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from recover.record import read_metrics
+from recover.record import committed_steps, read_metrics
 from recover.tooling.bench.overhead import (
     ENDLESS_STEPS,
     FROZEN_SAFE_FLAGS,
     METHOD,
     Job,
+    format_parts,
     run_interleaved,
 )
 
@@ -47,7 +51,11 @@ class ScriptJob(Job):
     run_record: Path | None = None
 
     def records(self) -> list[dict]:
-        return []  # (no parts: the scripts do not time them)
+        """The step records of a `recover run` folder, whose parts the step machine times (the
+        DDP script's log has none)."""
+        if self.run_record is None or not self.run_record.exists():
+            return []
+        return [r for _, r in sorted(committed_steps(self.run_record).items())]
 
     def steps(self) -> list[tuple[float, float]]:
         if not self.record.exists():
@@ -107,6 +115,7 @@ def bench_script(args: argparse.Namespace) -> dict:
             sys.executable, "-m", "recover.cli", "run", "--replicas", str(args.replicas),
             "--quiet", *FROZEN_SAFE_FLAGS, "--out", str(out_b / "job"), "--",
             sys.executable, str(script), *common, "--out", str(out_b),
+            *shlex.split(args.script_args),
         ]  # fmt: skip
         res, _ = run_interleaved(
             a,
@@ -118,6 +127,7 @@ def bench_script(args: argparse.Namespace) -> dict:
         "benchmark": "script",
         "method": METHOD.format(a="ddp", b="recover"),
         "scripts": {"recover": str(script), "ddp": str(ddp)},
+        "script_args": args.script_args,
         "config": {
             "replicas": args.replicas,
             "M": args.microbatches,
@@ -136,6 +146,9 @@ def bench_script(args: argparse.Namespace) -> dict:
         f"[{res['fastest_ci_low']:.3f}, {res['fastest_ci_high']:.3f}]; load average "
         f"{load['min']:.1f}-{load['max']:.1f} (median {load['median']:.1f})"
     )
+    if res["parts"]:
+        print("where recover's step went (mean over the measured steps, share of the step):")
+        print(format_parts(res["parts"]))
     return result
 
 
@@ -153,6 +166,11 @@ def add_script_parser(sub) -> None:
         default="examples/train_ddp.py",
         help="the same training as plain DDP under torchrun (default: examples/train_ddp.py)",
     )
+    p.add_argument(
+        "--script-args", default="--early-update", metavar="ARGS",
+        help="more arguments for the ReCoVer script only (default: --early-update: the update "
+        "runs during each step's vote; give '' for the optimizer step in the loop)",
+    )  # fmt: skip
     p.add_argument("--replicas", type=int, default=3, help="replicas / DDP ranks (default: 3)")
     p.add_argument("--microbatches", type=int, default=6, help="M (default: 6)")
     p.add_argument(
