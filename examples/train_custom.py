@@ -99,6 +99,15 @@ def update_of(model, optimizer, scheduler):
     return update
 
 
+def attach(replica, model, optimizer, scheduler, args):
+    """The model, optimizer and schedule under the replica's care; with --early-update the
+    update too (the library runs it, during each step's vote where it can)."""
+    replica.attach(
+        model, optimizer, extra_state={"scheduler": scheduler},
+        update=update_of(model, optimizer, scheduler) if args.early_update else None,
+    )  # fmt: skip
+
+
 def train(replica, model, optimizer, scheduler, data, args, *, saver=None, start=0):
     """The loop: plain PyTorch, with each step's microbatches taken from the replica."""
     args.out.mkdir(parents=True, exist_ok=True)
@@ -142,10 +151,7 @@ def main():
         check_every=5,
         check_data=data.batch,  # opt-in: every 5 steps the replicas compare a replayed microbatch
     )
-    replica.attach(
-        model, optimizer, extra_state={"scheduler": scheduler},
-        update=update_of(model, optimizer, scheduler) if args.early_update else None,
-    )  # fmt: skip
+    attach(replica, model, optimizer, scheduler, args)
     saver, start = None, 0
     if args.ckpt_every or args.resume:
         saver = recover.checkpoint.Checkpointer(args.out / "checkpoints", keep=2)

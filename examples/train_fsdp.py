@@ -11,7 +11,7 @@ microbatches over those ranks and sums each rank's gradient shard across replica
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
-from train_custom import build, optimizer_for, parse_args, train
+from train_custom import attach, build, optimizer_for, parse_args, train
 
 import recover
 
@@ -28,7 +28,7 @@ def main():
         fully_shard(layer, mesh=replica.mesh)
     fully_shard(model, mesh=replica.mesh)
     optimizer, scheduler = optimizer_for(model, args)  # after sharding: over the shards
-    replica.attach(model, optimizer, extra_state={"scheduler": scheduler})
+    attach(replica, model, optimizer, scheduler, args)
     train(replica, model, optimizer, scheduler, data, args)
     # The full model, gathered inside the replica (every rank takes part), saved by the writer.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

@@ -14,7 +14,16 @@ import pytest
 import torch
 
 import recover.checkpoint
-from conftest import child_env, events, finish, leftover_processes, run_cli, start_cli, wait_until
+from conftest import (
+    assert_faults_fired,
+    child_env,
+    events,
+    finish,
+    leftover_processes,
+    run_cli,
+    start_cli,
+    wait_until,
+)
 from recover.record import read_metrics
 from recover.runtime.env import COORDINATOR_ENV, REPLICA_ENV, SPEC_ENV
 
@@ -345,6 +354,36 @@ def test_the_nccl_reduce_is_refused_in_one_line_where_there_is_no_gpu(custom_tok
     assert any("--cross-reduce nccl sums gradients between GPUs" in x for x in said), said
     assert "Traceback" not in hand.stderr, hand.stderr
     assert json.loads(status.stdout)["members"] == []  # it never registered
+
+
+@pytest.mark.timeout(180)
+def test_a_deterministic_script_with_its_update_during_the_vote_keeps_its_bits(
+    custom_token_file, tmp_path
+):
+    """--deterministic with a script: 3 replicas that run their update during the vote, one
+    SIGKILLed in a backward (its ids recomputed in the step) and one in its update (after its done
+    report: the step commits), give the bits of one replica stepping its optimizer in the loop:
+    `recover compare --rtol 0` passes on every committed loss and the final parameters."""
+    steps = 16
+    args = custom_args(custom_token_file, steps)
+    ref = recover_run(tmp_path / "one", "train_custom.py", "--replicas", "1", "--deterministic",
+                      script_args=args)  # fmt: skip
+    assert ref.returncode == 0, ref.stdout[-3000:]
+    r = recover_run(
+        tmp_path / "three", "train_custom.py", "--replicas", "3", "--deterministic",
+        "--fault", "kill:replica=1,step=3,phase=backward",
+        "--fault", "kill:replica=2,step=9,phase=optimizer",
+        script_args=[*args, "--early-update"],
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    job = tmp_path / "three" / "job"
+    assert_faults_fired(job)
+    assert 3 in {e["step"] for e in events(job, "coordinator.redo")}
+    steps_done = [e for e in read_metrics(job / "metrics.jsonl") if e["kind"] == "step"]
+    assert sorted(e["step"] for e in steps_done) == list(range(steps))
+    assert all(e["update_in_vote"] for e in steps_done)
+    cmp = run_cli(["compare", str(tmp_path / "one" / "job"), str(job), "--rtol", "0"])
+    assert cmp.returncode == 0 and "PASS" in cmp.stdout, cmp.stdout + cmp.stderr
 
 
 @pytest.mark.timeout(240)
