@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from recover import exits
@@ -98,6 +99,17 @@ def add_coordinator_parser(
         help="stay up after the run finished (default: exit with status 0 "
         f"{FINISHED_LINGER_S:g} s after every replica left at the last step; the local launcher "
         "stops its own coordinator)",
+    )
+    serve.add_argument(
+        "--nice",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run at this nice value, the process's and (under the kernel's autogroup "
+        "scheduling) its session's: every reply is on some step's critical path, so a "
+        "coordinator that shares cores with replicas answers sooner above them (the local "
+        "launcher passes -10; a negative value needs root or CAP_SYS_NICE, and where refused "
+        "the coordinator runs as started; default: as started)",
     )
     serve.add_argument("--store-port", type=int, default=0, help="TCPStore port (0: any)")
     serve.add_argument(
@@ -264,6 +276,8 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             return 2
         if not is_loopback(host) and host != "localhost" and token is None:
             log.warning(f"warning: serving on {host} without a token; set --token or {TOKEN_ENV}")
+        if args.nice is not None and (refused := set_nice(args.nice)) is not None:
+            log.debug("--nice %d not applied: %s", args.nice, refused)
         return run_coordinator_process(
             options,
             host=host,
@@ -348,6 +362,21 @@ def bind_host(host: str | None, ifname: str | None, environ: Mapping[str, str]) 
 
 # Seconds `coordinator serve` stays up after the run finished, answering late requests.
 FINISHED_LINGER_S = 2.0
+
+
+def set_nice(nice: int) -> str | None:
+    """Run this process at nice value `nice` (before it starts threads: they inherit it), and
+    its session too where the kernel schedules sessions as groups (autogroup: there a nice
+    value orders only the threads of one session, and each of a local job's processes has its
+    own). Returns why it was refused (a negative value needs CAP_SYS_NICE), or None."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        group = Path("/proc/self/autogroup")
+        if group.exists():
+            group.write_text(f"{nice}\n")
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def run_coordinator_process(
