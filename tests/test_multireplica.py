@@ -320,8 +320,11 @@ def test_interrupting_the_launcher_leaves_no_process_behind(how, tiny_dataset, t
     import time
 
     out = tmp_path / how
+    # A SIGKILLed launcher takes its coordinator with it: the replicas wait the grace for one
+    # (10 s by default) before they save and exit; 2 s keeps the test short, the path the same.
     proc = start_train(
         tiny_dataset, out, *FLAGS, "--steps", "100000", "--replicas", "2",
+        "--coordinator-grace", "2",
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,  # its own process group, as a shell gives a foreground job
     )  # fmt: skip
