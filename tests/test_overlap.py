@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 from recover.runtime.collective import EpochGroup
 from recover.runtime.collective_config import CollectiveAborted, CollectiveConfig
 from recover.runtime.grads import GradientSum
-from recover.runtime.overlap import BucketPlan, EarlyReduce, StepReduce, step_buckets
+from recover.runtime.overlap import (
+    BucketPlan,
+    EarlyReduce,
+    StepReduce,
+    parameter_buckets,
+    step_buckets,
+)
 
 CONFIG = CollectiveConfig(build_timeout_s=5, op_deadline_s=5, pg_timeout_s=20)
 BUCKET = 256  # bytes: 64 values, so the model below spans several buckets
@@ -37,6 +43,36 @@ def test_the_buckets_cover_the_buffer_once_from_the_end_then_the_loss_slot(numel
     assert order[-1] == (numel - 1, numel)  # the loss slot alone, last
     starts = [start for start, _ in order[:-1]]
     assert starts == sorted(starts, reverse=True)  # from the end of the gradients backwards
+
+
+@given(sizes=st.lists(st.integers(0, 400), min_size=1, max_size=10), bucket=st.integers(0, 1200))
+def test_a_bucket_holds_whole_parameters_and_a_large_one_alone(sizes, bucket):
+    """As DDP's: whole parameters from the last backwards, up to the size; a parameter larger
+    than a bucket is one bucket (never cut: its values would take several collectives)."""
+    ranges, at = [], 0
+    for n in sizes:
+        ranges.append((at, at + n))
+        at += n
+    buckets = parameter_buckets(ranges, at, bucket)
+    assert [i for a, b in buckets for i in range(a, b)] == list(range(at))  # once, in order
+    edges = {a for a, _ in ranges} | {at}
+    per = at if bucket == 0 else max(1, bucket // 4)
+    for a, b in buckets:
+        assert a in edges and b in edges  # whole parameters
+        inside = [(x, y) for x, y in ranges if a <= x and y <= b and x < y]
+        assert b - a <= per or len(inside) == 1  # within the size, or one large parameter
+    # filled greedily from the end: a bucket could not have taken the parameter before it
+    for (a, _b), (_, b2) in zip(buckets, buckets[1:], strict=False):
+        assert b2 - a > per, (buckets, ranges)
+    with pytest.raises(ValueError, match="cover"):
+        parameter_buckets([(0, 3), (4, 6)], 6, bucket)
+
+
+def test_the_step_buffer_is_cut_at_parameters_where_they_are_known():
+    ranges = [(0, 10), (10, 1000), (1000, 1010)]  # an embedding-sized parameter in the middle
+    order = step_buckets(1011, 4 * 64, ranges)
+    assert order == [(1000, 1010), (10, 1000), (0, 10), (1010, 1011)]
+    assert len(step_buckets(1011, 4 * 64)) == 17  # cut by size: 16 buckets of gradients
 
 
 @settings(max_examples=60, deadline=None)
@@ -118,7 +154,8 @@ def test_a_rank_that_starts_early_and_one_that_starts_late_sum_the_same_bits():
         model, grads = _model(1)
         for j in range(3, 5):
             _microbatch(model, grads, j)
-        late = StepReduce(grads.snapshot(), step_buckets(grads.numel + 1, BUCKET))
+        # (the step machine's order after the compute: the same plan, StepMachine._reduce_order)
+        late = StepReduce(grads.snapshot(), BucketPlan(grads, BUCKET).order)
         expected_mine = late.buffer.clone()
         g1.finish_allreduce(late.buffer, issue_rest=lambda: late.start_rest(g1),
                             should_abort=lambda: None)  # fmt: skip

@@ -7,6 +7,11 @@ its values are final, so that most of the reduce runs while the last backward pa
 The order (`step_buckets`): the gradient values, all but the buffer's last slot, in buckets of
 `CollectiveConfig.step_bucket_bytes` from the end of the buffer backwards (a backward pass produces
 the last parameters' gradients first), then the loss slot alone (known once the pass is over).
+Where the parameters' ranges in the buffer are known (a Work whose gradients can be followed), a
+bucket holds whole parameters, as DDP's do, and a parameter larger than a bucket is one bucket of
+its own: cut into buckets of the size, a 25 MB embedding took 25 collectives, 54 ms against one
+collective's 26 ms for the same values over 3 local gloo ranks (its gradient is final only at the
+end of the pass, so its reduce is all after it).
 Gradients that fit in one bucket go in one op with the loss slot: their bucket could start only
 at the very end of the pass, and a second op would cost a collective's latency every step.
 Every rank issues the same sizes in the same order whether a bucket starts during the compute
@@ -48,18 +53,52 @@ from recover.runtime.collective_config import compute_buckets
 from recover.runtime.grads import GradientSum
 
 
-def step_buckets(numel: int, bucket_bytes: int) -> list[tuple[int, int]]:
+def step_buckets(
+    numel: int, bucket_bytes: int, ranges: list[tuple[int, int]] | None = None
+) -> list[tuple[int, int]]:
     """Pure: the `(start, stop)` ranges of a step buffer of `numel` fp32 values (the last the loss
     sum) in the order they are reduced: the gradient values' buckets from the end, then the loss
-    slot."""
+    slot. `ranges`: each parameter's values in the buffer, in order (whole parameters a bucket);
+    None: buckets of the size wherever they cut."""
     if numel < 1:
         raise ValueError(f"a step buffer holds at least its loss slot, got {numel} values")
-    grads = compute_buckets(numel - 1, 4, bucket_bytes)
+    if ranges is None:
+        grads = compute_buckets(numel - 1, 4, bucket_bytes)
+    else:
+        grads = parameter_buckets(ranges, numel - 1, bucket_bytes)
     if len(grads) <= 1:
         # The gradients' one bucket could start only at the very end of the pass: one op for the
         # whole buffer, loss slot included, costs one collective's latency instead of two.
         return [(0, numel)]
     return [*reversed(grads), (numel - 1, numel)]
+
+
+def parameter_buckets(
+    ranges: list[tuple[int, int]], numel: int, bucket_bytes: int
+) -> list[tuple[int, int]]:
+    """Pure: buckets of whole parameters covering `0..numel` in ascending order, filled from the
+    last parameter backwards up to `bucket_bytes` of fp32 values (0: one bucket); a parameter
+    larger than that is a bucket of its own. `ranges` must cover `0..numel` contiguously."""
+    covered = 0
+    for start, stop in ranges:
+        if start != covered or stop < start:
+            raise ValueError(f"parameter ranges must cover 0..{numel} in order, got {ranges}")
+        covered = stop
+    if covered != numel:
+        raise ValueError(f"parameter ranges cover 0..{covered}, the buffer holds {numel} values")
+    per_bucket = numel if bucket_bytes == 0 else max(1, bucket_bytes // 4)
+    buckets: list[tuple[int, int]] = []
+    start = stop = numel  # the bucket being filled is start..stop
+    for first, _ in reversed(ranges):
+        if first == start:
+            continue  # (a parameter of no values)
+        if start < stop and stop - first > per_bucket:
+            buckets.append((start, stop))
+            stop = start
+        start = first
+    if start < stop:
+        buckets.append((start, stop))
+    return list(reversed(buckets))
 
 
 class BucketPlan:
@@ -69,7 +108,7 @@ class BucketPlan:
     def __init__(self, grads: GradientSum, bucket_bytes: int) -> None:
         numel = grads.numel + 1
         self.numel = numel
-        self.order = step_buckets(numel, bucket_bytes)
+        self.order = step_buckets(numel, bucket_bytes, grads.ranges)
         spans = sorted((start, stop, k) for k, (start, stop) in enumerate(self.order))
         starts = [start for start, _, _ in spans]
         self.ranges = grads.ranges  # each parameter's values in the buffer
@@ -208,4 +247,4 @@ class EarlyReduce(StepReduce):
         self._handles = []
 
 
-__all__ = ["BucketPlan", "EarlyReduce", "StepReduce", "step_buckets"]
+__all__ = ["BucketPlan", "EarlyReduce", "StepReduce", "parameter_buckets", "step_buckets"]

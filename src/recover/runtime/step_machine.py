@@ -370,8 +370,7 @@ class StepMachine:
                         early.finish()
                     else:
                         buffer = self.work.snapshot(self.groups.device)
-                        order = step_buckets(buffer.numel(), self.groups.config.step_bucket_bytes)
-                        step_reduce = StepReduce(buffer, order)
+                        step_reduce = StepReduce(buffer, self._reduce_order(buffer.numel()))
                     t2 = time.perf_counter()
                     _add(attempt, "snapshot", t2 - t1)
                     reduced = self._reduce(step_reduce, view, step, attempt)
@@ -687,6 +686,15 @@ class StepMachine:
                 prepare_s=round(stats.prepare_s, 4),
             )  # fmt: skip
         return True
+
+    def _reduce_order(self, numel: int) -> list[tuple[int, int]]:
+        """The buckets of a buffer reduced after the compute: the same as where they start
+        during it (whole parameters, where the Work's gradients can be followed: the same on
+        every rank of a run), so that every rank issues the same sizes in the same order."""
+        grads = self.work.overlap_grads()
+        if grads is not None:
+            return self._bucket_plan(grads).order
+        return step_buckets(numel, self.groups.config.step_bucket_bytes)
 
     def _bucket_plan(self, grads: GradientSum) -> BucketPlan:
         if self._buckets is None:
