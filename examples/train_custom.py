@@ -111,7 +111,8 @@ def attach(replica, model, optimizer, scheduler, args):
 def train(replica, model, optimizer, scheduler, data, args, *, saver=None, start=0):
     """The loop: plain PyTorch, with each step's microbatches taken from the replica."""
     args.out.mkdir(parents=True, exist_ok=True)
-    update = update_of(model, optimizer, scheduler)
+    # the update, where the loop runs it (with --early-update the library does)
+    update = None if args.early_update else update_of(model, optimizer, scheduler)
     for step in replica.steps(args.steps, start_step=start):
         for j in replica.microbatches():  # this replica's ids, then any reassigned to it
             x, y = (t.to(args.device) for t in data.batch(step, j))  # a pure function of (step, j)
@@ -120,7 +121,7 @@ def train(replica, model, optimizer, scheduler, data, args, *, saver=None, start
             replica.backward(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
         # .grad holds the committed mean gradient over the step's M microbatches (with
         # --early-update the library has run the update already, during the step's vote)
-        scalars = {} if args.early_update else update()
+        scalars = update() if update is not None else {}
         # Added to the step's record in the run's metrics.jsonl (with its loss and M), on every
         # replica: whichever writes it, now or after a writer is lost, has them.
         tokens = replica.committed_microbatches * args.batch * args.seq_len

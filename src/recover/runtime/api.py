@@ -646,13 +646,8 @@ class Replica:
             self._attached.grads.load(commit.reduced, divide_by=commit.count)
             done = update.apply()
         self._records.update_ran(step, done.seconds, during_vote=done.during_vote)
-        if not self._link.agree(done.finite):
-            self._update_guard.restore()
-            self.skipped = True
-            self._say(f"step {step}'s update made a value that is not finite: undone", 0)
-            self._skip(step, "non-finite update")
+        if not self._keep_update(step, done.finite):
             return
-        self._skips = 0
         try:
             self._records.log(step, done.scalars)
         except ValueError as e:
@@ -678,13 +673,20 @@ class Replica:
         saved before it back, and the step counts as skipped (`replica.skipped`)."""
         if self.skipped or self._update is not None:
             return  # nothing was applied, or the update given to attach() was checked already
-        if self._link.agree(self._update_guard.finite()):
+        self._keep_update(step, self._update_guard.finite())
+
+    def _keep_update(self, step: int, finite: bool) -> bool:
+        """Whether step `step`'s update stands: `finite` (this rank's parameters and optimizer
+        state) on every rank of the replica; where not, every rank puts the state saved before
+        it back and the step counts as skipped."""
+        if self._link.agree(finite):
             self._skips = 0
-            return
+            return True
         self._update_guard.restore()
         self.skipped = True
         self._say(f"step {step}'s update made a value that is not finite: undone", 0)
         self._skip(step, "non-finite update")
+        return False
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()` for the microbatch just handed out, counted in the step's loss (a

@@ -69,8 +69,8 @@ class ScriptUpdate:
         self.update, self.grads, self.guard = update, grads, guard
         self.stall, self.extra = stall, dict(extra)
         self.running = False  # inside the update: its optimizer step is the library's own
-        # step -> (the update's scalars, whether what it made is finite), for updates applied
-        # during their vote that the commit has not taken yet
+        # step -> what the update applied during its vote gave (None: nothing was applied, the
+        # sum was not finite), until the commit takes it
         self._early: dict[int, Applied | None] = {}
 
     def apply(self, *, during_vote: bool = False) -> Applied:

@@ -229,6 +229,13 @@ def _plain_replica(
     dist.destroy_process_group()
 
 
+def step_records(path: Path | None) -> list[dict]:
+    """The step records of a metrics.jsonl so far, in step order ([] before it exists)."""
+    if path is None or not path.exists():
+        return []
+    return [r for _, r in sorted(committed_steps(path).items())]
+
+
 def _descendants(root: int) -> list[int]:
     """root and every process below it (/proc; the launcher's children have their own sessions)."""
     children: dict[int, list[int]] = {}
@@ -280,9 +287,7 @@ class Job:
 
     def records(self) -> list[dict]:
         """Every step record so far, in order (a torn last line is skipped)."""
-        if not self.record.exists():
-            return []
-        return [r for _, r in sorted(committed_steps(self.record).items())]
+        return step_records(self.record)
 
     def steps(self) -> list[tuple[float, float]]:
         """(t_wall at the step's end, step_s) of every step recorded so far, in order."""

@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from recover.record import committed_steps, read_metrics
+from recover.record import read_metrics
 from recover.tooling.bench.overhead import (
     ENDLESS_STEPS,
     FROZEN_SAFE_FLAGS,
@@ -39,6 +39,7 @@ from recover.tooling.bench.overhead import (
     Job,
     format_parts,
     run_interleaved,
+    step_records,
 )
 
 
@@ -53,9 +54,7 @@ class ScriptJob(Job):
     def records(self) -> list[dict]:
         """The step records of a `recover run` folder, whose parts the step machine times (the
         DDP script's log has none)."""
-        if self.run_record is None or not self.run_record.exists():
-            return []
-        return [r for _, r in sorted(committed_steps(self.run_record).items())]
+        return step_records(self.run_record)
 
     def steps(self) -> list[tuple[float, float]]:
         if not self.record.exists():
