@@ -27,7 +27,7 @@ def test_an_update_applied_during_the_vote_is_undone_bit_for_bit(tiny_dataset):
     cfg = TrainConfig(preset="tiny", seq_len=16, microbatch_size=2, microbatches=3)
     data = TokenDataset.open(tiny_dataset)
     early_one, plain = ReplicaTrainer(cfg, data), ReplicaTrainer(cfg, data)
-    early = EarlyUpdates(early_one, StallGuard(0, replica=0))
+    early = EarlyUpdates(early_one, StallGuard(0, replica=0), steps=100)
     for trainer in (early_one, plain):  # one committed step, so that AdamW has state
         trainer.compute_microbatches(0, range(3))
         trainer.apply_commit(0, trainer.snapshot())
@@ -65,7 +65,7 @@ def test_a_lost_writers_checkpoint_is_written_from_the_state_before_the_update(t
     torch.set_num_threads(1)
     cfg = TrainConfig(preset="tiny", seq_len=16, microbatch_size=2, microbatches=2)
     trainer = ReplicaTrainer(cfg, TokenDataset.open(tiny_dataset))
-    early = EarlyUpdates(trainer, StallGuard(0, replica=0))
+    early = EarlyUpdates(trainer, StallGuard(0, replica=0), steps=100)
     for step in (0, 1):
         trainer.compute_microbatches(step, range(2))
         committed = _state(trainer.model, trainer.optimizer)

@@ -28,6 +28,7 @@ from conftest import (
     finish,
     leftover_processes,
     replica_pid,
+    run_cli,
     start_cli,
     start_train,
     wait_for_step,
@@ -317,3 +318,24 @@ def test_a_fault_fires_once_per_run_wherever_the_script_writes_its_events(
     assert "replica 1 (restart 1) killed by SIGKILL" in r.stdout, r.stdout[-3000:]
     assert "(restart 2) killed" not in r.stdout, r.stdout[-3000:]
     assert leftover_processes(str(out)) == []
+
+
+def test_a_fault_in_the_work_ahead_is_refused_where_there_is_none(tmp_path):
+    """Phase `ahead` (the next step's first microbatch, computed during step T's vote) fires
+    only where the run computes ahead and step T has a next step: elsewhere it is refused at
+    start-up, naming why, instead of never firing."""
+    spec = parse_fault("kill:replica=1,step=2,phase=ahead")
+    assert fault_flag(spec) == "kill:replica=1,step=2,phase=ahead"
+    check_faults_fit([spec], steps=4, microbatches=M)
+    with pytest.raises(ValueError, match="step=2 has no next step"):
+        check_faults_fit([spec], steps=3, microbatches=M)
+    with pytest.raises(ValueError, match="never fires, the run has --no-ahead"):
+        check_faults_fit([spec], steps=4, microbatches=M, ahead="the run has --no-ahead")
+    check_faults_fit(  # (other phases do not care)
+        [parse_fault("kill:replica=1,step=2,phase=backward")], steps=3, microbatches=M,
+        ahead="the run has --no-ahead",
+    )  # fmt: skip
+    r = run_cli(["train", "--replicas", "2", "--no-ahead", "--out", str(tmp_path / "run"),
+                 "--fault", fault_flag(spec)])  # fmt: skip
+    assert r.returncode != 0 and "never fires, the run has --no-ahead" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -70,7 +70,9 @@ def test_four_replicas_equal_one_replica(reference, tiny_dataset, tmp_path):
 
 FAULT_CASES = {
     "kill-forward": ["kill:replica=2,step=2,phase=forward,microbatch=1"],
-    "kill-backward": ["kill:replica=1,step=1,phase=backward,microbatch=0"],
+    # (Microbatch 1: a replica's microbatch 0 of a step runs during the previous step's vote,
+    # --ahead; its own case is test_the_next_steps_first_microbatch_runs_during_the_vote...)
+    "kill-backward": ["kill:replica=1,step=1,phase=backward,microbatch=1"],
     "kill-reduce": ["kill:replica=2,step=2,phase=reduce"],
     "kill-commit": ["kill:replica=1,step=3,phase=commit"],
     # The writer of step 2 (the lowest replica) dies in its optimizer step, which runs once its
@@ -79,11 +81,11 @@ FAULT_CASES = {
     # commit or, when that was the dead one, by the writer of step 3.
     "kill-optimizer": ["kill:replica=0,step=2,phase=optimizer"],
     "exit-backward": ["exit:replica=1,step=2,phase=backward,microbatch=1"],
-    "kill-pen-holder": ["kill:replica=0,step=2,phase=backward,microbatch=0"],
+    "kill-pen-holder": ["kill:replica=0,step=2,phase=backward,microbatch=1"],
     # A silent data corruption: replica 1's gradient gets a NaN, its losses stay finite. Its ids
     # are recomputed on the others (finite there), so it is evicted as suspect hardware and the
     # step commits on the failure-free trajectory.
-    "nan-backward": ["nan:replica=1,step=2,phase=backward,microbatch=0"],
+    "nan-backward": ["nan:replica=1,step=2,phase=backward,microbatch=1"],
 }
 
 
@@ -156,10 +158,66 @@ def test_a_kill_while_the_reduce_overlaps_the_backward_redoes_the_step(
         assert steps[s]["overlapped"] > 0.5, (s, steps[s])
 
 
+def test_the_next_steps_first_microbatch_runs_during_the_vote_and_a_kill_there_is_survived(
+    reference, tiny_dataset, tmp_path
+):
+    """--ahead: once a replica's update is applied during the vote, it computes its next step's
+    first microbatch while the vote completes. Equal shares make the plan known ({0: (0, 1),
+    1: (2, 3), 2: (4, 5)}): the writer, replica 0, computes id 1 of every next step ahead and
+    keeps it. Replica 1 is SIGKILLed in that work during step 2's vote (after its done report
+    is on record): step 2 commits with its share, the survivors go on, and the trajectory is
+    the one replica's."""
+    out = tmp_path / "ahead"
+    r = train(
+        tiny_dataset, out, "--replicas", "3", "--balance", "equal", "--ahead",
+        "--fault", "kill:replica=1,step=2,phase=ahead",
+    )  # fmt: skip
+    assert_invariants(reference, out, r)
+    (injected,) = events(out, "failure_injected")
+    assert (injected["phase"], injected["step"], injected["replica"]) == ("ahead", 2, 1)
+    assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [1]
+    assert 2 not in {e["step"] for e in events(out, "coordinator.redo")}
+    steps = committed_steps(out / "metrics.jsonl")
+    # Every step but the first starts with id 1 in the writer's sum, computed during the last
+    # vote (after the death too: its share of 3 ids, (0, 1, 2), keeps id 1), and every vote
+    # but the last computed it.
+    assert "ahead" not in steps[0]
+    assert all(steps[s]["ahead"] == [1] for s in range(1, STEPS)), steps
+    assert all(steps[s]["parts"]["ahead"] > 0 for s in range(STEPS - 1)), steps
+    assert "ahead" not in steps[STEPS - 1]["parts"]
+    assert not events(out, "ahead_dropped")
+
+
+def test_a_redo_drops_the_work_done_ahead(reference, tiny_dataset, tmp_path):
+    """A step redone after the survivors computed ahead: replica 1's gradient gets a NaN in its
+    second microbatch of step 2 (its losses stay finite), so every replica's sum is not
+    finite. The replicas skip the update during the vote and compute step 3's first
+    microbatch; the coordinator redoes step 2 without replica 1's part. The work ahead was
+    computed on the parameters before step 2's update: it is dropped with the undo, never
+    summed into the redone step 2 nor into step 3, and the trajectory is the one replica's."""
+    out = tmp_path / "redo"
+    r = train(
+        tiny_dataset, out, "--replicas", "3", "--balance", "equal", "--ahead",
+        "--fault", "nan:replica=1,step=2,phase=backward,microbatch=1",
+    )  # fmt: skip
+    assert_invariants(reference, out, r)
+    assert 2 in {e["step"] for e in events(out, "coordinator.redo")}
+    dropped = events(out, "ahead_dropped")
+    # Who computed ahead before the redo arrived is a race (the last to report may learn the
+    # outcome before its update is applied); the ones that did dropped it. The in-process
+    # test_step_machine.py::test_an_update_applied_during_the_vote_is_undone_by_a_redo[True]
+    # holds the redo back until every survivor's work ahead is done.
+    assert dropped and {e["step"] for e in dropped} == {3}, dropped
+    assert all("step 2 was not committed" in e["reason"] for e in dropped), dropped
+    steps = committed_steps(out / "metrics.jsonl")
+    assert steps[2]["attempts"] >= 2 and steps[3]["ahead"] == [1], steps
+
+
 def test_two_replicas_killed_in_the_same_step(reference, tiny_dataset, tmp_path):
+    # --no-ahead: replica 3 holds one id of step 2, which --ahead computes during step 1's vote
     out = tmp_path / "two"
     r = train(
-        tiny_dataset, out, "--replicas", "4",
+        tiny_dataset, out, "--replicas", "4", "--no-ahead",
         "--fault", "kill:replica=1,step=2,phase=forward,microbatch=0",
         "--fault", "kill:replica=3,step=2,phase=backward,microbatch=0",
     )  # fmt: skip
@@ -171,10 +229,11 @@ def test_two_replicas_killed_in_the_same_step(reference, tiny_dataset, tmp_path)
 def test_a_second_failure_during_recovery(reference, tiny_dataset, tmp_path):
     # Equal shares make the plan known: {0: (0, 1), 1: (2, 3), 2: (4,), 3: (5,)}. Replica 2 dies
     # in step 2; its id 4 goes to replica 0, which dies computing it (its third microbatch of
-    # the step): a failure during recovery. Replicas 1 and 3 then finish the step.
+    # the step): a failure during recovery. Replicas 1 and 3 then finish the step. (--no-ahead:
+    # replica 2's one id would be computed during step 1's vote.)
     out = tmp_path / "second"
     r = train(
-        tiny_dataset, out, "--replicas", "4", "--balance", "equal",
+        tiny_dataset, out, "--replicas", "4", "--balance", "equal", "--no-ahead",
         "--fault", "kill:replica=2,step=2,phase=backward,microbatch=0",
         "--fault", "kill:replica=0,step=2,phase=forward,microbatch=2",
     )  # fmt: skip
@@ -300,8 +359,8 @@ def test_quorum_lost_stops_cleanly_and_resume_continues_the_trajectory(
 ):
     out = tmp_path / "quorum"
     r = train(
-        tiny_dataset, out, "--replicas", "2", "--min-replicas", "2",
-        "--fault", "kill:replica=1,step=2,phase=backward,microbatch=0",
+        tiny_dataset, out, "--replicas", "2", "--min-replicas", "2", "--balance", "equal",
+        "--fault", "kill:replica=1,step=2,phase=backward,microbatch=1",
     )  # fmt: skip
     assert r.returncode != 0
     assert "quorum lost" in r.stdout

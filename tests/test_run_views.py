@@ -27,8 +27,10 @@ def runs(tiny_dataset, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("views")
     faulty, reference, tb = root / "faulty", root / "reference", root / "tb"
     r = run_cli(
+        # (microbatch 1 of equal shares: microbatch 0 runs during the previous step's vote)
         ["train", "--data", str(tiny_dataset), "--out", str(faulty), *FLAGS, "--replicas", "3",
-         "--fault", "kill:replica=2,step=2,phase=backward", "--tensorboard", str(tb),
+         "--balance", "equal", "--fault", "kill:replica=2,step=2,phase=backward,microbatch=1",
+         "--tensorboard", str(tb),
          "--peak-tflops", str(PEAK)],
         timeout=90,
     )  # fmt: skip
@@ -292,5 +294,5 @@ def test_a_toml_job_file_reruns_the_reference(runs, tiny_dataset, tmp_path):
 
     a = parse_args(["train", "--config", str(runs["faulty"] / "config.json")])
     assert (a.replicas, a.steps, a.microbatches, a.peak_tflops) == (3, STEPS, M, PEAK)
-    assert a.fault == ["kill:replica=2,step=2,phase=backward,microbatch=0"]  # (as it was read)
+    assert a.fault == ["kill:replica=2,step=2,phase=backward,microbatch=1"]  # (as it was read)
     assert Path(a.tensorboard) == runs["tb"].resolve() and a.data == tiny_dataset.resolve()

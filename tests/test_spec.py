@@ -41,6 +41,13 @@ def test_flags_make_the_spec_and_json_brings_it_back_whole():
     assert spec.layout == ReplicaLayout(shard=2, tp=2) and spec.layout.ranks == 4
     assert (spec.watchdog_s, spec.stall_s, spec.mode, spec.check_every) == (7.5, 0.0, "shrink", 3)
     assert ReplicaSpec.from_json(spec.to_json()) == spec
+    # A switch that is on by default is turned off by --no-X (and --X says it again).
+    assert spec.ahead and spec.why_not_ahead() is not None  # (replicas of 4 ranks)
+    assert ReplicaSpec.from_args(_parse([])).why_not_ahead() is None
+    off = ReplicaSpec.from_args(_parse(["--no-ahead"]))
+    assert not off.ahead and "--no-ahead" in off.why_not_ahead()
+    assert ReplicaSpec.from_args(_parse(["--ahead"])).ahead
+    assert "--deterministic" in ReplicaSpec(deterministic=True).why_not_ahead()
     # A launcher's child gets it through the environment, with who it is.
     env = ReplicaEnv(coordinator=("127.0.0.1", 5000), replica_id=3, spec=spec, token="t")
     back = ReplicaEnv.from_environ(env.to_environ())

@@ -49,6 +49,7 @@ class LinearWork:
         self.grads = GradientSum(self.model.parameters(), device="cpu")
         self.applied: list[int] = []  # steps whose update apply_early applied ...
         self.undone: list[int] = []  # ... and undid (a redo)
+        self.ahead_steps: list[int] = []  # steps whose first microbatch ran during a vote
 
     def loss(self, step: int, j: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(1000 * step + j)
@@ -60,6 +61,16 @@ class LinearWork:
             loss = self.loss(todo.step, j)
             loss.backward()
             self.grads.add_loss(j, float(loss.detach()))
+
+    def ahead(self, step: int, ids: tuple[int, ...]) -> bool:
+        """StepHooks.ahead: ids of the next step into the local sum the update emptied (none
+        past the run's last step, as the trainer declines)."""
+        if step >= STEPS:
+            return False
+        assert self.grads.counted == 0 and all(p.grad is None for p in self.model.parameters())
+        self.compute(type("Todo", (), {"step": step, "ids": ids})())
+        self.ahead_steps.append(step)
+        return True
 
     def apply(self, reduced: torch.Tensor, count: int) -> None:
         self.grads.load(reduced, divide_by=count)
@@ -137,7 +148,7 @@ class _FailingReport(SoloLink):
 
 def run_replica(
     r: int, server, results: dict, leave_at: tuple[int, str] | None, gate=None, det=False,
-    early=False, reported=None, failing_step=None,
+    early=False, reported=None, failing_step=None, ahead=False,
 ) -> None:  # fmt: skip
     """Replica r's thread: register, run STEPS steps through the machine, record each commit.
     `gate` (step, event): the others wait for the leaver at that step's compute until it has
@@ -155,13 +166,19 @@ def run_replica(
     work = LinearWork()
 
     def phase(name: str, step: int, index) -> None:
-        if reported is not None and name == "commit" and step == failing_step:
+        if reported is not None and name == "commit" and step == failing_step and not ahead:
             reported[0].release()  # (its done report is on record: see _FailingReport)
         if leave_at == (step, name):  # drop the session, abandon the thread
             client.close()
             if gate is not None:
                 gate[1].set()
             raise _Gone
+
+    def work_ahead(step: int, ids: tuple[int, ...]) -> bool:
+        computed = work.ahead(step, ids)
+        if reported is not None and failing_step is not None and step == failing_step + 1:
+            reported[0].release()  # (and its work ahead is done: the redo comes after it)
+        return computed
 
     def compute(todo) -> None:
         phase("compute", todo.step, None)
@@ -182,7 +199,11 @@ def run_replica(
             options=StepOptions(
                 replica_id=r, check_every=2, outcome_timeout_s=20, deterministic=det
             ),
-            hooks=StepHooks(phase=phase, apply_early=work.apply_early if early else None),
+            hooks=StepHooks(
+                phase=phase,
+                apply_early=work.apply_early if early else None,
+                ahead=work_ahead if ahead else None,
+            ),  # fmt: skip
         )
         for step in range(view.step, STEPS):
             commit = machine.run(step, compute)
@@ -193,7 +214,7 @@ def run_replica(
         link.leave(step=STEPS)
         results[r] = {
             "commits": commits, "params": work.grads.flat_parameters(),
-            "applied": work.applied, "undone": work.undone,
+            "applied": work.applied, "undone": work.undone, "ahead": work.ahead_steps,
         }  # fmt: skip
     except _Gone:
         results[r] = {"commits": commits, "gone": True}
@@ -204,8 +225,9 @@ def run_replica(
 
 
 def run_job(
-    replicas: int, leave_at: dict[int, tuple[int, str]], *, gate_step=None, det=False, early=False
-) -> dict:
+    replicas: int, leave_at: dict[int, tuple[int, str]], *, gate_step=None, det=False, early=False,
+    ahead=False,
+) -> dict:  # fmt: skip
     opts = CoordinatorOptions(
         expected_replicas=replicas, microbatches=0, lease_s=2.0, balance="equal"
     )  # equal shares: the tests name who holds which ids
@@ -227,6 +249,7 @@ def run_job(
                     early,
                     reported,
                     failing[0] if failing else None,
+                    ahead,
                 ),
             )
             for r in range(replicas)
@@ -321,13 +344,18 @@ def test_a_replica_leaving_inside_its_overlapped_backward_is_recomputed():
 
 
 @pytest.mark.timeout(90)
-def test_an_update_applied_during_the_vote_is_undone_by_a_redo():
+@pytest.mark.parametrize("ahead", [False, True])
+def test_an_update_applied_during_the_vote_is_undone_by_a_redo(ahead):
     """Each update is applied while the vote completes (once the replica's done report is on
     record). At step 2 replica 0's reduce succeeds but it reports the attempt failed: the
-    others' done reports are on record and their update of step 2 applied, and the coordinator
+    others' done reports are on record and their update of step 2 applied (with `ahead`: and
+    their first microbatch of step 3 computed), and the coordinator
     decides a redo. Replicas 1 and 2 undo the update (the state and the local sum put back), redo
-    the reduce in the new epoch and commit: the one-process trajectory, every step applied once."""
-    results = run_job(3, {0: (2, "report")}, early=True)
+    the reduce in the new epoch and commit: the one-process trajectory, every step applied once.
+    With `ahead`, each also computed its first microbatch of step 3 during that vote, on the
+    updated parameters: the undo drops it, it never enters the redone step 2, and step 3
+    starts with the one computed during the redo's vote."""
+    results = run_job(3, {0: (2, "report")}, early=True, ahead=ahead)
     assert all(isinstance(results.get(r), dict) for r in range(3)), results
     check_commits(results, [0, 1, 2])
     for r in (1, 2):
@@ -336,6 +364,14 @@ def test_an_update_applied_during_the_vote_is_undone_by_a_redo():
         assert results[r]["undone"] == [2], results[r]["undone"]  # undone once, at the redo
         assert results[r]["applied"] == [0, 1, 2, 2, 3, 4]  # step 2: its redo applied again
     assert results[0]["undone"] == []  # (its failed report applied nothing)
+    if ahead:  # steps 1 to 4 began during the last vote; step 3 twice on 1 and 2 (the redo)
+        assert results[0]["ahead"] == [1, 2, 3, 4], results[0]["ahead"]
+        for r in (1, 2):
+            assert results[r]["ahead"] == [1, 2, 3, 3, 4], results[r]["ahead"]
+        for r in range(3):
+            commits = results[r]["commits"]
+            assert commits[0].ahead == () and all(len(c.ahead) == 1 for c in commits[1:]), r
+            assert all(c.parts["compute"] > 0 for c in commits), r  # (shares of 2: one left)
     ref = reference_parameters()
     for r in range(3):
         assert torch.allclose(results[r]["params"], ref, rtol=1e-5, atol=1e-7), r
@@ -362,3 +398,34 @@ def test_a_deterministic_replica_whose_share_is_empty_commits_every_step():
     params = [results[r]["params"] for r in range(7)]
     assert all(torch.equal(p, params[0]) for p in params)  # the same bits on every replica
     assert torch.allclose(params[0], reference_parameters(), rtol=1e-5, atol=1e-7)
+
+
+def test_work_ahead_is_kept_only_where_the_steps_plan_gives_its_ids():
+    """The next step's microbatch computed during a vote starts that step only where its plan
+    gives the id to this replica; elsewhere the local sum is emptied (it held only that work)
+    and `ahead_dropped` says why."""
+    from types import SimpleNamespace
+
+    from recover.runtime.step_machine import Ahead, StepAttempt
+
+    said: list[tuple[str, dict]] = []
+    work = LinearWork()
+    machine = StepMachine(
+        work=work, link=None, groups=None, options=StepOptions(replica_id=1),
+        hooks=StepHooks(event=lambda name, **fields: said.append((name, fields))),
+    )  # fmt: skip
+    for plan, kept in (({1: (2, 3)}, True), ({0: (0, 1, 2), 1: (3, 4, 5)}, False)):
+        work.compute(type("Todo", (), {"step": 3, "ids": (2,)})())
+        machine._ahead = Ahead(step=3, ids=(2,), seconds=0.25)
+        attempt = StepAttempt(step=3)
+        machine._take_ahead(SimpleNamespace(plan=plan, status="running"), 3, attempt)
+        assert machine._ahead is None
+        if kept:
+            assert attempt.computed == {2} and attempt.ahead == (2,) and work.grads.counted == 1
+            assert attempt.compute_s == 0.25 and not said
+            work.clear()
+        else:
+            assert attempt.computed == set() and attempt.ahead == () and work.grads.counted == 0
+            assert all(p.grad is None for p in work.model.parameters())
+            ((name, fields),) = said
+            assert name == "ahead_dropped" and fields["step"] == 3 and fields["ids"] == [2]

@@ -112,10 +112,11 @@ def add_flags(
         default = f.default if f.default is not MISSING else None
         text = meta["help"].replace("%(default)s", shown(default))
         kept = default if keep_defaults else argparse.SUPPRESS
-        if f.type == "bool":
+        if f.type == "bool":  # a switch: --X turns on what is off by default, --no-X the reverse
+            action = argparse.BooleanOptionalAction if default else "store_true"
             group.add_argument(
-                meta["flag"], dest=f.name, action="store_true", help=text,
-                **({} if keep_defaults else {"default": argparse.SUPPRESS}),
+                meta["flag"], dest=f.name, action=action, help=text,
+                **({"default": default} if keep_defaults else {"default": argparse.SUPPRESS}),
             )  # fmt: skip
             continue
         # (an annotation is text: the spec modules have `from __future__ import annotations`)

@@ -190,7 +190,9 @@ def run_train(args: argparse.Namespace) -> int:
             standby=args.standby,
             **supervision(args),
         )
-        check_faults_fit(lcfg.faults, steps=cfg.steps, microbatches=cfg.microbatches)
+        check_faults_fit(
+            lcfg.faults, steps=cfg.steps, microbatches=cfg.microbatches, ahead=spec.why_not_ahead()
+        )
         check_layout_fits(cfg.preset, lcfg.layout.tp, lcfg.layout.pp)
         if cfg.warmup_steps >= cfg.steps:
             print(
@@ -336,7 +338,10 @@ def run_worker_cli(args: argparse.Namespace) -> int:
             )
         if args.ifname is not None:  # this host's, so it holds under --launched too
             env = replace(env, interfaces=InterfaceChoice.from_environ({}, args.ifname))
-        check_faults_fit(env.faults, steps=cfg.steps, microbatches=cfg.microbatches)
+        check_faults_fit(
+            env.faults, steps=cfg.steps, microbatches=cfg.microbatches,
+            ahead=env.spec.why_not_ahead(),
+        )  # fmt: skip
         check_layout_fits(cfg.preset, env.spec.layout.tp, env.spec.layout.pp)
         # Before anything registers: the address every group of this process advertises, one
         # choice, refused when its peers could not dial it (recover.addresses).

@@ -392,8 +392,9 @@ class Replica:
         # A fault the launcher passed that could never fire (its step or microbatch beyond this
         # run) is refused now, naming the field (the launcher does not know M or the steps).
         check_faults_fit(
-            self.env.faults, steps=total_steps, microbatches=self.microbatches_per_step
-        )
+            self.env.faults, steps=total_steps, microbatches=self.microbatches_per_step,
+            ahead="a script's loop computes no microbatch ahead (--ahead is recover train's)",
+        )  # fmt: skip
         try:
             with self._stops():
                 step = self._join(total_steps, start_step)

@@ -16,13 +16,16 @@ do the fault to the real process when the step reaches that point:
   its losses stay finite: a silent data corruption (a faulty GPU). Phase backward only.
 
 Phases: `forward`, `backward` (at the K-th microbatch the rank computes in the step, default 0;
-ids reassigned during recovery come after its own), `overlap` (inside the last backward pass of
+ids reassigned during recovery come after its own; microbatch 0 may be computed during the
+previous step's vote, `--ahead`, and its fault fires there), `overlap` (inside the last backward pass of
 the rank's share, once the step's reduce has started its first bucket: only where the reduce
 overlaps the backward, recover.runtime.overlap, so never in the first attempt of an epoch),
 `reduce` (while the cross-replica all-reduce is in flight), `commit` (after reporting done, before the commit
 arrives), `optimizer` (inside the optimizer step; in `recover train`'s replicas of one rank that
 step runs as soon as the replica's done report is on record, while the vote completes, and
-elsewhere after the commit), `transfer` (during the live
+elsewhere after the commit), `ahead` (during step T's vote, as the replica starts computing step
+T+1's first microbatch ahead: `recover train --ahead`, its default, in replicas of one rank),
+`transfer` (during the live
 state transfer to a joiner, sender or receiver; it fires at the first transfer at or after step T,
 since a joiner cannot know in advance at which step it will be admitted).
 
@@ -68,12 +71,12 @@ log = logging.getLogger(__name__)
 
 KINDS = ("kill", "hang", "exit", "freeze", "slow", "nan")
 MAX_WAKE_AFTER_S = 3600.0  # a hang woken later than this is a hang for good: leave it out
-FREEZE_PHASES = ("forward", "backward", "overlap", "reduce", "optimizer")
-PHASES = ("forward", "backward", "overlap", "reduce", "commit", "optimizer", "transfer")
+FREEZE_PHASES = ("forward", "backward", "overlap", "reduce", "optimizer", "ahead")
+PHASES = ("forward", "backward", "overlap", "reduce", "commit", "optimizer", "ahead", "transfer")
 GRAMMAR = (
     "KIND:replica=R,step=T,phase=P[,microbatch=K][,rank=N][,wake_after=S]  or  "
     "slow:replica=R,step=T,factor=F[,rank=N]   with KIND in {kill, hang, exit, freeze, nan} and "
-    "P in {forward, backward, reduce, commit, optimizer, transfer}"
+    "P in {forward, backward, overlap, reduce, commit, optimizer, ahead, transfer}"
 )
 
 
@@ -161,12 +164,23 @@ def parse_fault(text: str) -> FaultSpec:
         raise ValueError(f"--fault {text!r}: {e}. Grammar: {GRAMMAR}") from None
 
 
-def check_faults_fit(specs: Iterable[FaultSpec], *, steps: int, microbatches: int) -> None:
+def check_faults_fit(
+    specs: Iterable[FaultSpec], *, steps: int, microbatches: int, ahead: str | None = None
+) -> None:
     """ValueError naming the field when a fault could never fire in a run of `steps` steps of
     `microbatches` (M) microbatches: its step is not below `steps`, or its microbatch index (the
     K-th microbatch a rank computes in the step, at most M of them) is not below M. M = 0 (the
-    coordinator learns it from the replicas) skips the microbatch check."""
+    coordinator learns it from the replicas) skips the microbatch check. `ahead`: why this run
+    computes no microbatch ahead (None: it does), for phase `ahead`, which needs a next step."""
     for spec in specs:
+        if spec.phase == "ahead" and spec.kind != "slow":
+            if ahead is not None:
+                raise ValueError(f"--fault {spec.describe()}: never fires, {ahead}")
+            if spec.step >= steps - 1:
+                raise ValueError(
+                    f"--fault {spec.describe()}: step={spec.step} has no next step to compute "
+                    f"ahead, the run has --steps {steps} (phase ahead: steps 0..{steps - 2})"
+                )
         if spec.step >= steps:
             raise ValueError(
                 f"--fault {spec.describe()}: step={spec.step} never comes, the run has "

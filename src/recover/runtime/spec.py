@@ -142,6 +142,13 @@ class ReplicaSpec:
         "'Bitwise-identical recovery'); replicas of one rank, --mode recover (default: off)",
         tags=SCRIPTS,
     )  # fmt: skip
+    ahead: bool = setting(
+        True, "--ahead",
+        "compute the next step's first microbatch while a step's vote is in flight, after its "
+        "update (replicas of one rank; not with --deterministic): the commit keeps it for the "
+        "next step, any other outcome drops it (--no-ahead: the next step starts its compute "
+        "after the commit) (default: on)",
+    )  # fmt: skip
     log_level: str = setting(
         "info", "--log-level",
         "the least severe terminal lines shown: debug, info (the step lines; default), warning "
@@ -166,6 +173,20 @@ class ReplicaSpec:
             )
 
     # ---- what the components take ----------------------------------------------------------
+    def why_not_ahead(self) -> str | None:
+        """Why `recover train`'s replicas compute no microbatch of the next step during a
+        step's vote (--ahead), or None where they do."""
+        if not self.ahead:
+            return "the run has --no-ahead"
+        if self.deterministic:
+            return "--deterministic computes no microbatch ahead (one leaf per id)"
+        if self.layout.ranks > 1:
+            return (
+                f"replicas of {self.layout.describe()} compute no microbatch ahead (replicas of "
+                "one rank do)"
+            )
+        return None
+
     def collective(self, peer: PeerAddress | None = None) -> CollectiveConfig:
         """The deadlines of the cross-replica collective (recover.runtime.collective), and the
         gloo devices of this process (`peer`, a recover.addresses.PeerAddress resolved at the

@@ -172,6 +172,14 @@ class StepHooks:
     # first (a redo, a stop). Replicas of one rank only (a replica of several would have to
     # agree on it); None: the caller applies after the commit.
     apply_early: Callable[[int, torch.Tensor, int, bool], Callable[[], None]] | None = None
+    # ahead(step, ids) -> bool: compute these microbatch ids of the next step `step` into the
+    # local sum, which the update applied during the vote left empty (a replica of one rank, with
+    # apply_early), numbered from 0 among the ids this rank computes in that step; False: it
+    # declined (`step` is past the run's last). Runs while the vote is still in flight; a commit
+    # keeps the work for the next step when its plan gives this rank those ids, any other
+    # outcome drops it with the undo of the update (docs/design.md, "The next step's first
+    # microbatch during the vote"). None: no work ahead.
+    ahead: Callable[[int, tuple[int, ...]], bool] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,6 +236,9 @@ class CommittedStep:
     # The share of the committing attempt's buffer whose reduce started during the last backward
     # pass (recover.runtime.overlap): 0 where the reduce started after the compute.
     overlapped: float = 0.0
+    # Microbatch ids of this step that this rank computed during the previous step's vote
+    # (StepHooks.ahead) and kept in its sum; () where none were.
+    ahead: tuple[int, ...] = ()
     # This replica asked to leave (StepHooks.leaving) and the commit released it: it is out of
     # the next step's plan, and leaves now.
     released: bool = False
@@ -258,10 +269,21 @@ class StepAttempt:
     overlapped: float = 0.0  # StepReduce.early_share() of the last attempt's reduce
     tree: TreeSum | None = None  # the deterministic mode's local sum (p.grad stays empty)
     nonfinite: list[int] = field(default_factory=list)  # the tree's ids with a non-finite loss
+    ahead: tuple[int, ...] = ()  # ids of the step computed during the previous step's vote
 
     def throughput(self) -> float | None:
         """Microbatches per second over the step so far; None before any was computed."""
         return len(self.computed) / self.compute_s if self.computed and self.compute_s > 0 else None
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """Work of step `step` done during the previous step's vote (StepHooks.ahead): `ids` are in
+    the local sum, computed in `seconds`."""
+
+    step: int
+    ids: tuple[int, ...]
+    seconds: float
 
 
 class StepMachine:
@@ -283,6 +305,7 @@ class StepMachine:
         self._transferred_epoch = -1
         self._numel: int | None = None  # a flat buffer's length (the deterministic reduce's)
         self._buckets: BucketPlan | None = None  # the step buffer's buckets (built at first use)
+        self._ahead: Ahead | None = None  # the next step's work done during the last vote
         if options.deterministic:
             set_determinism_switches()
 
@@ -324,6 +347,7 @@ class StepMachine:
         attempt = StepAttempt(step=step)
         view = self._view()
         hooks = self.hooks
+        self._take_ahead(view, step, attempt)
         while True:
             if view.status in ("quorum_lost", "diverged", "finished"):
                 _stop(view.status, view.reason)
@@ -399,16 +423,21 @@ class StepMachine:
             on_record = functools.partial(hooks.phase, "commit", step, None)
             undo: Callable[[], None] | None = None
             applying_s = 0.0
+            ahead: Ahead | None = None
             if reduced is not None and hooks.apply_early is not None:
                 apply = functools.partial(
                     hooks.apply_early, step, reduced,
                     sum(len(ids) for ids in view.plan.values()), attempt.sum_finite,
                 )  # fmt: skip
-                agreed, outcome, undo, applying_s = self._vote_applying(report, on_record, apply)
+                agreed, outcome, undo, applying_s, ahead = self._vote_applying(
+                    report, on_record, apply, self._work_ahead(view, step)
+                )
             else:
                 agreed, outcome = report(on_taken=on_record)
-            # (the vote's time not hidden behind an update applied meanwhile)
-            _add(attempt, "vote", time.perf_counter() - t4 - applying_s)
+            if ahead is not None:  # (the next step's compute, done during this vote)
+                _add(attempt, "ahead", ahead.seconds)
+            # (the vote's time not hidden behind an update applied, or work done, meanwhile)
+            _add(attempt, "vote", time.perf_counter() - t4 - applying_s - _seconds(ahead))
             if not agreed:
                 reduced = None  # some rank of this replica failed: nobody's result counts
             if isinstance(outcome, StepCommitted):
@@ -417,11 +446,17 @@ class StepMachine:
                         f"step {step} committed although this replica's reduce failed"
                     )
                 finite = self.link.agree(attempt.sum_finite)  # every rank checked its part
+                self._ahead = ahead  # (its ids are in the local sum: the next step's start)
                 return self._committed(
                     step, view, epoch, reduced, attempt, finite, applied=undo is not None
                 )
-            if undo is not None:  # the update applied during the vote never happened
-                undo()
+            if undo is not None:  # the update applied during the vote never happened (and the
+                undo()  # local sum is this step's again: the work ahead is dropped with it)
+            if ahead is not None:
+                hooks.event(
+                    "ahead_dropped", replica=self.me, step=ahead.step, ids=list(ahead.ids),
+                    reason=f"step {step} was not committed in epoch {epoch}",
+                )  # fmt: skip
             if isinstance(outcome, StepRedo):
                 # The local sum (p.grad) was never touched by the reduce: it is the snapshot.
                 # Dropped: the shrink baseline's in-flight step; or this replica's part, not finite
@@ -445,14 +480,18 @@ class StepMachine:
         report: Callable[..., tuple[bool, Outcome]],
         on_record: Callable[[], None],
         apply: Callable[[], Callable[[], None]],
-    ) -> tuple[bool, Outcome, Callable[[], None] | None, float]:
+        ahead: Callable[[], Ahead | None] | None = None,
+    ) -> tuple[bool, Outcome, Callable[[], None] | None, float, Ahead | None]:
         """The vote with the update applied while it completes (StepHooks.apply_early): the
         report runs on a helper thread; once this replica's done is on record (`on_record`, the
         "commit" point, has run) and unless the outcome is known to be another than a commit,
-        `apply()` runs on this thread and gives the undo of what it did. Returns the report's
-        answer, the undo (None: nothing was applied) and the apply's seconds. A vote that raises
-        (quorum lost, evicted, the coordinator lost) undoes the update before the raise, so the
-        model holds the last committed state."""
+        `apply()` runs on this thread and gives the undo of what it did; then, on the same
+        condition, `ahead()` computes the next step's first microbatch into the local sum the
+        apply left empty (StepHooks.ahead). Returns the report's answer, the undo (None: nothing
+        was applied), the apply's seconds and the work ahead (None: none). The undo puts the
+        step's local sum back, which drops the work ahead too. A vote that raises (quorum lost,
+        evicted, the coordinator lost) undoes the update before the raise, so the model holds
+        the last committed state."""
         taken = threading.Event()
         box: dict[str, Any] = {}
 
@@ -468,23 +507,71 @@ class StepMachine:
             finally:
                 taken.set()
 
+        def may_go_on() -> bool:  # nothing says yet that the step will not commit
+            result = box.get("result")
+            return "error" not in box and (result is None or isinstance(result[1], StepCommitted))
+
         thread = threading.Thread(target=vote, name="recover-vote", daemon=True)
         thread.start()
         taken.wait()
         undo: Callable[[], None] | None = None
         applying_s = 0.0
-        result = box.get("result")
-        if "error" not in box and (result is None or isinstance(result[1], StepCommitted)):
+        done_ahead: Ahead | None = None
+        if may_go_on():
             t0 = time.perf_counter()
             undo = apply()
             applying_s = time.perf_counter() - t0
+            if ahead is not None and may_go_on():
+                done_ahead = ahead()
         thread.join()
         if "error" in box:
             if undo is not None:
                 undo()
             raise box["error"]
         agreed, outcome = box["result"]
-        return agreed, outcome, undo, applying_s
+        return agreed, outcome, undo, applying_s, done_ahead
+
+    def _work_ahead(self, view: View, step: int) -> Callable[[], Ahead | None] | None:
+        """What to compute of step `step + 1` during this step's vote (StepHooks.ahead): the
+        middle id of this rank's share of the committing attempt's plan, the id most likely to
+        be this rank's in the next step's plan too (shares are contiguous runs of ids that
+        move by a few ids at their ends when the coordinator rebalances). None: no work ahead
+        (no hook, the deterministic mode, or a share of fewer than 2 ids: the step's own
+        compute keeps a microbatch, whose backward pass the reduce overlaps; a replica that
+        holds one id is not the one the others wait for)."""
+        hook = self.hooks.ahead
+        mine = sorted(view.plan.get(self.me, ()))
+        if hook is None or self.options.deterministic or len(mine) < 2:
+            return None
+        ids = (mine[len(mine) // 2],)
+
+        def work() -> Ahead | None:
+            t0 = time.perf_counter()
+            with self.hooks.guard.busy("computing the next step's first microbatch"):
+                if not hook(step + 1, ids):
+                    return None
+            return Ahead(step=step + 1, ids=ids, seconds=time.perf_counter() - t0)
+
+        return work
+
+    def _take_ahead(self, view: View, step: int, attempt: StepAttempt) -> None:
+        """At the start of step `step`: keep the work done ahead during the last vote as the
+        step's first computed ids where its plan gives them to this rank, else drop it (the
+        local sum is emptied: it held only that work)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        held = set(view.plan.get(self.me, ())) if view.status == "running" else set()
+        if ahead.step == step and set(ahead.ids) <= held:
+            attempt.computed.update(ahead.ids)
+            attempt.compute_s += ahead.seconds
+            attempt.ahead = ahead.ids
+            return
+        self.work.clear()
+        self.hooks.event(
+            "ahead_dropped", replica=self.me, step=step, ids=list(ahead.ids),
+            reason="the step's plan gives this replica other ids",
+        )  # fmt: skip
 
     def _part_finite(self, step: int, reduced: torch.Tensor, attempt: StepAttempt) -> bool:
         """Whether this rank's own part of the attempt's sum is finite (reported with `done`, so
@@ -581,6 +668,7 @@ class StepMachine:
             parts={k: round(v, 6) for k, v in attempt.parts.items()},
             overlapped=round(attempt.overlapped, 4),
             applied=applied,
+            ahead=attempt.ahead,
             released=named and self.me not in latest.live and latest.status == "running",
             finite=finite,
         )
@@ -762,8 +850,14 @@ class StepMachine:
 #           backward pass, and the wait for all of them (and forming its group in a new epoch);
 # check     the parameter hash every --check-every steps, and a part's finiteness;
 # vote      the report and the coordinator's answer, the wait for the others' reports included,
-#           less the time an update applied meanwhile took (StepHooks.apply_early).
-PARTS = ("transfer", "compute", "snapshot", "reduce", "check", "vote")
+#           less the time an update applied meanwhile took (StepHooks.apply_early), and less
+# ahead     the next step's first microbatch, computed meanwhile (StepHooks.ahead; the next
+#           step's compute is that much shorter when its plan keeps the work).
+PARTS = ("transfer", "compute", "snapshot", "reduce", "check", "vote", "ahead")
+
+
+def _seconds(ahead: Ahead | None) -> float:
+    return ahead.seconds if ahead is not None else 0.0
 
 
 def _add(attempt: StepAttempt, part: str, seconds: float) -> None:

@@ -241,7 +241,7 @@ def run_worker(
                 + f"; run folder {paths.out}",
             )  # fmt: skip
         # A replica of one rank applies each update while its vote completes (EarlyUpdates).
-        early = EarlyUpdates(trainer, guard) if ranks == 1 else None
+        early = EarlyUpdates(trainer, guard, steps=cfg.steps) if ranks == 1 else None
         machine = session.start(
             trainer,
             peer=wcfg.peer,
@@ -260,6 +260,7 @@ def run_worker(
                 guard=guard,
                 before_done=recorder.wait_saves,
                 apply_early=early,
+                ahead=early.ahead if early is not None and spec.why_not_ahead() is None else None,
             ),
             has_state=not joining,
         )
@@ -444,9 +445,20 @@ class EarlyUpdates:
     guard's backup, recover.runtime.update_guard) and the local sum (held by reference), so that
     a redo computes on top of the sum as it was."""
 
-    def __init__(self, trainer, guard) -> None:
-        self.trainer, self.guard = trainer, guard
+    def __init__(self, trainer, guard, *, steps: int) -> None:
+        self.trainer, self.guard, self.steps = trainer, guard, steps
         self._applied: dict[int, tuple[CommitStats, float]] = {}
+
+    def ahead(self, step: int, ids: tuple[int, ...]) -> bool:
+        """StepHooks.ahead: microbatches `ids` of the next step `step`, computed during the
+        vote on the parameters the update just made, into the local sum the update emptied.
+        They are the first the replica computes in that step (a fault's microbatch 0 fires
+        here). False past the run's last step."""
+        if step >= self.steps:
+            return False
+        self.trainer.phase_hook("ahead", step - 1, None)  # (the fault phase: step's - 1 vote)
+        self.trainer.compute_microbatches(step, ids, first_index=0)
+        return True
 
     def __call__(
         self, step: int, reduced: torch.Tensor, count: int, finite: bool
@@ -521,6 +533,8 @@ def apply_commit(
         shares={str(r): n for r, n in commit.shares.items()},
         parts={**commit.parts, "apply": apply_s},  # where the writer's step went (PARTS)
         overlapped=commit.overlapped,  # the share of its reduce started during the backward
+        # ids of the step the writer computed during the previous step's vote (and kept)
+        **({"ahead": list(commit.ahead)} if commit.ahead else {}),
     )
     trainer.stop_if_diverging()  # NonFiniteError after max_nonfinite skipped steps in a row
     if commit.recovered_s is not None:

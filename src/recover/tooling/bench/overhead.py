@@ -88,7 +88,17 @@ def _inside(t_end: float, step_s: float, start: float, end: float) -> bool:
 # Where a step's time goes, in the order shown: the step machine's parts
 # (recover.runtime.step_machine.PARTS), the optimizer step ("apply"), and what is left of the step
 # ("rest": recording, the step line, scheduling).
-PART_ORDER = ("transfer", "compute", "snapshot", "reduce", "check", "vote", "apply", "rest")
+PART_ORDER = (
+    "transfer",
+    "compute",
+    "snapshot",
+    "reduce",
+    "check",
+    "vote",
+    "apply",
+    "ahead",
+    "rest",
+)
 
 
 def step_parts(records: list[dict], windows: list[tuple[float, float]]) -> dict[str, float] | None:
