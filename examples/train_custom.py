@@ -99,12 +99,27 @@ def update_of(model, optimizer, scheduler):
     return update
 
 
-def attach(replica, model, optimizer, scheduler, args):
+def microbatch_of(replica, model, data, args):
+    """One microbatch: its forward pass and backward, a pure function of (step, j)."""
+
+    def microbatch(step, j):
+        x, y = (t.to(args.device) for t in data.batch(step, j))
+        torch.manual_seed(args.seed * 1_000_003 + step * args.microbatches + j)  # dropout
+        logits = model(x)
+        replica.backward(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+
+    return microbatch
+
+
+def attach(replica, model, optimizer, scheduler, args, data):
     """The model, optimizer and schedule under the replica's care; with --early-update the
-    update too (the library runs it, during each step's vote where it can)."""
+    update too (the library runs it during each step's vote where it can, then computes the
+    next step's first microbatch while the vote completes: `ahead`)."""
+    early = args.early_update
     replica.attach(
         model, optimizer, extra_state={"scheduler": scheduler},
-        update=update_of(model, optimizer, scheduler) if args.early_update else None,
+        update=update_of(model, optimizer, scheduler) if early else None,
+        ahead=microbatch_of(replica, model, data, args) if early else None,
     )  # fmt: skip
 
 
@@ -113,12 +128,10 @@ def train(replica, model, optimizer, scheduler, data, args, *, saver=None, start
     args.out.mkdir(parents=True, exist_ok=True)
     # the update, where the loop runs it (with --early-update the library does)
     update = None if args.early_update else update_of(model, optimizer, scheduler)
+    microbatch = microbatch_of(replica, model, data, args)
     for step in replica.steps(args.steps, start_step=start):
         for j in replica.microbatches():  # this replica's ids, then any reassigned to it
-            x, y = (t.to(args.device) for t in data.batch(step, j))  # a pure function of (step, j)
-            torch.manual_seed(args.seed * 1_000_003 + step * args.microbatches + j)  # dropout
-            logits = model(x)
-            replica.backward(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+            microbatch(step, j)
         # .grad holds the committed mean gradient over the step's M microbatches (with
         # --early-update the library has run the update already, during the step's vote)
         scalars = update() if update is not None else {}
@@ -152,7 +165,7 @@ def main():
         check_every=5,
         check_data=data.batch,  # opt-in: every 5 steps the replicas compare a replayed microbatch
     )
-    attach(replica, model, optimizer, scheduler, args)
+    attach(replica, model, optimizer, scheduler, args, data)
     saver, start = None, 0
     if args.ckpt_every or args.resume:
         saver = recover.checkpoint.Checkpointer(args.out / "checkpoints", keep=2)

@@ -28,7 +28,7 @@ def main():
         fully_shard(layer, mesh=replica.mesh)
     fully_shard(model, mesh=replica.mesh)
     optimizer, scheduler = optimizer_for(model, args)  # after sharding: over the shards
-    attach(replica, model, optimizer, scheduler, args)
+    attach(replica, model, optimizer, scheduler, args, data)
     train(replica, model, optimizer, scheduler, data, args)
     # The full model, gathered inside the replica (every rank takes part), saved by the writer.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

@@ -109,9 +109,11 @@ def test_a_script_of_its_own_survives_kills_and_its_respawns_get_its_state(
     custom_token_file, custom_reference, tmp_path
 ):
     """The script hands its update to the library (--early-update: attach(update=...)), which
-    runs it while each step's vote completes. Replica 0, the writer, is SIGKILLed in its
+    runs it while each step's vote completes, and then its next step's first microbatch
+    (attach(ahead=...)). Replica 0, the writer, is SIGKILLed in its
     optimizer step of step 2 (its done report on record, so the step commits; its records never
-    written), replica 1 in the backward of step 3; each is respawned at once.
+    written), replica 1 in the backward of its second microbatch of step 3 (the first ran during
+    step 2's vote); each is respawned at once.
     The survivor recomputes the lost ids of step 3 in the step (the run stays on the one-replica
     failure-free trajectory), and each respawned replica joins at a step boundary and receives
     the model, the SGD momentum and the LambdaLR state from a live replica (a joiner with a fresh
@@ -126,8 +128,9 @@ def test_a_script_of_its_own_survives_kills_and_its_respawns_get_its_state(
     tb = tmp_path / "tb"
     r = recover_run(
         tmp_path, "train_custom.py", "--replicas", "3", "--respawn", "0", "--tensorboard", str(tb),
+        "--balance", "equal",  # (shares of 2: microbatch 1 of step 3 exists)
         "--fault", "kill:replica=0,step=2,phase=optimizer",
-        "--fault", "kill:replica=1,step=3,phase=backward,microbatch=0",
+        "--fault", "kill:replica=1,step=3,phase=backward,microbatch=1",
         script_args=[*custom_args(custom_token_file), "--early-update"],
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:]
@@ -146,6 +149,10 @@ def test_a_script_of_its_own_survives_kills_and_its_respawns_get_its_state(
     assert by_step[1]["writer"] == 0 and by_step[2]["writer"] == 2, (by_step[1], by_step[2])
     assert all(e["microbatches"] == M and e["lr"] > 0 and e["grad_norm"] > 0 for e in steps)
     assert all(e["update_in_vote"] and e["parts"]["apply"] > 0 for e in steps), steps[:3]
+    # The writer's first microbatch of each step ran during the last vote (the middle id of its
+    # share of 2), but where the step's plan gave it other ids (a respawn's join moves shares).
+    ahead = [s for s, e in by_step.items() if e.get("ahead")]
+    assert len(ahead) >= STEPS // 2 and all(len(by_step[s]["ahead"]) == 1 for s in ahead), ahead
     (filled,) = events(job, "records_filled")
     assert filled["steps"] == [2] and filled["replica"] == 2, filled
     own = {e["step"]: e["loss"] for e in records(tmp_path)}

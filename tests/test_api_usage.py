@@ -271,3 +271,61 @@ def test_the_pipeline_form_needs_stages_and_microbatch_id_names_the_id_in_flight
         optimizer.step()
         optimizer.zero_grad()
     assert seen == [True, True] * 2
+
+
+@pytest.mark.timeout(30)
+def test_the_next_steps_first_microbatch_runs_during_the_vote_through_the_scripts_function(job):
+    """attach(ahead=fn), with update=: once the update has run during a step's vote, fn computes
+    the next step's first id (the middle of the share (0, 1): id 1), and microbatches() hands out
+    only the other; every step still commits the mean gradient over both ids, on the parameters
+    the step before made (one process stepping the same SGD in the loop is the reference)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    probe = torch.nn.Linear(3, 1)
+    probe.load_state_dict(model.state_dict())
+    probe_optimizer = torch.optim.SGD(probe.parameters(), lr=0.1, momentum=0.9)
+    replica = Replica(microbatches=2, env=job)
+    with pytest.raises(UsageError, match="needs update=... too"):
+        replica.attach(model, optimizer, ahead=lambda step, j: None)
+
+    def update():
+        optimizer.step()
+        optimizer.zero_grad()
+
+    ahead, handed = [], []
+
+    def microbatch(step, j):
+        replica.backward(loss_of(model, step, j))
+
+    def microbatch_ahead(step, j):
+        ahead.append((step, j, replica.microbatch_id))
+        microbatch(step, j)
+
+    replica.attach(model, optimizer, update=update, ahead=microbatch_ahead)
+    for step in replica.steps(3):
+        for j in replica.microbatches():
+            handed.append((step, j))
+            microbatch(step, j)
+        for j in range(2):
+            (loss_of(probe, step, j) / 2).backward()
+        probe_optimizer.step()
+        probe_optimizer.zero_grad()
+        assert torch.allclose(model.weight, probe.weight, rtol=1e-6), step
+        assert torch.allclose(model.bias, probe.bias, rtol=1e-6), step
+    assert ahead == [(1, 1, 1), (2, 1, 1)]  # (none past the last step)
+    assert handed == [(0, 0), (0, 1), (1, 0), (2, 0)]
+
+
+@pytest.mark.timeout(30)
+def test_an_ahead_function_without_backward_is_refused(job):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    replica = Replica(microbatches=2, env=job)
+    replica.attach(model, optimizer, update=lambda: optimizer.step(), ahead=lambda step, j: None)
+    with pytest.raises(UsageError, match="without replica.backward"):
+        for step in replica.steps(3):
+            for j in replica.microbatches():
+                replica.backward(loss_of(model, step, j))
+    replica.close()

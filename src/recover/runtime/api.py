@@ -62,7 +62,7 @@ from recover.runtime.grads import set_aside
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.pipeline import PipelinePart, StageFollower
 from recover.runtime.script_record import StepRecords, dashboards_for
-from recover.runtime.script_update import ScriptUpdate, Update
+from recover.runtime.script_update import Compute, ScriptUpdate, Update
 from recover.runtime.script_work import (
     ScriptWork,
     explain_divergence,
@@ -234,6 +234,9 @@ class Replica:
         self._follower = StageFollower()  # the pipeline stages' chunks, for pipeline()
         self._in_step = False
         self._update: ScriptUpdate | None = None  # attach(update=...)
+        self._ahead: Compute | None = None  # attach(ahead=...)
+        self._total_steps = 0  # steps(N)'s N
+        self._first_index = 0  # the index of the first id microbatches() hands out in a step
         self._closed = False
 
     @property
@@ -266,6 +269,7 @@ class Replica:
         *,
         extra_state: Mapping[str, Any] | None = None,
         update: Update | None = None,
+        ahead: Compute | None = None,
     ) -> None:
         """The model (wrapped as the script likes) and optimizer whose gradients and state the
         library manages; `extra_state` objects (LR schedulers...) with state_dict() and
@@ -277,9 +281,23 @@ class Replica:
         the mean gradient, before the loop body goes on after `microbatches()`; the body then
         steps no optimizer. In a replica of one rank it runs while the step's vote completes
         (the coordinator's round trip off the critical path); a redo undoes it (parameters,
-        optimizer state and hyper-parameters, `extra_state`), so it must change nothing else."""
+        optimizer state and hyper-parameters, `extra_state`), so it must change nothing else.
+
+        `ahead`, optional, with `update`: the script's microbatch as a callable `ahead(step, j)`
+        that computes microbatch `(step, j)` (its forward pass and `replica.backward(loss)`,
+        as the loop body does). In a replica of one rank the library then computes the next
+        step's first microbatch with it once the update has run during the vote, while the
+        vote completes; `microbatches()` of that step does not hand that id out again. A redo
+        drops that work (docs/api.md, "The next step's first microbatch during the vote")."""
         if self._work is not None:
             raise UsageError("attach() was called already: one model and optimizer per Replica")
+        if ahead is not None and update is None:
+            raise UsageError(
+                "attach(ahead=...) needs update=... too: the next step's microbatch is computed "
+                "during the vote on the parameters the update made, which the library makes "
+                "then only when it runs the update"
+            )
+        self._ahead = ahead
         extra = dict(extra_state or {})
         for name, obj in extra.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
@@ -353,9 +371,11 @@ class Replica:
                 f"this replica starts at step {start_step}, the job is at step {view.step}: "
                 "give every replica the same start_step (the step its checkpoint holds)"
             )
-        # An update given to attach() runs during the vote in a replica of one rank.
+        # An update given to attach() runs during the vote in a replica of one rank, and the
+        # next step's first microbatch after it (attach(ahead=...)).
         update = self._update
         early = update.early if update is not None and self.intra is None else None
+        ahead = self._compute_ahead if self._why_not_ahead() is None else None
         self._machine = session.start(
             self._work,
             peer=self.peer,
@@ -366,8 +386,12 @@ class Replica:
                 deterministic=self.env.spec.deterministic,
             ),
             hooks=StepHooks(
-                phase=self._faults, event=self.event, guard=self._guard, apply_early=early
-            ),
+                phase=self._faults,
+                event=self.event,
+                guard=self._guard,
+                apply_early=early,
+                ahead=ahead,
+            ),  # fmt: skip
             has_state=not joining,
         )
         self._groups = session.groups
@@ -391,9 +415,10 @@ class Replica:
             raise ValueError(f"start_step must be in 0..{total_steps}, got {start_step}")
         # A fault the launcher passed that could never fire (its step or microbatch beyond this
         # run) is refused now, naming the field (the launcher does not know M or the steps).
+        self._total_steps = total_steps
         check_faults_fit(
             self.env.faults, steps=total_steps, microbatches=self.microbatches_per_step,
-            ahead="a script's loop computes no microbatch ahead (--ahead is recover train's)",
+            ahead=self._why_not_ahead(),
         )  # fmt: skip
         try:
             with self._stops():
@@ -500,8 +525,10 @@ class Replica:
         then (after a failure) the ids of dead replicas reassigned to it. Call `backward(loss)`
         once per id. When the loop ends the step has committed and every `p.grad` holds the
         mean gradient over the step's M microbatches; `replica.loss` its mean loss."""
-        index = 0
+        index = None
         for step, plan in self._attempts("microbatches"):
+            if index is None:  # (after the ids computed during the last vote, if any)
+                index = self._first_index
             for j, real in plan:
                 if real:
                     self._faults("forward", step, index)
@@ -566,7 +593,9 @@ class Replica:
         if self._in_step:
             raise UsageError(f"replica.{loop}() is already being iterated")
         work = self._attached
-        leftover = work.grads.leftover()
+        # The step's first microbatch, computed during the last vote, is in the sum already.
+        ahead = self._machine.holds_ahead(step)
+        leftover = [] if ahead else work.grads.leftover()
         if leftover:
             names = [n for n, p in work.model.named_parameters() if p.requires_grad]
             raise UsageError(
@@ -574,7 +603,8 @@ class Replica:
                 f"optimizer.zero_grad() after optimizer.step(), and compute nothing outside "
                 f"replica.{loop}(); the step would add them to its sum"
             )
-        work.grads.clear()
+        if not ahead:
+            work.grads.clear()
         ways = self.layout.shard  # the ranks along tp (and pp) compute the same ids
         mine = self.intra.coordinate("shard") if self.intra is not None else 0
         self._in_step = True
@@ -582,6 +612,7 @@ class Replica:
         try:
             with self._stops():
                 todo = next(attempts)
+            self._first_index = todo.first_index
             while True:
                 plan = deal_round_robin(todo.ids, ways, mine)
                 if plan:
@@ -610,6 +641,7 @@ class Replica:
             step, loss=self.loss, microbatches=commit.count, replicas=len(commit.shares),
             attempts=commit.attempts, epoch=commit.epoch, writer=commit.writer,
             records_from=commit.records_from, overlapped=commit.overlapped, parts=commit.parts,
+            ahead=commit.ahead,
         )  # fmt: skip
         if self.skipped:
             # Never applied: every .grad is None, so the optimizer step changes no parameter
@@ -653,6 +685,39 @@ class Replica:
             self._records.log(step, done.scalars)
         except ValueError as e:
             raise UsageError(f"the update given to attach() returned {e}") from None
+
+    def _why_not_ahead(self) -> str | None:
+        """Why this replica computes no microbatch of the next step during a vote, or None."""
+        if self._ahead is None:
+            return "the script gave replica.attach() no ahead=... (with update=...)"
+        if self.intra is not None:
+            return (
+                f"replicas of {self.layout.describe()} compute no microbatch ahead (replicas of "
+                "one rank do)"
+            )
+        return self.env.spec.why_not_ahead()
+
+    def _compute_ahead(self, step: int, ids: tuple[int, ...]) -> bool:
+        """StepHooks.ahead: microbatches `ids` of the next step `step`, computed by the
+        script's `ahead(step, j)` during the vote of step `step - 1` (its update has run), into
+        the local sum the step machine emptied; numbered first in that step. False past the
+        last step."""
+        fn = self._ahead
+        assert fn is not None
+        if step >= self._total_steps:
+            return False
+        self._faults("ahead", step - 1, None)
+        for index, j in enumerate(ids):
+            self._faults("forward", step, index)
+            self._pending = (step, j, index, 1.0)
+            fn(step, j)
+            if self._pending is not None:
+                self._pending = None
+                raise UsageError(
+                    f"the ahead function given to attach() computed microbatch ({step}, {j}) "
+                    "without replica.backward(loss): call it once, as in the loop body"
+                )
+        return True
 
     def _skip(self, step: int, reason: str) -> None:
         """Count step `step` as skipped (its update never applied, or undone); `NonFinite`

@@ -86,6 +86,7 @@ class StepRecords:
         records_from: int,
         overlapped: float = 0.0,
         parts: Mapping[str, float] | None = None,
+        ahead: tuple[int, ...] = (),
     ) -> None:
         """Step `step` committed with this mean loss; `writer`: this replica writes its records,
         and those from `records_from` on that the run folder lacks (a lost writer's)."""
@@ -100,6 +101,8 @@ class StepRecords:
             "overlapped": overlapped,
             # where this rank's time in the step went (the step machine's PARTS)
             "parts": {k: round(v, 6) for k, v in (parts or {}).items()},
+            # ids of the step computed during the previous step's vote (attach(ahead=...))
+            **({"ahead": list(ahead)} if ahead else {}),
             "step_s": round(now - self._t_last, 6),
             "wall_s": round(now - self._t_start, 6),
         }

@@ -41,6 +41,9 @@ from recover.runtime.usage import UsageError
 
 # What an update returns: scalars for the step's record (as `replica.log` takes), or None.
 Update = Callable[[], Mapping[str, float | None] | None]
+# A script's microbatch: compute (step, j), its forward pass and replica.backward(loss)
+# (attach(ahead=...): the next step's first microbatch during the vote).
+Compute = Callable[[int, int], None]
 
 
 class Applied(NamedTuple):
@@ -146,4 +149,4 @@ def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-__all__ = ["Applied", "ScriptUpdate", "Update"]
+__all__ = ["Applied", "Compute", "ScriptUpdate", "Update"]

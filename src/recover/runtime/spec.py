@@ -145,9 +145,11 @@ class ReplicaSpec:
     ahead: bool = setting(
         True, "--ahead",
         "compute the next step's first microbatch while a step's vote is in flight, after its "
-        "update (replicas of one rank; not with --deterministic): the commit keeps it for the "
+        "update (replicas of one rank: recover train's, and a script's that gives "
+        "replica.attach() ahead=...; not with --deterministic): the commit keeps it for the "
         "next step, any other outcome drops it (--no-ahead: the next step starts its compute "
         "after the commit) (default: on)",
+        tags=SCRIPTS,
     )  # fmt: skip
     log_level: str = setting(
         "info", "--log-level",

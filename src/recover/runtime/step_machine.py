@@ -517,12 +517,18 @@ class StepMachine:
         undo: Callable[[], None] | None = None
         applying_s = 0.0
         done_ahead: Ahead | None = None
-        if may_go_on():
-            t0 = time.perf_counter()
-            undo = apply()
-            applying_s = time.perf_counter() - t0
-            if ahead is not None and may_go_on():
-                done_ahead = ahead()
+        try:
+            if may_go_on():
+                t0 = time.perf_counter()
+                undo = apply()
+                applying_s = time.perf_counter() - t0
+                if ahead is not None and may_go_on():
+                    done_ahead = ahead()
+        except BaseException:  # (the update or the work ahead raised: neither happened)
+            thread.join()
+            if undo is not None:
+                undo()
+            raise
         thread.join()
         if "error" in box:
             if undo is not None:
@@ -547,12 +553,20 @@ class StepMachine:
 
         def work() -> Ahead | None:
             t0 = time.perf_counter()
+            # From an empty local sum: the update's undo puts the step's own back by reference
+            # (whatever .grad tensors the update left, the work ahead must not add into them).
+            self.work.clear()
             with self.hooks.guard.busy("computing the next step's first microbatch"):
                 if not hook(step + 1, ids):
                     return None
             return Ahead(step=step + 1, ids=ids, seconds=time.perf_counter() - t0)
 
         return work
+
+    def holds_ahead(self, step: int) -> bool:
+        """Whether the local sum holds work of step `step` done during the last vote (kept
+        or dropped when the step starts, by its plan)."""
+        return self._ahead is not None and self._ahead.step == step
 
     def _take_ahead(self, view: View, step: int, attempt: StepAttempt) -> None:
         """At the start of step `step`: keep the work done ahead during the last vote as the
