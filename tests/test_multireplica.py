@@ -158,6 +158,12 @@ def test_a_kill_while_the_reduce_overlaps_the_backward_redoes_the_step(
         assert steps[s]["overlapped"] > 0.5, (s, steps[s])
 
 
+def three_replicas_computing_ahead(reference: Path, data: Path, out: Path, fault: str) -> None:
+    """A run of 3 replicas of equal shares with --ahead and `fault`, on the invariants."""
+    r = train(data, out, "--replicas", "3", "--balance", "equal", "--ahead", "--fault", fault)
+    assert_invariants(reference, out, r)
+
+
 def test_the_next_steps_first_microbatch_runs_during_the_vote_and_a_kill_there_is_survived(
     reference, tiny_dataset, tmp_path
 ):
@@ -168,11 +174,9 @@ def test_the_next_steps_first_microbatch_runs_during_the_vote_and_a_kill_there_i
     is on record): step 2 commits with its share, the survivors go on, and the trajectory is
     the one replica's."""
     out = tmp_path / "ahead"
-    r = train(
-        tiny_dataset, out, "--replicas", "3", "--balance", "equal", "--ahead",
-        "--fault", "kill:replica=1,step=2,phase=ahead",
-    )  # fmt: skip
-    assert_invariants(reference, out, r)
+    three_replicas_computing_ahead(
+        reference, tiny_dataset, out, "kill:replica=1,step=2,phase=ahead"
+    )
     (injected,) = events(out, "failure_injected")
     assert (injected["phase"], injected["step"], injected["replica"]) == ("ahead", 2, 1)
     assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [1]
@@ -196,11 +200,8 @@ def test_a_redo_drops_the_work_done_ahead(reference, tiny_dataset, tmp_path):
     computed on the parameters before step 2's update: it is dropped with the undo, never
     summed into the redone step 2 nor into step 3, and the trajectory is the one replica's."""
     out = tmp_path / "redo"
-    r = train(
-        tiny_dataset, out, "--replicas", "3", "--balance", "equal", "--ahead",
-        "--fault", "nan:replica=1,step=2,phase=backward,microbatch=1",
-    )  # fmt: skip
-    assert_invariants(reference, out, r)
+    fault = "nan:replica=1,step=2,phase=backward,microbatch=1"
+    three_replicas_computing_ahead(reference, tiny_dataset, out, fault)
     assert 2 in {e["step"] for e in events(out, "coordinator.redo")}
     dropped = events(out, "ahead_dropped")
     # Who computed ahead before the redo arrived is a race (the last to report may learn the

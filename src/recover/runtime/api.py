@@ -524,7 +524,9 @@ class Replica:
         """The microbatch ids of the current step this rank computes: its share of the plan,
         then (after a failure) the ids of dead replicas reassigned to it. Call `backward(loss)`
         once per id. When the loop ends the step has committed and every `p.grad` holds the
-        mean gradient over the step's M microbatches; `replica.loss` its mean loss."""
+        mean gradient over the step's M microbatches (with `attach(update=...)`: the update has
+        run on it, and `.grad` is what the update and any work ahead left); `replica.loss` its
+        mean loss."""
         index = None
         for step, plan in self._attempts("microbatches"):
             if index is None:  # (after the ids computed during the last vote, if any)
