@@ -71,7 +71,7 @@ def test_four_replicas_equal_one_replica(reference, tiny_dataset, tmp_path):
 FAULT_CASES = {
     "kill-forward": ["kill:replica=2,step=2,phase=forward,microbatch=1"],
     # (Microbatch 1: a replica's microbatch 0 of a step runs during the previous step's vote,
-    # --ahead; its own case is test_the_next_steps_first_microbatch_runs_during_the_vote...)
+    # --ahead, the default: the case kill-ahead)
     "kill-backward": ["kill:replica=1,step=1,phase=backward,microbatch=1"],
     "kill-reduce": ["kill:replica=2,step=2,phase=reduce"],
     "kill-commit": ["kill:replica=1,step=3,phase=commit"],
@@ -80,11 +80,17 @@ FAULT_CASES = {
     # its record and the checkpoint due after it are written once, by the writer named with the
     # commit or, when that was the dead one, by the writer of step 3.
     "kill-optimizer": ["kill:replica=0,step=2,phase=optimizer"],
+    # Once its update has run during the vote, each replica computes its next step's first
+    # microbatch while the vote completes (--ahead): the middle id of its share, id 1 for the
+    # writer, replica 0, whose records say it kept that work every step. Replica 1 dies in it
+    # during step 2's vote, after its done report is on record: step 2 commits with its share.
+    "kill-ahead": ["kill:replica=1,step=2,phase=ahead"],
     "exit-backward": ["exit:replica=1,step=2,phase=backward,microbatch=1"],
     "kill-pen-holder": ["kill:replica=0,step=2,phase=backward,microbatch=1"],
     # A silent data corruption: replica 1's gradient gets a NaN, its losses stay finite. Its ids
     # are recomputed on the others (finite there), so it is evicted as suspect hardware and the
-    # step commits on the failure-free trajectory.
+    # step commits on the failure-free trajectory. The replicas had computed step 3's first
+    # microbatch during step 2's vote, on parameters the redo changes: the redo drops it.
     "nan-backward": ["nan:replica=1,step=2,phase=backward,microbatch=1"],
 }
 
@@ -111,11 +117,28 @@ def test_a_failure_is_survived_in_step_on_the_same_microbatches(
         (named,) = events(out, "nonfinite_microbatches")
         assert named["replica"] == 1 and named["what"] == "gradient"
         assert "replica 1 was evicted by the coordinator (status 4)" in r.stdout
+        # Who computed ahead before the redo arrived is a race (the last to report may learn
+        # the outcome before its update ran); those that did dropped it. The in-process
+        # test_step_machine.py::test_an_update_applied_during_the_vote_is_undone_by_a_redo[True]
+        # holds the redo back until every survivor's work ahead is done.
+        dropped = events(out, "ahead_dropped")
+        assert dropped and {e["step"] for e in dropped} == {3}, dropped
+        assert all("step 2 was not committed" in e["reason"] for e in dropped), dropped
+    if case == "kill-ahead":
+        (injected,) = events(out, "failure_injected")
+        assert (injected["phase"], injected["step"]) == ("ahead", 2)
+        steps = committed_steps(out / "metrics.jsonl")
+        # The writer began every step but the first with id 1 in its sum (after the death too:
+        # its share (0, 1, 2) keeps id 1), and every vote but the last computed it.
+        assert "ahead" not in steps[0] and not events(out, "ahead_dropped")
+        assert all(steps[s]["ahead"] == [1] for s in range(1, STEPS)), steps
+        assert all(steps[s]["parts"]["ahead"] > 0 for s in range(STEPS - 1)), steps
+        assert "ahead" not in steps[STEPS - 1]["parts"]
     finished = {e["replica"] for e in events(out, "replica_finished")}
     assert len(finished) == 2
     fault_step = int(FAULT_CASES[case][0].split("step=")[1].split(",")[0])
     redone = {e["step"] for e in events(out, "coordinator.redo")}
-    if "optimizer" in case or "commit" in case:
+    if "optimizer" in case or "commit" in case or "ahead" in case:
         # The sum was complete when the replica died: its step commits as is, nothing redone.
         # (The next step may be redone if the survivors began it before the death was known.)
         assert fault_step not in redone
@@ -156,62 +179,6 @@ def test_a_kill_while_the_reduce_overlaps_the_backward_redoes_the_step(
     assert steps[0]["overlapped"] == 0 and steps[2]["overlapped"] == 0, steps
     for s in (1, 3, 4):
         assert steps[s]["overlapped"] > 0.5, (s, steps[s])
-
-
-def three_replicas_computing_ahead(reference: Path, data: Path, out: Path, fault: str) -> None:
-    """A run of 3 replicas of equal shares with --ahead and `fault`, on the invariants."""
-    r = train(data, out, "--replicas", "3", "--balance", "equal", "--ahead", "--fault", fault)
-    assert_invariants(reference, out, r)
-
-
-def test_the_next_steps_first_microbatch_runs_during_the_vote_and_a_kill_there_is_survived(
-    reference, tiny_dataset, tmp_path
-):
-    """--ahead: once a replica's update is applied during the vote, it computes its next step's
-    first microbatch while the vote completes. Equal shares make the plan known ({0: (0, 1),
-    1: (2, 3), 2: (4, 5)}): the writer, replica 0, computes id 1 of every next step ahead and
-    keeps it. Replica 1 is SIGKILLed in that work during step 2's vote (after its done report
-    is on record): step 2 commits with its share, the survivors go on, and the trajectory is
-    the one replica's."""
-    out = tmp_path / "ahead"
-    three_replicas_computing_ahead(
-        reference, tiny_dataset, out, "kill:replica=1,step=2,phase=ahead"
-    )
-    (injected,) = events(out, "failure_injected")
-    assert (injected["phase"], injected["step"], injected["replica"]) == ("ahead", 2, 1)
-    assert [d["replica_id"] for d in events(out, "coordinator.member_dead")] == [1]
-    assert 2 not in {e["step"] for e in events(out, "coordinator.redo")}
-    steps = committed_steps(out / "metrics.jsonl")
-    # Every step but the first starts with id 1 in the writer's sum, computed during the last
-    # vote (after the death too: its share of 3 ids, (0, 1, 2), keeps id 1), and every vote
-    # but the last computed it.
-    assert "ahead" not in steps[0]
-    assert all(steps[s]["ahead"] == [1] for s in range(1, STEPS)), steps
-    assert all(steps[s]["parts"]["ahead"] > 0 for s in range(STEPS - 1)), steps
-    assert "ahead" not in steps[STEPS - 1]["parts"]
-    assert not events(out, "ahead_dropped")
-
-
-def test_a_redo_drops_the_work_done_ahead(reference, tiny_dataset, tmp_path):
-    """A step redone after the survivors computed ahead: replica 1's gradient gets a NaN in its
-    second microbatch of step 2 (its losses stay finite), so every replica's sum is not
-    finite. The replicas skip the update during the vote and compute step 3's first
-    microbatch; the coordinator redoes step 2 without replica 1's part. The work ahead was
-    computed on the parameters before step 2's update: it is dropped with the undo, never
-    summed into the redone step 2 nor into step 3, and the trajectory is the one replica's."""
-    out = tmp_path / "redo"
-    fault = "nan:replica=1,step=2,phase=backward,microbatch=1"
-    three_replicas_computing_ahead(reference, tiny_dataset, out, fault)
-    assert 2 in {e["step"] for e in events(out, "coordinator.redo")}
-    dropped = events(out, "ahead_dropped")
-    # Who computed ahead before the redo arrived is a race (the last to report may learn the
-    # outcome before its update is applied); the ones that did dropped it. The in-process
-    # test_step_machine.py::test_an_update_applied_during_the_vote_is_undone_by_a_redo[True]
-    # holds the redo back until every survivor's work ahead is done.
-    assert dropped and {e["step"] for e in dropped} == {3}, dropped
-    assert all("step 2 was not committed" in e["reason"] for e in dropped), dropped
-    steps = committed_steps(out / "metrics.jsonl")
-    assert steps[2]["attempts"] >= 2 and steps[3]["ahead"] == [1], steps
 
 
 def test_two_replicas_killed_in_the_same_step(reference, tiny_dataset, tmp_path):
