@@ -75,8 +75,8 @@ FAULT_CASES = {
     "kill-backward": ["kill:replica=1,step=1,phase=backward,microbatch=1"],
     "kill-reduce": ["kill:replica=2,step=2,phase=reduce"],
     "kill-commit": ["kill:replica=1,step=3,phase=commit"],
-    # The writer of step 2 (the lowest replica) dies in its optimizer step, which runs once its
-    # done report is on record (while the vote completes): the step commits with its share, and
+    # The writer of step 2 (the lowest replica) dies in its optimizer step, which runs while the
+    # vote completes (the fault fires once its done report is on record): the step commits with its share, and
     # its record and the checkpoint due after it are written once, by the writer named with the
     # commit or, when that was the dead one, by the writer of step 3.
     "kill-optimizer": ["kill:replica=0,step=2,phase=optimizer"],

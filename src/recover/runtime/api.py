@@ -340,6 +340,11 @@ class Replica:
             )
         if step >= 0:
             self._guard.tick()
+            machine = self._machine
+            if machine is not None and self._faults.declares("optimizer", step):
+                # (an update run during the vote starts as the done report is sent: a fault
+                # declared in it acts once the report is on record, the point the phase names)
+                machine.wait_on_record()
             self._faults("optimizer", step, None)
 
     def _fingerprint(self, total_steps: int) -> dict[str, Any]:
@@ -708,6 +713,9 @@ class Replica:
         assert fn is not None
         if step >= self._total_steps:
             return False
+        if self._faults.declares("ahead", step - 1):  # (it acts once the done is on record)
+            assert self._machine is not None
+            self._machine.wait_on_record()
         self._faults("ahead", step - 1, None)
         for index, j in enumerate(ids):
             self._faults("forward", step, index)

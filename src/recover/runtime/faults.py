@@ -21,9 +21,9 @@ previous step's vote, `--ahead`, and its fault fires there), `overlap` (inside t
 the rank's share, once the step's reduce has started its first bucket: only where the reduce
 overlaps the backward, recover.runtime.overlap, so never in the first attempt of an epoch),
 `reduce` (while the cross-replica all-reduce is in flight), `commit` (after reporting done, before the commit
-arrives), `optimizer` (inside the optimizer step; in `recover train`'s replicas of one rank that
-step runs as soon as the replica's done report is on record, while the vote completes, and
-elsewhere after the commit), `ahead` (during step T's vote, as the replica starts computing step
+arrives), `optimizer` (inside the optimizer step; in replicas of one rank that step runs from the
+moment the replica's done report is sent, while the vote completes, and this fault fires once the
+report is on record (`declares` lets the caller wait for that); elsewhere after the commit), `ahead` (during step T's vote, as the replica starts computing step
 T+1's first microbatch ahead: `recover train --ahead`, its default, in replicas of one rank),
 `transfer` (during the live
 state transfer to a joiner, sender or receiver; it fires at the first transfer at or after step T,
@@ -73,6 +73,10 @@ KINDS = ("kill", "hang", "exit", "freeze", "slow", "nan")
 MAX_WAKE_AFTER_S = 3600.0  # a hang woken later than this is a hang for good: leave it out
 FREEZE_PHASES = ("forward", "backward", "overlap", "reduce", "optimizer", "ahead")
 PHASES = ("forward", "backward", "overlap", "reduce", "commit", "optimizer", "ahead", "transfer")
+# Phases that run during the vote in replicas of one rank, from the moment the done report is
+# sent: their faults act once the report is on record, the point they name (the caller waits
+# for it where `declares` says a fault is due: StepMachine.wait_on_record).
+ON_RECORD_PHASES = ("optimizer", "ahead")
 GRAMMAR = (
     "KIND:replica=R,step=T,phase=P[,microbatch=K][,rank=N][,wake_after=S]  or  "
     "slow:replica=R,step=T,factor=F[,rank=N]   with KIND in {kill, hang, exit, freeze, nan} and "
@@ -239,6 +243,14 @@ class FaultInjector:
                 continue
             self._fired.add(n)
             self._fire(spec)
+
+    def declares(self, phase: str, step: int) -> bool:
+        """Whether a fault not yet fired is declared at `phase` of `step` (any microbatch)."""
+        return any(
+            n not in self._fired and spec.kind != "slow" and spec.phase == phase
+            and spec.step == step
+            for n, spec in enumerate(self.specs)
+        )  # fmt: skip
 
     def _straggle(self, step: int) -> None:
         factors = [s.factor for s in self._slow if step >= s.step]

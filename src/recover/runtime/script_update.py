@@ -2,8 +2,8 @@
 
 Job: run the script's optimizer step (its clipping, `optimizer.step()`, schedule and
 `zero_grad()`, as one callable) at the point the library chooses. In a replica of one rank that is
-while the step's vote completes (the step machine's `StepHooks.apply_early`: once this replica's
-done report is on record), which takes the coordinator's round trip off the step's critical path,
+while the step's vote completes (the step machine's `StepHooks.apply_early`: from the moment this
+replica's done report is sent), which takes the coordinator's round trip off the step's critical path,
 as the built-in trainer's early update does. A replica of several ranks runs it after the commit
 (its ranks would have to agree on an early update first).
 

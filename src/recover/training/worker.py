@@ -33,7 +33,7 @@ from recover.data.addressing import TokenDataset
 from recover.policy import WORKLOADS
 from recover.record import MetricsWriter, read_metrics
 from recover.runtime.env import ReplicaEnv
-from recover.runtime.faults import FaultInjector, poison_gradient
+from recover.runtime.faults import ON_RECORD_PHASES, FaultInjector, poison_gradient
 from recover.runtime.links import IntraReplica
 from recover.runtime.session import STOPS, ReplicaSession
 from recover.runtime.spec import ReplicaSpec
@@ -170,8 +170,14 @@ def run_worker(
     )
     guard = StallGuard(spec.stall_s, replica=me, rank=rank, emit=writer.event)
 
+    machine = None  # (the step machine, once the replica joined)
+
     def phase_hook(phase: str, step: int, index: int | None) -> None:
         guard.tick()  # every microbatch's forward and backward is progress
+        if phase in ON_RECORD_PHASES and machine is not None and injector.declares(phase, step):
+            # The update (and the work ahead) runs from the moment the done report is sent: a
+            # fault declared in it acts once the report is on record, the point its phase names.
+            machine.wait_on_record()
         injector(phase, step, index)
 
     trainer.phase_hook = phase_hook
@@ -440,8 +446,8 @@ def run_recovery_summary(metrics_path: Path) -> dict:
 
 class EarlyUpdates:
     """The update of a step applied while its vote completes (StepHooks.apply_early), in a
-    replica of one rank: the optimizer step runs once this replica's done report is on record,
-    instead of after the commit arrives. Its undo puts back the state before it (the update
+    replica of one rank: the optimizer step runs from the moment this replica's done report is
+    sent, instead of after the commit arrives. Its undo puts back the state before it (the update
     guard's backup, recover.runtime.update_guard) and the local sum (held by reference), so that
     a redo computes on top of the sum as it was."""
 
