@@ -51,8 +51,10 @@ def bench_recovery(args: argparse.Namespace) -> dict:
             for i in range(args.repeats):
                 spec = f"kill:replica={args.replicas - 1},step={kill_step},phase={phase}"
                 if phase in ("forward", "backward"):
-                    spec += ",microbatch=0"
-                out = run_recover([*base, "--fault", spec], Path(tmp) / f"{phase}-{i}",
+                    # (the second: the first runs during the previous step's vote, --ahead;
+                    # equal shares: the victim holds two ids)
+                    spec += ",microbatch=1"
+                out = run_recover([*base, "--balance", "equal", "--fault", spec], Path(tmp) / f"{phase}-{i}",
                                   timeout_s=args.timeout)  # fmt: skip
                 next_commit, commit_without = kill_to_commit_s(out)
                 recov.append(next_commit)
