@@ -340,11 +340,6 @@ class Replica:
             )
         if step >= 0:
             self._guard.tick()
-            machine = self._machine
-            if machine is not None and self._faults.declares("optimizer", step):
-                # (an update run during the vote starts as the done report is sent: a fault
-                # declared in it acts once the report is on record, the point the phase names)
-                machine.wait_on_record()
             self._faults("optimizer", step, None)
 
     def _fingerprint(self, total_steps: int) -> dict[str, Any]:
@@ -399,6 +394,9 @@ class Replica:
             ),  # fmt: skip
             has_state=not joining,
         )
+        # (an update run during the vote starts as the done report is sent: a fault declared in
+        # it, or in the work ahead, acts once the report is on record, the point it names)
+        self._faults.on_record = self._machine.wait_on_record
         self._groups = session.groups
         # The process must not end while an abandoned group is being torn down (GroupCache.
         # wait_closed says why); the script's own end is the interpreter's, so it waits there.
@@ -713,9 +711,6 @@ class Replica:
         assert fn is not None
         if step >= self._total_steps:
             return False
-        if self._faults.declares("ahead", step - 1):  # (it acts once the done is on record)
-            assert self._machine is not None
-            self._machine.wait_on_record()
         self._faults("ahead", step - 1, None)
         for index, j in enumerate(ids):
             self._faults("forward", step, index)

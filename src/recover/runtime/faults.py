@@ -23,7 +23,7 @@ overlaps the backward, recover.runtime.overlap, so never in the first attempt of
 `reduce` (while the cross-replica all-reduce is in flight), `commit` (after reporting done, before the commit
 arrives), `optimizer` (inside the optimizer step; in replicas of one rank that step runs from the
 moment the replica's done report is sent, while the vote completes, and this fault fires once the
-report is on record (`declares` lets the caller wait for that); elsewhere after the commit), `ahead` (during step T's vote, as the replica starts computing step
+report is on record (the injector's `on_record` waits for that); elsewhere after the commit), `ahead` (during step T's vote, as the replica starts computing step
 T+1's first microbatch ahead: `recover train --ahead`, its default, in replicas of one rank),
 `transfer` (during the live
 state transfer to a joiner, sender or receiver; it fires at the first transfer at or after step T,
@@ -74,8 +74,8 @@ MAX_WAKE_AFTER_S = 3600.0  # a hang woken later than this is a hang for good: le
 FREEZE_PHASES = ("forward", "backward", "overlap", "reduce", "optimizer", "ahead")
 PHASES = ("forward", "backward", "overlap", "reduce", "commit", "optimizer", "ahead", "transfer")
 # Phases that run during the vote in replicas of one rank, from the moment the done report is
-# sent: their faults act once the report is on record, the point they name (the caller waits
-# for it where `declares` says a fault is due: StepMachine.wait_on_record).
+# sent: their faults act once the report is on record, the point they name (the injector waits
+# for it, `FaultInjector.on_record`, before one of them acts: StepMachine.wait_on_record).
 ON_RECORD_PHASES = ("optimizer", "ahead")
 GRAMMAR = (
     "KIND:replica=R,step=T,phase=P[,microbatch=K][,rank=N][,wake_after=S]  or  "
@@ -227,6 +227,9 @@ class FaultInjector:
         self._fired: set[int] = set()
         self._slow = [s for s in self.specs if s.kind == "slow"]
         self._t_microbatch: float | None = None
+        # Waits until this replica's done report is on record (set once the step machine exists:
+        # StepMachine.wait_on_record); a fault of ON_RECORD_PHASES acts only after it.
+        self.on_record: Callable[[], None] = lambda: None
 
     def __call__(self, phase: str, step: int, index: int | None) -> None:
         if phase == "forward":
@@ -241,16 +244,10 @@ class FaultInjector:
                 continue
             if phase in ("forward", "backward") and index != spec.microbatch:
                 continue
+            if phase in ON_RECORD_PHASES:
+                self.on_record()
             self._fired.add(n)
             self._fire(spec)
-
-    def declares(self, phase: str, step: int) -> bool:
-        """Whether a fault not yet fired is declared at `phase` of `step` (any microbatch)."""
-        return any(
-            n not in self._fired and spec.kind != "slow" and spec.phase == phase
-            and spec.step == step
-            for n, spec in enumerate(self.specs)
-        )  # fmt: skip
 
     def _straggle(self, step: int) -> None:
         factors = [s.factor for s in self._slow if step >= s.step]

@@ -33,7 +33,7 @@ from recover.data.addressing import TokenDataset
 from recover.policy import WORKLOADS
 from recover.record import MetricsWriter, read_metrics
 from recover.runtime.env import ReplicaEnv
-from recover.runtime.faults import ON_RECORD_PHASES, FaultInjector, poison_gradient
+from recover.runtime.faults import FaultInjector, poison_gradient
 from recover.runtime.links import IntraReplica
 from recover.runtime.session import STOPS, ReplicaSession
 from recover.runtime.spec import ReplicaSpec
@@ -170,14 +170,8 @@ def run_worker(
     )
     guard = StallGuard(spec.stall_s, replica=me, rank=rank, emit=writer.event)
 
-    machine = None  # (the step machine, once the replica joined)
-
     def phase_hook(phase: str, step: int, index: int | None) -> None:
         guard.tick()  # every microbatch's forward and backward is progress
-        if phase in ON_RECORD_PHASES and machine is not None and injector.declares(phase, step):
-            # The update (and the work ahead) runs from the moment the done report is sent: a
-            # fault declared in it acts once the report is on record, the point its phase names.
-            machine.wait_on_record()
         injector(phase, step, index)
 
     trainer.phase_hook = phase_hook
@@ -270,6 +264,9 @@ def run_worker(
             ),
             has_state=not joining,
         )
+        # The update and the work ahead run from the moment the done report is sent: a fault
+        # declared in them acts once the report is on record, the point its phase names.
+        injector.on_record = machine.wait_on_record
 
         def compute(todo) -> None:
             trainer.compute_microbatches(todo.step, todo.ids, first_index=todo.first_index)
