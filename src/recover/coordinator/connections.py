@@ -17,7 +17,8 @@ coordinator's pause.
 
 Work per request does not grow with R (docs/coordinator.md has the measurements):
 - a heartbeat of a current member is answered at once and queued with the time it was read;
-  the rules get the queue as one `Heartbeats` batch per tick (driver.py);
+  the rules get the queue in `Heartbeats` batches, when a tick judges a lease and every
+  lease_s / 4 at most otherwise (driver.py, `_flush_beats`);
 - each view version is encoded to JSON once and spliced into every reply that carries it
   (`_VIEW`, `_frame`; views.py), relative to the `view_version` the request names; heartbeats
   carry it only when the replica's `view_version` is older;
