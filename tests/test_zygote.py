@@ -23,7 +23,14 @@ SERVE = ["coordinator", "serve", "--port", "0", "--no-store", "--replicas", "1",
 @pytest.fixture
 def zygote(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    z = Zygote(["recover.cli", "recover.coordinator.server"], env, tag=str(tmp_path))
+    ended: list[int] = []  # children whose end the zygote reported, in order (on_exit)
+    z = Zygote(
+        ["recover.cli", "recover.coordinator.server"],
+        env,
+        tag=str(tmp_path),
+        on_exit=lambda: ended.append(1),
+    )
+    z.ended = ended
     try:
         yield z
     finally:
@@ -58,10 +65,12 @@ def test_a_forked_process_gets_its_argv_env_output_and_status(zygote, tmp_path):
     # Exactly the environment asked for (nothing of the zygote's own), in its own session.
     events = tmp_path / "events.jsonl"
     addr = tmp_path / "addr.json"
+    assert zygote.ended == [1]  # the launcher's supervising loop is woken by each end
     q = zygote.spawn(
         "recover.cli",
         [*SERVE, "--events", str(events), "--address-file", str(addr)],
         _env(RECOVER_TOKEN="forked-secret"),  # read by the forked coordinator, not the zygote
+        name="coordinator",
     )
     info = _address(addr)
     assert info["pid"] == q.pid and os.getsid(q.pid) == q.pid
@@ -72,10 +81,12 @@ def test_a_forked_process_gets_its_argv_env_output_and_status(zygote, tmp_path):
     assert refused["ok"] is False and refused["code"] == "unauthorized", refused
     # Its command line is the zygote's: the tag (the run folder) names every process of a run.
     assert str(tmp_path) in open(f"/proc/{q.pid}/cmdline").read()
+    # Its process name is the one asked for (ps, top, and the benchmarks' CPU by role read it).
+    assert open(f"/proc/{q.pid}/comm").read().strip() == "coordinator"
     with pytest.raises(subprocess.TimeoutExpired):
         q.wait(timeout=0.2)
     q.kill()
-    assert q.wait(timeout=30) == -signal.SIGKILL
+    assert q.wait(timeout=30) == -signal.SIGKILL and zygote.ended == [1, 1]
     q.kill()  # a reaped child is never signalled again (its pid may belong to another process)
 
 
@@ -89,7 +100,7 @@ def test_children_end_with_the_zygote(tmp_path):
         os.kill(z.proc.pid, signal.SIGKILL)  # as when its launcher is SIGKILLed
         z.proc.wait(timeout=30)
         # The launcher learns that the child is gone; the child got its parent-death SIGTERM.
-        assert q.wait(timeout=30) == -signal.SIGKILL
+        assert q.wait(timeout=30) == -signal.SIGKILL and zygote.ended == [1, 1]
         deadline = time.monotonic() + 30
         while _alive(q.pid):
             assert time.monotonic() < deadline, "a forked child outlived its zygote"

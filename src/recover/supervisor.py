@@ -56,13 +56,15 @@ RECOVER = (sys.executable, "-m", "recover.cli")
 log = logging.getLogger("recover.launch")
 
 
-def _pump(stream, prefix: list[str], console: TextIO | None) -> None:
-    """Echo a child's lines with `prefix[0]` (a promoted standby's label changes)."""
+def _pump(stream, prefix: list[str], console: TextIO | None, ended: threading.Event) -> None:
+    """Echo a child's lines with `prefix[0]` (a promoted standby's label changes); set `ended`
+    when its output closes (it exited, as a rule)."""
     for line in iter(stream.readline, ""):
         if console is not None:
             console.write(prefix[0] + line)
             console.flush()
     stream.close()
+    ended.set()
 
 
 def free_ports(n: int) -> list[int]:
@@ -185,6 +187,9 @@ class ProcessHost:
         self._pumps: list[threading.Thread] = []
         self._zygote: Zygote | None = None
         self._prefixes: dict[int, list[str]] = {}  # id(process) -> its output prefix
+        # Set when a child may have ended (its output closed, or the zygote reported its end):
+        # a supervising loop waits on it (`wait_for_change`) instead of polling at a short period.
+        self.child_ended = threading.Event()
 
     def start_zygote(self, tag: str, preload: Sequence[str] = ()) -> None:
         """Start the zygote (recover.zygote) now, so that its import overlaps whatever starts
@@ -193,7 +198,7 @@ class ProcessHost:
         imports after WARM_MODULES (--preload)."""
         if self.WARM_MODULES:
             modules = [*self.WARM_MODULES, *preload]
-            self._zygote = Zygote(modules, self.child_env(), tag=tag)
+            self._zygote = Zygote(modules, self.child_env(), tag=tag, on_exit=self.child_ended.set)
 
     def child_env(self, extra_env: dict | None = None) -> dict[str, str]:
         """The environment of every process this host starts (the zygote's too)."""
@@ -228,7 +233,7 @@ class ProcessHost:
         if self._zygote is not None and how is not None:
             try:  # forked, torch already imported: recover's own commands, or a Python script
                 module, argv, script = how
-                proc = self._zygote.spawn(module, argv, env, script=script, stdin=stdin)
+                proc = self._zygote.spawn(module, argv, env, script=script, stdin=stdin, name=name)
             except RuntimeError as e:  # start afresh from now on (slower, same result)
                 self.say(f"warm start off: {e}", logging.WARNING)
                 self._zygote = None
@@ -252,10 +257,18 @@ class ProcessHost:
         """Supervise `proc` as `name` and echo its output with `prefix`."""
         self.children[name] = proc
         self._prefixes[id(proc)] = box = [prefix]
-        pump = threading.Thread(target=_pump, args=(proc.stdout, box, self.console), daemon=True)
+        pump = threading.Thread(
+            target=_pump, args=(proc.stdout, box, self.console, self.child_ended), daemon=True
+        )
         pump.start()
         self._pumps.append(pump)
         return proc
+
+    def wait_for_change(self, timeout_s: float) -> None:
+        """Sleep until a child may have ended, or `timeout_s` passes (what else a supervising
+        loop watches, timers and hung processes, it sees at that period)."""
+        self.child_ended.wait(timeout_s)
+        self.child_ended.clear()  # (cleared before the caller looks: nothing set later is lost)
 
     def reap_all(self, grace_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after `grace_s`, every child still alive; wait for each."""

@@ -16,7 +16,9 @@ Protocol (a socketpair between the launcher and the zygote; one JSON object per 
   `__main__`, the script's folder first on sys.path, exit handlers run at the end), and
   "run_module": M what `python -m M ARGV...` runs: a user's training script under `recover run`.
   With "stdin": true a second fd comes with the request, the read end of a pipe that becomes the
-  child's stdin (a standby replica waits there for its promotion); else stdin is /dev/null;
+  child's stdin (a standby replica waits there for its promotion); else stdin is /dev/null.
+  "name" (optional): the process name the child takes ("replica 2", "coordinator"), so that
+  `ps`, `top` and /proc/PID/comm tell the forked processes apart;
 - zygote -> launcher: {"pid": P} for each request, in order; {"exit": P, "status": S} when a
   child ends (S as subprocess reports it: the exit code, or -N for signal N).
 
@@ -40,8 +42,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
-from recover.runtime.env import die_with_launcher, die_with_parent
+from recover.runtime.env import die_with_launcher, die_with_parent, name_process
 
 __all__ = ["ForkedProcess", "Zygote"]
 
@@ -118,6 +121,8 @@ def _fork(request: dict, out_fd: int, in_fd: int, sock: socket.socket, *closing:
         os.dup2(in_fd, 0)
         os.close(in_fd)
         die_with_parent(zygote)  # none of its children outlives the zygote
+        if request.get("name"):
+            name_process(request["name"])
         os.environ.clear()
         os.environ.update(request["env"])
         if "RECOVER_LAUNCHER_PID" in os.environ:  # its parent is this zygote, which dies with
@@ -221,18 +226,28 @@ class ForkedProcess:
     def _ended_with(self, status: int) -> None:
         self.returncode = status
         self._ended.set()
+        if self._zygote.on_exit is not None:
+            self._zygote.on_exit()
 
 
 class Zygote:
     """The launcher's zygote: `start` it once, then `spawn` replica processes from it."""
 
     def __init__(
-        self, preload: list[str], env: dict[str, str], *, tag: str = "", timeout_s: float = 120.0
+        self,
+        preload: list[str],
+        env: dict[str, str],
+        *,
+        tag: str = "",
+        timeout_s: float = 120.0,
+        on_exit: Callable[[], None] | None = None,
     ):
         """`preload`: module names the zygote imports before it forks anything; `MODULE:FUNCTION`
         also calls FUNCTION() once (no arguments), for modules it imports only when called.
         `tag`: a word on the zygote's command line, which its children share (they are not
-        exec'ed): the local launcher puts the run folder there."""
+        exec'ed): the local launcher puts the run folder there. `on_exit`: called (from a
+        reader thread) once a child's end is known, after its returncode is set."""
+        self.on_exit = on_exit
         ours, theirs = socket.socketpair()
         self._sock = ours
         self.proc = subprocess.Popen(
@@ -271,11 +286,13 @@ class Zygote:
         *,
         script: str = "",
         stdin: bool = False,
+        name: str = "",
     ) -> ForkedProcess:
         """Fork a process with exactly `env`, its output on the returned handle's stdout: it
         runs `module.main(argv)` (recover's own commands), or with `script`, what `python SCRIPT
         ARGV...` runs (a path), or `python -m MODULE ARGV...` (`script="-m"`). With `stdin`, the
-        handle's stdin is a pipe to the child's (line-buffered text); else it reads /dev/null."""
+        handle's stdin is a pipe to the child's (line-buffered text); else it reads /dev/null.
+        `name`: the process name the child takes (what `ps` and /proc/PID/comm show)."""
         with self._lock:
             if self._reader is None:
                 self._await_ready()
@@ -294,7 +311,7 @@ class Zygote:
                     what = {"run_module": module}
                 elif script:
                     what = {"script": script}
-                request = {**what, "argv": argv, "env": env, "stdin": stdin}
+                request = {**what, "argv": argv, "env": env, "stdin": stdin, "name": name}
                 line = json.dumps(request).encode() + b"\n"
                 socket.send_fds(self._sock, [line], [write_fd] + ([child_in] if stdin else []))
             finally:

@@ -186,3 +186,15 @@ def die_with_parent(parent: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     if os.getppid() != parent:  # it died before the signal was armed
         os._exit(1)
+
+
+def name_process(name: str) -> None:
+    """Give this process the name `ps`, `top` and /proc/PID/comm show (its first 15 bytes; the
+    threads it starts afterwards inherit it): a forked replica is "replica 2", not "python3".
+    Linux only (elsewhere a no-op)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_NAME = 15
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
