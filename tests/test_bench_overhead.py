@@ -15,7 +15,14 @@ import sys
 import pytest
 
 from conftest import child_env, leftover_processes
-from recover.tooling.bench.overhead import format_parts, ratio_interval, step_parts, steps_inside
+from recover.tooling.bench.overhead import (
+    cpu_per_step,
+    format_cpu,
+    format_parts,
+    ratio_interval,
+    step_parts,
+    steps_inside,
+)
 from recover.tooling.simulate.scenarios import read_bench
 
 
@@ -51,6 +58,19 @@ def test_a_steps_parts_are_averaged_over_the_steps_inside_the_blocks():
 
 
 @pytest.mark.unit
+def test_cpu_per_step_sums_each_role_over_the_steps_and_leaves_out_a_process_gone():
+    before = {1: ("replica", 10.0), 2: ("replica", 11.0), 3: ("coordinator", 1.0), 4: ("x", 0)}
+    after = {1: ("replica", 14.0), 2: ("replica", 15.5), 3: ("coordinator", 1.2), 5: ("y", 9.0)}
+    cpu = cpu_per_step(before, after, steps=10)
+    assert cpu["replica"] == {"processes": 2, "cpu_s": pytest.approx(0.85)}
+    assert cpu["coordinator"] == {"processes": 1, "cpu_s": pytest.approx(0.02)}
+    assert set(cpu) == {"replica", "coordinator", "total"}  # 4 ended, 5 started: not measured
+    assert cpu["total"] == pytest.approx(0.87)
+    assert list(cpu)[:2] == ["replica", "coordinator"]  # the largest first
+    line = format_cpu({"recover": cpu})
+    assert "870.0 ms" in line and "replica x2 850.0" in line and "coordinator 20.0" in line
+
+
 @pytest.mark.unit
 def test_a_scripts_steps_are_the_gaps_between_its_lines_and_its_failures_are_counted(tmp_path):
     """`recover bench script` reads each job's steps from the writer's losses.jsonl (a line per
@@ -132,6 +152,19 @@ def test_a_tiny_run_reports_the_ratio_with_its_interval(tiny_dataset, tmp_path, 
         assert sum(v for k, v in p.items() if k != "step") == pytest.approx(p["step"])
     assert "vote" in parts[b] and ("vote" in parts[a]) == deterministic
     assert "where a step's time went" in r.stdout and "\n  vote " in r.stdout
+    # The CPU of all of each job's processes per step, by role (read from /proc): the launcher
+    # names its forked children, so recover's coordinator is told apart from its replicas.
+    cpu = res["cpu_per_step"]
+    assert set(cpu) == {a, b}
+    for name, roles in cpu.items():
+        assert roles["total"] == pytest.approx(
+            sum(e["cpu_s"] for k, e in roles.items() if k != "total")
+        )
+        assert roles["replica"]["processes"] == 2 and roles["replica"]["cpu_s"] > 0, roles
+    assert res["cpu_ratio"] == pytest.approx(cpu[b]["total"] / cpu[a]["total"])
+    assert cpu[b]["coordinator"]["processes"] == 1 and cpu[b]["launcher"]["processes"] == 1
+    assert ("coordinator" in cpu[a]) == deterministic
+    assert f"CPU per step, all of a job's processes (ratio {res['cpu_ratio']:.3f})" in r.stdout
     if not deterministic:  # the simulator reads the pairs (`--from-bench`)
         assert read_bench([tmp_path / "o.json"], cpu_cores=2).step_overhead_s is not None
     assert leftover_processes(str(tmp_path)) == []

@@ -38,6 +38,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -265,6 +266,55 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
+def _cpu_s(pid: int) -> float | None:
+    """The CPU seconds (user and system, all threads) the process has used; None once gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _role(pid: int) -> str:
+    """What a process is, from its name (/proc/PID/comm) less a numbering: the launcher
+    names its forked children ("replica 2" -> "replica", "coordinator")."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "gone"
+    return re.sub(r"\s+\d+$", "", name)
+
+
+def cpu_per_step(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], steps: int
+) -> dict[str, dict]:
+    """CPU seconds per step by role, from two readings of a job's processes ({pid: (role,
+    cpu_s)}) and the steps it completed between them: {role: {"processes", "cpu_s"}} and
+    "total". A process missing from either reading is left out."""
+    roles: dict[str, dict] = {}
+    for pid, (role, end) in after.items():
+        if pid in before:
+            entry = roles.setdefault(role, {"processes": 0, "cpu_s": 0.0})
+            entry["processes"] += 1
+            entry["cpu_s"] += (end - before[pid][1]) / steps
+    total = sum(e["cpu_s"] for e in roles.values())
+    return {**dict(sorted(roles.items(), key=lambda kv: -kv[1]["cpu_s"])), "total": total}
+
+
+def format_cpu(cpu: dict[str, dict]) -> str:
+    """One line per job: its CPU per step, and each role's part of it."""
+    lines = []
+    for job, roles in cpu.items():
+        parts = []
+        for role, e in roles.items():
+            if role != "total":
+                count = f" x{e['processes']}" if e["processes"] > 1 else ""
+                parts.append(f"{role}{count} {e['cpu_s'] * 1e3:.1f}")
+        lines.append(f"  {job:<9}{roles['total'] * 1e3:>8.1f} ms  ({', '.join(parts)})")
+    return "\n".join(lines)
+
+
 @dataclass
 class Job:
     """One side of the comparison, running in the background; frozen between its blocks."""
@@ -290,6 +340,18 @@ class Job:
 
     def resume(self) -> None:
         self._signal(signal.SIGCONT)
+
+    def cpu(self) -> dict[int, tuple[str, float]]:
+        """{pid: (role, CPU seconds so far)} of the job's processes (settled once warmed up):
+        the root of a launcher's tree is "launcher", a plain loop's processes "replica"."""
+        out = {}
+        roots = {p.pid for p in self.procs}
+        for pid in self._pids:
+            used = _cpu_s(pid)
+            if used is not None:
+                role = "launcher" if self.tree and pid in roots else _role(pid)
+                out[pid] = (role if self.tree else "replica", used)
+        return out
 
     def alive(self) -> bool:
         polls = [p.poll() is None if hasattr(p, "poll") else p.is_alive() for p in self.procs]
@@ -364,6 +426,7 @@ def interleave(a: Job, b: Job, *, blocks: int, block_s: float) -> dict:
     """Alternate two warmed-up, frozen jobs in blocks; return the pairs and the ratios."""
     windows: dict[str, list[tuple[float, float]]] = {a.name: [], b.name: []}
     loads = []
+    cpu_before = {job.name: job.cpu() for job in (a, b)}  # each is frozen until its first block
     for i in range(blocks):
         for job in (a, b) if i % 2 == 0 else (b, a):
             loads.append(os.getloadavg()[0])
@@ -374,10 +437,19 @@ def interleave(a: Job, b: Job, *, blocks: int, block_s: float) -> dict:
             windows[job.name].append((start, time.time()))
             if not job.alive():
                 raise RuntimeError(f"{job.name} ended during block {i + 1} (see its log)")
+    cpu_after = {job.name: job.cpu() for job in (a, b)}
     for job in (a, b):
         if job.failures():
             raise RuntimeError(f"{job.name}: a replica was declared dead; not a failure-free run")
     steps = {job.name: job.steps() for job in (a, b)}
+    # A job's CPU is used only inside its windows (it is frozen outside them), and so are the
+    # steps that ended between its first window's start and its last one's end.
+    cpu = {}
+    for job in (a, b):
+        first, last = windows[job.name][0][0], windows[job.name][-1][1]
+        done = sum(first < t <= last for t, _ in steps[job.name])
+        if done:
+            cpu[job.name] = cpu_per_step(cpu_before[job.name], cpu_after[job.name], done)
     pairs = []
     for i in range(blocks):
         a_steps = steps_inside(steps[a.name], *windows[a.name][i])
@@ -410,6 +482,12 @@ def interleave(a: Job, b: Job, *, blocks: int, block_s: float) -> dict:
         "max_pair_ratio": max(p["ratio"] for p in pairs),
         "loadavg_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
         "windows": windows,  # the blocks' (start, end) wall times, per job
+        # CPU seconds per step of all of each job's processes, by role (cpu_per_step): on a
+        # machine with fewer cores than processes, what one job adds is what the other waits for.
+        "cpu_per_step": cpu,
+        "cpu_ratio": (
+            cpu[b.name]["total"] / cpu[a.name]["total"] if a.name in cpu and b.name in cpu else None
+        ),
         # Mean seconds per part of the measured steps, per job (step_parts; the writer's rank).
         "parts": {
             job.name: parts
@@ -499,7 +577,15 @@ def bench_overhead(args: argparse.Namespace) -> dict:
     if res["parts"]:
         print("where a step's time went (mean over the measured steps, share of the step):")
         print(format_parts(res["parts"]))
+    print_cpu(res)
     return result
+
+
+def print_cpu(res: dict) -> None:
+    """The CPU per step of both jobs, by role, and its ratio (interleave's result)."""
+    if res["cpu_ratio"] is not None:
+        print(f"CPU per step, all of a job's processes (ratio {res['cpu_ratio']:.3f}):")
+        print(format_cpu(res["cpu_per_step"]))
 
 
 def _with_steps(flags: list[str], steps: int) -> list[str]:

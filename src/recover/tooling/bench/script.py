@@ -38,6 +38,7 @@ from recover.tooling.bench.overhead import (
     METHOD,
     Job,
     format_parts,
+    print_cpu,
     run_interleaved,
     step_records,
 )
@@ -148,6 +149,7 @@ def bench_script(args: argparse.Namespace) -> dict:
     if res["parts"]:
         print("where recover's step went (mean over the measured steps, share of the step):")
         print(format_parts(res["parts"]))
+    print_cpu(res)
     return result
 
 
