@@ -156,7 +156,7 @@ def test_a_tiny_run_reports_the_ratio_with_its_interval(tiny_dataset, tmp_path, 
     # names its forked children, so recover's coordinator is told apart from its replicas.
     cpu = res["cpu_per_step"]
     assert set(cpu) == {a, b}
-    for name, roles in cpu.items():
+    for roles in cpu.values():
         assert roles["total"] == pytest.approx(
             sum(e["cpu_s"] for k, e in roles.items() if k != "total")
         )
