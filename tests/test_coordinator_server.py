@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -343,6 +344,53 @@ def test_a_report_is_answered_with_its_outcome_and_an_old_style_report_at_once()
                 assert recv_frame(raw) == {"ok": True, "taken": True}
                 assert b.report_done(step=1, epoch=1, deadline_s=5).step == 1
                 assert recv_frame(raw)["outcome"] == "committed"
+        finally:
+            a.close()
+            b.close()
+
+
+def test_the_tick_sleeps_until_the_first_lease_runs_out():
+    """The tick loop looks every tick_s while the run forms; once it runs, it sleeps until the
+    first lease runs out (at most 0.1 s): ten looks a second, not fifty, while every replica
+    heartbeats; and never past a deadline by more than tick_s, so a silent replica is judged as
+    promptly as at a fixed tick (its death, by lease, is recorded within tick_s + a heartbeat's
+    hold of its lease running out)."""
+    opts = CoordinatorOptions(expected_replicas=2, microbatches=4, lease_s=0.5)
+    with CoordinatorServer(opts, store_port=None, tick_s=0.02) as server:
+        waits: list[tuple[str, float, float]] = []  # (status, the wait, the time to the deadline)
+        real = server._tick_wait_s
+
+        def recorded(now):
+            wait = real(now)
+            front = server._leases.deadline()
+            waits.append((server.state().status, wait, math.inf if front is None else front - now))
+            return wait
+
+        server._tick_wait_s = recorded
+        a = CoordinatorClient(*server.address, replica_id=0, heartbeat_s=0.05)
+        b = CoordinatorClient(*server.address, replica_id=1, heartbeat_s=0.05)
+        try:
+            time.sleep(0.2)
+            assert waits and all(w == 0.02 for st, w, _ in waits if st == "forming"), waits
+            tb = threading.Thread(
+                target=b.register, kwargs=dict(fingerprint={}, next_step=0, deadline_s=10)
+            )
+            tb.start()
+            a.register(fingerprint={}, next_step=0, deadline_s=10)
+            tb.join(10)
+            waits.clear()
+            time.sleep(1.0)
+            running = [(w, left) for st, w, left in waits if st == "running"]
+            # Fresh leases (heartbeats every 0.05 s, held 0.05 s): the first runs out 0.4 s on.
+            assert 5 <= len(running) <= 12 and all(w == 0.1 for w, _ in running), running
+            with a._session.lock:  # a's heartbeats stop: its lease runs out 0.5 s after the last
+                silent = time.monotonic()
+                _poll(lambda: server.state().members[0].state == "dead", 3.0, "a's lease")
+                judged = time.monotonic() - silent
+            assert server.state().members[0].how == "lease"
+            assert 0.5 - 0.06 <= judged <= 0.5 + 0.05 + 0.02 + 0.1, judged  # (+0.1: a busy box)
+            for _st, w, left in waits:  # never past a deadline by more than tick_s
+                assert w <= max(0.02, left + 0.001) + 1e-9, (w, left)
         finally:
             a.close()
             b.close()

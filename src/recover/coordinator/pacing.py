@@ -48,6 +48,12 @@ class LeaseQueue(Generic[K]):
     def get(self, r: K, default: float) -> float:
         return self._at.get(r, default)
 
+    def deadline(self) -> float | None:
+        """When the first lease runs out (the front of the map), None when it holds none."""
+        for at in self._at.values():
+            return at + self.lease_s
+        return None
+
     def due(self, now: float) -> list[K]:
         """Replicas whose lease ran out by `now`: the front of the map, nothing else."""
         out: list[K] = []

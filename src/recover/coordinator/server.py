@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import socket
 import time
@@ -60,6 +61,10 @@ __all__ = ["CoordinatorServer"]
 
 log = logging.getLogger("recover.coordinator")
 
+# The longest sleep of the tick loop between leases (_tick_wait_s), and how far past a lease's
+# deadline it wakes (the lease is judged as run out strictly after its deadline).
+_IDLE_TICK_S = 0.1
+_PAST_DEADLINE_S = 0.001
 _DRAIN_ROUNDS = 4  # zero sleeps before a tick: readable sockets are read and their frames handled
 
 
@@ -203,7 +208,7 @@ class CoordinatorServer(NodeAgents):
 
     async def _tick_loop(self) -> None:
         while True:
-            await asyncio.sleep(self._tick_s)
+            await asyncio.sleep(self._tick_wait_s(time.monotonic()))
             if self._any_lease_due(time.monotonic()):
                 for _ in range(_DRAIN_ROUNDS):  # read what is readable before judging it
                     await asyncio.sleep(0)
@@ -233,6 +238,19 @@ class CoordinatorServer(NodeAgents):
                 self._error = e
                 self._request_stop()
                 return
+
+    def _tick_wait_s(self, now: float) -> float:
+        """How long the tick loop sleeps: tick_s while the run forms or node ids wait to be
+        placed; else until the first lease (a member's, a relay's or a node's) runs out, never
+        less than tick_s (judged as promptly as at a fixed tick) nor more than _IDLE_TICK_S (the
+        heartbeats' batch and the pause check need a look that often). Leases only move later
+        (a heartbeat sends its holder to the back), so no deadline comes before the one slept
+        to. A fixed 20 ms tick cost the coordinator of a 3-replica job a fifth of its CPU."""
+        if not self._placed or self.state().status == "forming":
+            return self._tick_s
+        queues = (self._leases, self._relay_leases, self._node_leases)
+        soonest = min((d for q in queues if (d := q.deadline()) is not None), default=math.inf)
+        return min(_IDLE_TICK_S, max(self._tick_s, soonest - now + _PAST_DEADLINE_S))
 
     def _any_lease_due(self, now: float) -> bool:
         """Whether a tick at `now` would judge a lease (a member's, a relay's or a node's): only
