@@ -233,6 +233,36 @@ def test_a_failed_op_whose_wait_returns_is_an_error_on_nccl_groups() -> None:
     assert gloo._wait_in_flight(lambda: None) is None
 
 
+@pytest.mark.timeout(30)
+def test_a_gloo_wait_is_woken_by_the_ops_completion_not_a_short_poll(monkeypatch) -> None:
+    """A rank waiting for a slower peer's reduce sleeps until an op completes (its future's
+    callback) or the next abort check, instead of looking every 0.5 ms; the sum is exact."""
+    import recover.runtime.collective as collective
+
+    store = _host_store()
+    config = CollectiveConfig(build_timeout_s=5, op_deadline_s=10, pg_timeout_s=20)
+    g0, g1 = _build_pair(store, epoch=1, config=config)
+    naps: list[float] = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(collective.time, "sleep", lambda s: (naps.append(s), real_sleep(s)))
+    try:
+        a, b = torch.full((1 << 12,), 1.0), torch.full((1 << 12,), 2.0)
+        checks = []
+        late = threading.Thread(
+            target=lambda: (real_sleep(0.3), g1.allreduce_sum(b, should_abort=lambda: None))
+        )
+        late.start()
+        g0.allreduce_sum(a, should_abort=lambda: checks.append(1))
+        late.join(10)
+        assert torch.equal(a, torch.full_like(a, 3.0)) and torch.equal(b, a)
+        assert naps == []  # never the short poll: woken by the completion
+        # It still asked for an abort at the abort checks' pace while it waited (5 ms).
+        assert 10 <= len(checks) <= 0.3 / config.abort_check_interval_s + 20, len(checks)
+    finally:
+        for g in (g0, g1):
+            g.abandon().join(timeout=10)
+
+
 @pytest.mark.timeout(20)
 def test_buffers_must_live_on_the_groups_device() -> None:
     store = _host_store()

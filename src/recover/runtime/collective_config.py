@@ -78,6 +78,7 @@ class CollectiveConfig:
     # gloo's own timeout: a backstop that bounds how long an abandoned op keeps its worker threads
     # (and so the background teardown) busy. Must be >= op_deadline_s so our deadline fires first.
     pg_timeout_s: float = 60.0
+    # (gloo ops wake the wait as they complete instead: EpochGroup._hint_completions)
     poll_interval_s: float = 0.0005  # sleep between two looks at the in-flight Work objects,
     # growing with the op's age (1/20 of it) up to poll_interval_max_s: an op that waits long (a
     # slower peer) is then noticed complete at most 5% late, and a waiting rank wakes 200 times a
