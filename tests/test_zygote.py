@@ -100,7 +100,7 @@ def test_children_end_with_the_zygote(tmp_path):
         os.kill(z.proc.pid, signal.SIGKILL)  # as when its launcher is SIGKILLed
         z.proc.wait(timeout=30)
         # The launcher learns that the child is gone; the child got its parent-death SIGTERM.
-        assert q.wait(timeout=30) == -signal.SIGKILL and zygote.ended == [1, 1]
+        assert q.wait(timeout=30) == -signal.SIGKILL
         deadline = time.monotonic() + 30
         while _alive(q.pid):
             assert time.monotonic() < deadline, "a forked child outlived its zygote"
