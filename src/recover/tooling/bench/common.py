@@ -1,5 +1,5 @@
-"""What every `recover bench` run shares: the machine's description, child processes' environment,
-a `recover train` run, its median step time, and a benchmark's dataset and flags.
+"""What every `recover bench` run shares: the machine's description, child processes' environment
+and CPU time, a `recover train` run, its median step time, and a benchmark's dataset and flags.
 
 Timed runs include no start-up: step times come from the runs' own metrics (steps after the
 first few).
@@ -23,6 +23,17 @@ from recover.record import committed_steps
 from recover.training.config import TrainConfig
 
 WARMUP_STEPS = 3  # steps excluded from step-time medians (allocation, first rendezvous)
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU seconds (user and system, all threads) process `pid` has used; None once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(parts[11]) + int(parts[12])) / _CLK_TCK  # utime, stime
 
 
 def machine_info() -> dict:

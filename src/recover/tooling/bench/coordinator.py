@@ -57,6 +57,7 @@ from pathlib import Path
 
 from recover.coordinator.etcd_local import start_local_etcd
 from recover.coordinator.options import CoordinatorOptions
+from recover.tooling.bench.common import cpu_seconds
 
 __all__ = [
     "BenchCoordinatorConfig",
@@ -66,7 +67,6 @@ __all__ = [
     "start_coordinator",
 ]
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _FAULTED = (0, 1)  # replica 0 is killed, replica 1 hangs
 # Run as a subprocess, never imported here: it imports this module (the config, _FAULTED).
 _DRIVER_MODULE = "recover.tooling.bench.coordinator_driver"
@@ -124,15 +124,6 @@ class BenchCoordinatorConfig:
 # ---------------------------------------------------------------- processes
 
 
-def _cpu_s(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            parts = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(parts[11]) + int(parts[12])) / _CLK_TCK  # utime, stime
-
-
 class _CpuSampler:
     """(t, cpu seconds) of some pids every 0.1 s, so that a window named afterwards can be read."""
 
@@ -144,7 +135,7 @@ class _CpuSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
-            self.samples.append((time.monotonic(), [_cpu_s(p) for p in self.pids]))
+            self.samples.append((time.monotonic(), [cpu_seconds(p) for p in self.pids]))
 
     def close(self) -> None:
         self._stop.set()

@@ -51,7 +51,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from recover.record import committed_steps, read_metrics
-from recover.tooling.bench.common import WARMUP_STEPS, bench_setup, child_env, machine_info
+from recover.tooling.bench.common import (
+    WARMUP_STEPS,
+    bench_setup,
+    child_env,
+    cpu_seconds,
+    machine_info,
+)
 
 CONFIDENCE = 0.95
 MIN_BLOCK_S = 0.5  # a block at least this long, so that a tiny model's block holds whole steps
@@ -266,16 +272,6 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
-def _cpu_s(pid: int) -> float | None:
-    """The CPU seconds (user and system, all threads) the process has used; None once gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _role(pid: int) -> str:
     """What a process is, from its name (/proc/PID/comm) less a numbering: the launcher
     names its forked children ("replica 2" -> "replica", "coordinator")."""
@@ -347,10 +343,12 @@ class Job:
         out = {}
         roots = {p.pid for p in self.procs}
         for pid in self._pids:
-            used = _cpu_s(pid)
-            if used is not None:
-                role = "launcher" if self.tree and pid in roots else _role(pid)
-                out[pid] = (role if self.tree else "replica", used)
+            if (used := cpu_seconds(pid)) is None:
+                continue
+            if not self.tree:
+                out[pid] = ("replica", used)
+            else:
+                out[pid] = ("launcher" if pid in roots else _role(pid), used)
         return out
 
     def alive(self) -> bool:
