@@ -209,7 +209,7 @@ class CoordinatorServer(NodeAgents):
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self._tick_wait_s(time.monotonic()))
-            if self._any_lease_due(time.monotonic()):
+            if time.monotonic() > self._first_deadline():  # a lease is due
                 for _ in range(_DRAIN_ROUNDS):  # read what is readable before judging it
                     await asyncio.sleep(0)
             self.last_tick = time.monotonic()
@@ -241,24 +241,21 @@ class CoordinatorServer(NodeAgents):
 
     def _tick_wait_s(self, now: float) -> float:
         """How long the tick loop sleeps: tick_s while the run forms or node ids wait to be
-        placed; else until the first lease (a member's, a relay's or a node's) runs out, never
-        less than tick_s (judged as promptly as at a fixed tick) nor more than _IDLE_TICK_S (the
-        heartbeats' batch and the pause check need a look that often). Leases only move later
-        (a heartbeat sends its holder to the back), so no deadline comes before the one slept
-        to. A fixed 20 ms tick cost the coordinator of a 3-replica job a fifth of its CPU."""
+        placed; else until the first lease runs out, never less than tick_s (judged as promptly
+        as at a fixed tick) nor more than _IDLE_TICK_S (the heartbeats' batch and the pause check
+        need a look that often). Leases only move later (a heartbeat sends its holder to the
+        back), so no deadline comes before the one slept to. A fixed 20 ms tick cost the
+        coordinator of a 3-replica job a fifth of its CPU."""
         if not self._placed or self.state().status == "forming":
             return self._tick_s
-        queues = (self._leases, self._relay_leases, self._node_leases)
-        soonest = min((d for q in queues if (d := q.deadline()) is not None), default=math.inf)
-        return min(_IDLE_TICK_S, max(self._tick_s, soonest - now + _PAST_DEADLINE_S))
+        return min(_IDLE_TICK_S, max(self._tick_s, self._first_deadline() - now + _PAST_DEADLINE_S))
 
-    def _any_lease_due(self, now: float) -> bool:
-        """Whether a tick at `now` would judge a lease (a member's, a relay's or a node's): only
-        then does it first read what is readable (the zero sleeps cost a tenth of the idle
-        coordinator's CPU when done at every tick)."""
-        return bool(
-            self._leases.due(now) or self._relay_leases.due(now) or self._node_leases.due(now)
-        )
+    def _first_deadline(self) -> float:
+        """When the first lease (a member's, a relay's or a node's) runs out; inf with none. A
+        tick after it judges a lease: only then does it first read what is readable (the zero
+        sleeps cost a tenth of the idle coordinator's CPU when done at every tick)."""
+        queues = (self._leases, self._relay_leases, self._node_leases)
+        return min((d for q in queues if (d := q.deadline()) is not None), default=math.inf)
 
     # ------------------------------------------------------------ accept, answer, route
 
