@@ -178,23 +178,24 @@ def die_with_parent(parent: int) -> None:
     import os
     import signal
 
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    if os.getppid() != parent:  # it died before the signal was armed
-        os._exit(1)
+    if _prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM)) and os.getppid() != parent:
+        os._exit(1)  # it died before the signal was armed
 
 
 def name_process(name: str) -> None:
     """Give this process the name `ps`, `top` and /proc/PID/comm show (its first 15 bytes; the
     threads it starts afterwards inherit it): a forked replica is "replica 2", not "python3".
     Linux only (elsewhere a no-op)."""
+    PR_SET_NAME = 15
+    _prctl(PR_SET_NAME, name.encode()[:15])
+
+
+def _prctl(option: int, arg: int | bytes) -> bool:
+    """Linux's prctl(option, arg) for this process; False (nothing done) on another system."""
     if not sys.platform.startswith("linux"):
-        return
+        return False
     import ctypes
 
-    PR_SET_NAME = 15
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
+    return True
