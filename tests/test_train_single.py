@@ -172,6 +172,20 @@ def test_resume_of_a_missing_run_is_refused(tiny_dataset, tmp_path):
     assert r.returncode == 2 and "no run" in r.stderr
 
 
+def test_a_refused_run_folder_is_refused_before_torch_is_imported(tiny_dataset, tmp_path):
+    """The one-replica run trains in the launcher's process, which imports torch (seconds): the
+    run folder's refusals come first, so a wrong --out or --resume is said at once."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    cmd = [sys.executable, "-X", "importtime", "-m", "recover.cli",
+           *train_args(tiny_dataset, out, "--steps", "2")]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=child_env())
+    assert r.returncode == 2 and "other files" in r.stderr, r.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if "|" in line}
+    assert "recover.cli.train" in imported and "torch" not in imported
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is visible")
 def test_nccl_cross_reduce_without_gpus_is_refused_before_anything_starts(tiny_dataset, tmp_path):
     out = tmp_path / "run"

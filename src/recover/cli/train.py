@@ -176,8 +176,8 @@ def run_train(args: argparse.Namespace) -> int:
     from recover.runtime.spec import ReplicaSpec
 
     # The launcher path stays torch-free: only the replica processes pay for importing torch.
-    from recover.training.config import check_layout_fits
-    from recover.training.runfolder import RunFolderError, read_dataset_info
+    from recover.training.config import RunPaths, check_layout_fits
+    from recover.training.runfolder import RunFolderError, check_run_folder, read_dataset_info
 
     try:
         cfg = _checked_init_from(train_config_from_args(args))
@@ -222,6 +222,9 @@ def run_train(args: argparse.Namespace) -> int:
         if data is None:
             data = ensure_dataset(args.data_root, show_progress=sys.stderr.isatty())
         if solo:
+            # The run folder's refusals before torch is imported (seconds, for a one-line error).
+            paths = RunPaths(out=out)
+            check_run_folder(paths, cfg, data_info=read_dataset_info(data), resume=args.resume)
             from recover import exits
             from recover.checkpoint.folders import CheckpointError
             from recover.training.solo import train_single

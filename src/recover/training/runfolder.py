@@ -31,6 +31,25 @@ def open_run_folder(
     paths: RunPaths, cfg: TrainConfig, *, data_info: dict, resume: bool, launch: dict | None = None
 ) -> None:
     """Create or validate the run folder; write config.json. Raise RunFolderError on conflict."""
+    check_run_folder(paths, cfg, data_info=data_info, resume=resume)
+    out = paths.out
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"format": CONFIG_FORMAT, "train": cfg.to_dict(), "data": data_info}
+    if data_info.get("vocab_size"):  # the model's whole shape, so that the folder explains itself
+        model = build_config(
+            cfg.preset, vocab_size=int(data_info["vocab_size"]), block_size=cfg.seq_len,
+            dropout=cfg.dropout,
+        )  # fmt: skip
+        record["model"] = model.to_dict()
+    if launch:
+        record["launch"] = launch
+    _write_json_atomic(paths.config, record)
+
+
+def check_run_folder(paths: RunPaths, cfg: TrainConfig, *, data_info: dict, resume: bool) -> None:
+    """RunFolderError if `paths.out` cannot take this run (open_run_folder's checks, nothing
+    written): another run or other files there without --resume; with --resume, no run, or one
+    of other settings or data. Torch-free, so a refusal costs no import."""
     out = paths.out
     if out.exists() and not out.is_dir():
         raise RunFolderError(f"--out {out}: exists and is not a folder")
@@ -62,17 +81,6 @@ def open_run_folder(
             f"--out {out}: the folder holds {what}; pass --resume to continue it or choose an "
             "empty or new folder"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"format": CONFIG_FORMAT, "train": cfg.to_dict(), "data": data_info}
-    if data_info.get("vocab_size"):  # the model's whole shape, so that the folder explains itself
-        model = build_config(
-            cfg.preset, vocab_size=int(data_info["vocab_size"]), block_size=cfg.seq_len,
-            dropout=cfg.dropout,
-        )  # fmt: skip
-        record["model"] = model.to_dict()
-    if launch:
-        record["launch"] = launch
-    _write_json_atomic(paths.config, record)
 
 
 def lock_run_folder(out: Path) -> int:
