@@ -54,7 +54,7 @@ TIERS = {
 }  # fmt: skip
 _TIER_OF = {name: tier for tier, names in TIERS.items() for name in names}
 # The order files are handed to the test workers (pytest-xdist, a file per worker at a time):
-# the longest first, so that two workers end together rather than one finishing a long file
+# the longest first, so that the workers end together rather than one finishing a long file
 # alone; then the rest of the process tier, the in-process tier, and the many short unit tests,
 # which fill the gaps. The longest files, from the durations of the suite's runs.
 _LONGEST_FIRST = (
