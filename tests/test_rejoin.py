@@ -18,14 +18,19 @@ from conftest import child_env, events, finish, leftover_processes
 from recover.record import committed_steps, read_metrics
 
 M = 6
-# Steps of a run: long enough that a joiner commits well before the end. Measured at load average
-# 3-6, the replica killed at step 3: a respawned tiny replica of a 4-replica run (25-30 steps/s)
-# committed at steps 26-71, a respawned replica of 2 sharded ranks (2.7-9 steps/s) at steps
-# 13-64, hand-started cold joiners under a 10x pace at step 111 with 27 s of the run left.
-# SHORT_STEPS leaves 2.8x the steps of the 4-replica respawn's latest join, 2.2x the sharded
-# run's, 1.8x the joiners'. A replica killed at its first commit with a standby waiting: joined
-# at step 3 (load average 10-13). Every run here is SHORT_STEPS long: one reference for all.
-SHORT_STEPS = 200
+# Steps of a run: long enough that a joiner commits well before the end. What a join waits for is
+# time (a fork or a cold torch import, the registration, the transfer at a step boundary), so the
+# runs are paced by a straggler, replica 0 sleeping (F - 1) times each microbatch's compute
+# (`slow` faults, equal shares), rather than made of more steps: a paced step costs the same CPU
+# as a plain one, and the whole suite is CPU-bound. Measured at load average 3-6 unpaced, the
+# replica killed at step 3: a respawned tiny replica of a 4-replica run (25-30 steps/s) committed
+# at steps 26-71 (1-2.5 s after the kill); hand-started cold joiners at step 111 of 200 under a
+# 10x pace, with 27 s of the run left; a replica killed at its first commit with a standby
+# waiting joined at step 3 (load average 10-13). SHORT_STEPS at PACE (about 4x longer steps)
+# lasts as long as 320 plain steps: 4.5x the respawn's latest join; the joiners' pace is 25x, the
+# wall time their 200 steps at 10x had. Every run here is SHORT_STEPS long: one reference for all.
+SHORT_STEPS = 80
+PACE = ["--balance", "equal", "--fault", "slow:replica=0,step=0,factor=4"]
 STEPS = SHORT_STEPS
 FLAGS = [
     "--preset", "tiny", "--seq-len", "32", "--microbatch-size", "2", "--microbatches", str(M),
@@ -101,7 +106,7 @@ def test_a_killed_replica_is_respawned_and_four_replicas_train_again(
     # CI host) was planned 0 of the 6 ids at steps 1-4, so its backward at step 3, where the
     # kill is declared, never ran and the kill never fired
     r, transfers = respawned_run(
-        short_reference, tiny_dataset, out, 4, STEPS, "--balance", "equal",
+        short_reference, tiny_dataset, out, 4, STEPS, *PACE,
         "--fault", "kill:replica=2,step=3,phase=backward",
     )  # fmt: skip
     assert "respawning replica 2" in r.stdout
@@ -143,11 +148,11 @@ def test_hand_started_joiners_refused_killed_in_transfer_and_scale_up(
     out = tmp_path / "join"
     env = child_env() | {"RECOVER_TOKEN": "test-token-123"}
     data = ["--data", str(tiny_dataset), "--out", str(out)]
-    # Paced: replica 0 computes its (equal) share 10x slower, so the run is still going when the
+    # Paced: replica 0 computes its (equal) share 25x slower, so the run is still going when the
     # joiners, each importing torch on a busy machine, register (unpaced, the tiny steps can end
-    # first). 200 steps: the joiner was admitted near step 111 (see SHORT_STEPS's note). A
-    # straggler changes no committed value: the trajectory is the reference's.
-    pace = ["--balance", "equal", "--fault", "slow:replica=0,step=0,factor=10"]
+    # first; see SHORT_STEPS's note). A straggler changes no committed value: the trajectory is
+    # the reference's.
+    pace = ["--balance", "equal", "--fault", "slow:replica=0,step=0,factor=25"]
     run = cli(
         "train", *FLAGS, "--steps", str(SHORT_STEPS), *data, "--replicas", "3", *pace, env=env
     )
@@ -222,7 +227,7 @@ def test_a_standby_takes_a_killed_replicas_slot_and_a_dead_standby_is_replaced(
     # never members and leave nothing running.
     out = tmp_path / "standby"
     run = cli("train", *FLAGS, "--steps", str(SHORT_STEPS), "--data", str(tiny_dataset),
-              "--out", str(out), "--replicas", "3", "--standby", "1")  # fmt: skip
+              "--out", str(out), "--replicas", "3", "--standby", "1", *PACE)  # fmt: skip
     standbys: dict[str, int] = {}
 
     def started(name: str) -> bool:
