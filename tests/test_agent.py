@@ -92,16 +92,18 @@ def test_a_dead_node_is_replaced_by_a_standby_and_a_drained_node_leaves(
         env={**os.environ, "OMP_NUM_THREADS": "1", "RECOVER_TOKEN": TOKEN},
     )  # fmt: skip
     # Replica 0 is SIGKILLed in a forward of step 2: its agent restarts it in place (--respawn
-    # 0) and it rejoins. Replica 1 stops itself (SIGSTOP) in a backward of step 60, well after
-    # that (were replica 1 the only holder of the state when it died, the run would stop, as
-    # test_coordinator_decide says): its node is then killed
+    # 0) and it rejoins. Replica 1 stops itself (SIGSTOP) in a backward of step 24 of 60, well
+    # after that (were replica 1 the only holder of the state when it died, the run would stop,
+    # as test_coordinator_decide says): its node is then killed
     # whole, the stopped replica with it, so no exit of it ever reaches its agent (a node's
-    # death, not a replica's). A slower replica 0 paces the run, so that the standby joins well
-    # before the end.
+    # death, not a replica's). Slower replicas pace the run, so that the standby joins well
+    # before the end and node a's drain comes before it too: replica 0 (5x) throughout, and
+    # replica 1 (5x) after its hang, which is its next incarnation's, on the standby node.
+    hang = STEPS * 2 // 5
     args = custom_args(custom_token_file)
     faults = (
-        "kill:replica=0,step=2,phase=forward", "hang:replica=1,step=60,phase=backward",
-        "slow:replica=0,step=0,factor=2",
+        "kill:replica=0,step=2,phase=forward", f"hang:replica=1,step={hang},phase=backward",
+        "slow:replica=0,step=0,factor=5", f"slow:replica=1,step={hang + 1},factor=5",
     )  # fmt: skip
     agents: dict[str, subprocess.Popen] = {}
     try:

@@ -68,8 +68,10 @@ def test_a_slurm_job_survives_a_node_killed_mid_step_on_its_standby_node(
         "REPLICAS": "3",
         "RUN": str(run),
         "COORDINATOR_FLAGS": "--node-lease 1.5",
-        # a slower replica 0 paces the run, so that the standby joins well before the end
-        "AGENT_FLAGS": "--slots 1 --relay --fault slow:replica=0,step=0,factor=2",
+        # every replica 5x slower from step 6 (the kill comes after step 5 commits) paces the
+        # run, so that the standby joins well before the end
+        "AGENT_FLAGS": "--slots 1 --relay "
+        + " ".join(f"--fault slow:replica={r},step=6,factor=5" for r in range(3)),
     }
     job = cluster.sbatch(
         ["--nodes", "4", "--output", str(tmp_path / "job.out"), "--chdir", str(ROOT),
