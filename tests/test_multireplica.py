@@ -141,7 +141,14 @@ def test_a_failure_is_survived_in_step_on_the_same_microbatches(
     if "optimizer" in case or "commit" in case or "ahead" in case:
         # The sum was complete when the replica died: its step commits as is, nothing redone.
         # (The next step may be redone if the survivors began it before the death was known.)
-        assert fault_step not in redone
+        # Complete on the killed replica, that is: gloo's ring ends on each rank apart, and a
+        # survivor descheduled on a loaded machine can still be waiting for its last chunk when
+        # the death is announced (seen once, 49 ms into its reduce). It cannot know that its sum
+        # would have been whole, so it abandons the attempt and the step is redone, on the same
+        # trajectory (assert_invariants). Only that may redo the step.
+        if fault_step in redone:
+            late = [e for e in events(out, "failure_detected") if e["step"] == fault_step]
+            assert late and all(e["during"] == "reduce" for e in late), late
     elif case == "kill-reduce" and fault_step not in redone:
         # The kill fires at the replica's first poll of its in-flight reduce. gloo's ring can
         # already have everything it must send, so the survivors' reduce completes while the
