@@ -23,6 +23,7 @@ from recover.runtime.grads import GradientSum
 from recover.runtime.overlap import (
     BucketPlan,
     EarlyReduce,
+    GradHooks,
     StepReduce,
     parameter_buckets,
     step_buckets,
@@ -219,3 +220,35 @@ def test_leaving_during_the_compute_removes_the_hooks_and_abandons_the_started_b
     grads.counted -= 1  # as if the last pass ran again: no hook is left to see it
     _microbatch(model, grads, 0)
     assert early.early == started and not early.stale
+
+
+@pytest.mark.timeout(30)
+def test_the_runs_hooks_are_registered_once_and_serve_the_attempt_armed():
+    """The step machine's GradHooks stay on the parameters for the run: each attempt's
+    EarlyReduce is armed on them (its buckets start from them, its sum is the snapshot's) and
+    disarmed at its finish, after which a pass reaches no reduce; `remove` takes them off."""
+    group = EpochGroup.build(_store(), epoch=0, rank=0, world_size=1, config=CONFIG)
+    model, grads = _model(0)
+    before = [len(p._post_accumulate_grad_hooks or {}) for p in grads.params]
+    hooks = GradHooks(grads)
+    plan = BucketPlan(grads, BUCKET)
+    on = [n + 1 for n in before]
+    for attempt in range(3):
+        early = EarlyReduce(grads, plan, group, microbatches=2, on_start=lambda: None, hooks=hooks)
+        assert hooks.target is early
+        for j in range(2):
+            _microbatch(model, grads, 2 * attempt + j)
+        assert early.early > 0  # started from the run's hooks in the last pass
+        buffer = early.finish()
+        assert hooks.target is None
+        assert torch.equal(buffer, grads.snapshot())  # (one rank: the sum is its own)
+        group.finish_allreduce(
+            buffer, issue_rest=lambda e=early: e.start_rest(group), should_abort=lambda: None
+        )
+        model(torch.randn(2, 8)).sum().backward()  # a pass after the attempt: nothing armed
+        assert not early.stale
+        assert [len(p._post_accumulate_grad_hooks) for p in grads.params] == on
+        grads.clear()
+    hooks.remove()
+    assert [len(p._post_accumulate_grad_hooks or {}) for p in grads.params] == before
+    group.abandon()

@@ -880,6 +880,8 @@ class Replica:
             self.intra.close()
         if self._work is not None:
             self._guard.close()
+        if self._machine is not None:
+            self._machine.close()
         for mirror in self._mirrors:
             mirror.close()
         self._mirrors = []

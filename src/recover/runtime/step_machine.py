@@ -61,7 +61,7 @@ from recover.runtime.collective_config import CollectiveAborted, ShouldAbort
 from recover.runtime.grads import GradientSum
 from recover.runtime.group_cache import GroupCache
 from recover.runtime.links import replica_hash
-from recover.runtime.overlap import BucketPlan, EarlyReduce, StepReduce, step_buckets
+from recover.runtime.overlap import BucketPlan, EarlyReduce, GradHooks, StepReduce, step_buckets
 from recover.runtime.transfer import transfer_state
 from recover.runtime.tree_sum import TreeSum, ordered_reduce, set_determinism_switches
 from recover.runtime.update_guard import all_finite
@@ -307,6 +307,7 @@ class StepMachine:
         self._transferred_epoch = -1
         self._numel: int | None = None  # a flat buffer's length (the deterministic reduce's)
         self._buckets: BucketPlan | None = None  # the step buffer's buckets (built at first use)
+        self._grad_hooks: GradHooks | None = None  # the overlapped reduce's (registered once)
         self._ahead: Ahead | None = None  # the next step's work done during the last vote
         self._voter = _VoteThread()  # where each vote with an early update waits
         self._on_record: threading.Event | None = None  # set once the vote's done is on record
@@ -837,10 +838,19 @@ class StepMachine:
             or (group.rank, group.world_size) != (members.index(self.me), len(members))
         ):
             return None
+        if self._grad_hooks is None:
+            self._grad_hooks = GradHooks(grads)
         return EarlyReduce(
             grads, self._bucket_plan(grads), group, microbatches=microbatches,
-            on_start=lambda: self.hooks.phase("overlap", step, None),
+            on_start=lambda: self.hooks.phase("overlap", step, None), hooks=self._grad_hooks,
         )  # fmt: skip
+
+    def close(self) -> None:
+        """The end of the run on this replica: the overlapped reduce's hooks leave the parameters
+        (idempotent)."""
+        if self._grad_hooks is not None:
+            self._grad_hooks.remove()
+            self._grad_hooks = None
 
     def _reduce(
         self, step_reduce: StepReduce, view: View, step: int, attempt: StepAttempt
