@@ -138,7 +138,7 @@ def test_a_rank_that_starts_early_and_one_that_starts_late_sum_the_same_bits():
             model, grads = _model(0)
             early = EarlyReduce(
                 grads, BucketPlan(grads, BUCKET), g0, microbatches=3,
-                on_start=lambda: started.append(grads.counted),
+                on_start=lambda: started.append(grads.counted), hooks=GradHooks(grads),
             )  # fmt: skip
             for j in range(3):
                 _microbatch(model, grads, j)
@@ -179,8 +179,9 @@ def _armed_alone() -> tuple[EpochGroup, torch.nn.Module, GradientSum, EarlyReduc
     group = EpochGroup.build(_store(), epoch=0, rank=0, world_size=1, config=CONFIG)
     model, grads = _model(0)
     early = EarlyReduce(
-        grads, BucketPlan(grads, BUCKET), group, microbatches=1, on_start=lambda: None
-    )
+        grads, BucketPlan(grads, BUCKET), group, microbatches=1, on_start=lambda: None,
+        hooks=GradHooks(grads),
+    )  # fmt: skip
     return group, model, grads, early
 
 
@@ -210,7 +211,7 @@ def test_a_pass_after_the_last_microbatch_was_counted_is_refused_too():
 
 
 @pytest.mark.timeout(30)
-def test_leaving_during_the_compute_removes_the_hooks_and_abandons_the_started_buckets():
+def test_leaving_during_the_compute_disarms_the_hooks_and_abandons_the_started_buckets():
     group, model, grads, early = _armed_alone()
     _microbatch(model, grads, 0)
     started = early.early

@@ -22,9 +22,9 @@ When a bucket starts early: a post-accumulate-grad hook on each parameter fires 
 last backward pass once the pass has added its gradient: that parameter's `p.grad` is then final
 for the attempt and is copied into the buffer. The hooks are registered once for the run
 (`GradHooks`, the step machine's) and pointed at the attempt's `EarlyReduce` while it is armed:
-registering and removing one per parameter at every attempt was 0.3 ms of Python a step. A bucket starts when every parameter it covers is
-copied and every bucket before it in the order has started (the order is the same on every rank,
-whatever order the hooks fire in).
+registering and removing one per parameter at every attempt was 0.3 ms of Python a step. A
+bucket starts when every parameter it covers is copied and every bucket before it in the order
+has started (the order is the same on every rank, whatever order the hooks fire in).
 
 Which pass is the last: the one that runs while the n-th microbatch of the attempt is not counted
 yet (`GradientSum.add_loss` counts them after each pass; n is the attempt's ids). A hook that fires
@@ -201,10 +201,10 @@ class EarlyReduce(StepReduce):
         *,
         microbatches: int,
         on_start: Callable[[], None],
-        hooks: GradHooks | None = None,
+        hooks: GradHooks,
     ) -> None:
-        """`hooks`: the run's `GradHooks` over `grads` (armed with this attempt until `finish` or
-        `drop`); None: hooks of its own, removed then."""
+        """`hooks`: the run's `GradHooks` over `grads`, armed with this attempt until `finish` or
+        `drop` (their owner removes them at the end of the run)."""
         if microbatches < 1:
             raise ValueError(
                 f"an early reduce needs the attempt's microbatches, got {microbatches}"
@@ -216,9 +216,8 @@ class EarlyReduce(StepReduce):
         self.stale = False  # a pass ran after the last one (see the module docstring)
         self._waiting = list(plan.waits)
         self._copied = [False] * len(grads.params)
-        self._own_hooks = hooks is None
-        self._hooks: GradHooks | None = GradHooks(grads) if hooks is None else hooks
-        self._hooks.arm(self)
+        self._hooks = hooks
+        hooks.arm(self)
 
     def on_grad(self, i: int) -> None:
         """Parameter `i`'s gradient was accumulated by a backward pass (its hook)."""
@@ -256,7 +255,7 @@ class EarlyReduce(StepReduce):
     def finish(self) -> torch.Tensor:
         """After the compute: copy what no hook copied, write the loss sum, and hand back the
         buffer (its remaining buckets start in finish_allreduce)."""
-        self._remove_hooks()
+        self._hooks.disarm(self)
         if self.stale:
             self.group.drop_in_flight("a backward pass ran after the attempt's last microbatch")
             raise RuntimeError(
@@ -274,17 +273,8 @@ class EarlyReduce(StepReduce):
     def drop(self, reason: str) -> None:
         """The attempt was left before its compute ended: no hook fires any more, and the buckets
         started are abandoned with the group."""
-        self._remove_hooks()
+        self._hooks.disarm(self)
         self.group.drop_in_flight(reason)
-
-    def _remove_hooks(self) -> None:
-        if self._hooks is None:
-            return
-        if self._own_hooks:
-            self._hooks.remove()
-        else:
-            self._hooks.disarm(self)
-        self._hooks = None
 
 
 __all__ = [
