@@ -24,11 +24,13 @@ M = 6
 # (`slow` faults, equal shares), rather than made of more steps: a paced step costs the same CPU
 # as a plain one, and the whole suite is CPU-bound. Measured at load average 3-6 unpaced, the
 # replica killed at step 3: a respawned tiny replica of a 4-replica run (25-30 steps/s) committed
-# at steps 26-71 (1-2.5 s after the kill); hand-started cold joiners at step 111 of 200 under a
-# 10x pace, with 27 s of the run left; a replica killed at its first commit with a standby
-# waiting joined at step 3 (load average 10-13). SHORT_STEPS at PACE (about 4x longer steps)
-# lasts as long as 320 plain steps: 4.5x the respawn's latest join; the joiners' pace is 25x, the
-# wall time their 200 steps at 10x had. Every run here is SHORT_STEPS long: one reference for all.
+# at steps 26-71 (1-2.5 s after the kill), a respawned replica of 2 sharded ranks (2.7-9 steps/s)
+# at steps 13-64; hand-started cold joiners at step 111 of 200 under a 10x pace, with 27 s of the
+# run left; a replica killed at its first commit with a standby waiting joined at step 3 (load
+# average 10-13). SHORT_STEPS at PACE (about 4x longer steps) lasts as long as 320 plain steps:
+# 4.5x the 4-replica respawn's latest join, 5x the sharded one's (it paces too); the joiners'
+# pace is 25x, the wall time their 200 steps at 10x had. Every run here is SHORT_STEPS long: one
+# reference for all.
 SHORT_STEPS = 80
 PACE = ["--balance", "equal", "--fault", "slow:replica=0,step=0,factor=4"]
 STEPS = SHORT_STEPS
@@ -133,7 +135,7 @@ def test_a_replica_of_two_sharded_ranks_is_respawned_and_gets_its_halves(
     out = tmp_path / "respawn-hsdp"
     r, transfers = respawned_run(
         short_reference, tiny_dataset, out, 2, SHORT_STEPS, "--shard", "2", "--watchdog", "2",
-        "--fault", "kill:replica=1,rank=1,step=3,phase=backward",
+        *PACE, "--fault", "kill:replica=1,rank=1,step=3,phase=backward",
     )  # fmt: skip
     assert "respawning replica 1" in r.stdout
     assert sorted((t["replica"], t["rank"]) for t in transfers) == [(1, 0), (1, 1)]
