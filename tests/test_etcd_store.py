@@ -96,6 +96,47 @@ def test_unreachable_endpoint_is_named():
         client.get("/x")
 
 
+@pytest.mark.parametrize(
+    ("status", "unavailable"),
+    [(408, True), (503, True), (400, False)],
+)
+def test_an_endpoint_that_times_out_or_fails_is_unavailable_and_a_bad_request_is_not(
+    status, unavailable
+):
+    """etcd's gateway answers 408 "the client connection is closing" while its server shuts down
+    (seen when etcd was killed under load: the coordinator's election crashed on it instead of
+    retrying). Like a 5xx, that is the endpoint's failure: EtcdUnavailable, which callers retry;
+    a 4xx about the request itself stays a ValueError."""
+    import http.server
+    import json
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (the http.server name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"error": "grpc: the client connection is closing"}).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        client = EtcdClient((("127.0.0.1", server.server_port),), timeout_s=2)
+        expected = EtcdUnavailable if unavailable else ValueError
+        with pytest.raises(expected, match=f"{status} grpc: the client connection is closing"):
+            client.get("/x")
+        client.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
 def test_one_leader_per_term_and_takeover_after_lease(etcd):
     first = Election(_client(etcd), "/t2", identity="a", ttl_s=1, poll_s=0.05)
     second = Election(_client(etcd), "/t2", identity="b", ttl_s=1, poll_s=0.05)

@@ -133,10 +133,12 @@ class EtcdClient:
                     continue
                 out = json.loads(text) if text else {}
                 if reply.status != 200:
-                    # etcd answered: an error of the request (or no leader), not of the endpoint
-                    # (without either field: the body itself, shown as bytes: b'...')
+                    # etcd answered: an error of the request, not of the endpoint, unless it has
+                    # no leader, failed (5xx) or timed out (408: its gateway says "the client
+                    # connection is closing" while the server shuts down); (without either
+                    # field: the body itself, shown as bytes: b'...')
                     why = out.get("error") or out.get("message") or repr(text[:200])
-                    if "no leader" in str(why) or reply.status >= 500:
+                    if "no leader" in str(why) or reply.status >= 500 or reply.status == 408:
                         errors.append(f"{host}:{port}: {reply.status} {why}")
                         continue
                     raise ValueError(f"etcd {path}: {reply.status} {why}")
