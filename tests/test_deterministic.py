@@ -104,7 +104,9 @@ def test_a_respawned_joiner_changes_no_bit(tiny_dataset, tmp_path):
     r = train(tiny_dataset, reference, "--replicas", "1", *steps, timeout=150)
     assert r.returncode == 0, r.stdout
     out = tmp_path / "respawn"
-    r = train(tiny_dataset, out, "--replicas", "4", "--respawn", "0", *steps,
+    # --balance equal: under the throughput weights a replica measured slow on a loaded host was
+    # planned no id at step 3 (seen in CI), so its backward, where the kill is, never ran.
+    r = train(tiny_dataset, out, "--replicas", "4", "--respawn", "0", *steps, "--balance", "equal",
               "--fault", "kill:replica=2,step=3,phase=backward", timeout=150)  # fmt: skip
     assert_invariants(reference, out, r, steps=JOIN_STEPS, microbatches=M, rtol=0.0)
     transfers = events(out, "state_transfer")  # one per attempt that reached the joiner
