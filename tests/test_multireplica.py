@@ -312,11 +312,16 @@ def test_a_slow_replica_is_not_evicted(reference, tiny_dataset, tmp_path):
     assert not events(out, "coordinator.member_dead")
     assert {e["replica"] for e in events(out, "replica_finished")} == {0, 1, 2}
     # Throughput-aware plans: the straggler's share of the M microbatches falls.
-    first, last = (committed_steps(out / "metrics.jsonl")[s]["shares"] for s in (0, STEPS - 1))
+    shares = [committed_steps(out / "metrics.jsonl")[s]["shares"] for s in range(STEPS)]
+    first = shares[0]
     assert first == {"0": 2, "1": 2, "2": 2}
     # (Against its own first share, and no more than any other's: on 2 shared cores another
-    # replica can be measured slow too, and tie with it; seen once in CI as {0: 4, 1: 1, 2: 1}.)
-    assert last["1"] < first["1"] and last["1"] <= min(last["0"], last["2"]), last
+    # replica can be measured slow too, and tie with it; seen once in CI as {0: 4, 1: 1, 2: 1}.
+    # In a plan after its first slow step, not necessarily the last: on a loaded host one step's
+    # measurement can make every replica look alike again, seen in CI as shares 2, 1, 1, 2 for
+    # it at steps 1-4.)
+    fell = [s for s in shares[2:] if s["1"] < first["1"] and s["1"] <= min(s["0"], s["2"])]
+    assert fell, shares
 
 
 def test_malformed_fault_specs_are_refused_with_the_grammar(tiny_dataset, tmp_path):
