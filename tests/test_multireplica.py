@@ -129,8 +129,17 @@ def test_a_failure_is_survived_in_step_on_the_same_microbatches(
         assert (injected["phase"], injected["step"]) == ("ahead", 2)
         steps = committed_steps(out / "metrics.jsonl")
         # The writer began every step but the first with id 1 in its sum (after the death too:
-        # its share (0, 1, 2) keeps id 1), and every vote but the last computed it.
-        assert "ahead" not in steps[0] and not events(out, "ahead_dropped")
+        # its share (0, 1, 2) keeps id 1), and every vote but the last computed it. Nothing it
+        # computed ahead is dropped, unless step 2 itself was redone (a survivor still in its
+        # reduce when the death was announced: see below, seen in CI); then only what it had
+        # computed for step 3 before the redo, which the redo's vote computes again.
+        dropped = events(out, "ahead_dropped")
+        if 2 in {e["step"] for e in events(out, "coordinator.redo")}:
+            assert {e["step"] for e in dropped} <= {3}, dropped
+            assert all("step 2 was not committed" in e["reason"] for e in dropped), dropped
+        else:
+            assert not dropped, dropped
+        assert "ahead" not in steps[0]
         assert all(steps[s]["ahead"] == [1] for s in range(1, STEPS)), steps
         assert all(steps[s]["parts"]["ahead"] > 0 for s in range(STEPS - 1)), steps
         assert "ahead" not in steps[STEPS - 1]["parts"]
