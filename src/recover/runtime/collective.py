@@ -198,6 +198,7 @@ class EpochGroup:
     ) -> None:
         self._pg: Any = pg
         self.device = _as_device(device)
+        self._sum_options: dist.AllreduceOptions | None = None  # (_allreduce_options)
         self.epoch = epoch
         self.rank = rank
         self.world_size = world_size
@@ -493,9 +494,14 @@ class EpochGroup:
         self.teardown_s = seconds
 
     def _allreduce_options(self) -> dist.AllreduceOptions:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # (the stubs differ)
-        opts.timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
+        """The options of every sum of this group, made at its first (the process group copies
+        them into each op; one object per bucket was a few Python objects a bucket)."""
+        opts = self._sum_options
+        if opts is None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # (the stubs differ)
+            opts.timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
+            self._sum_options = opts
         return opts
 
     def _check_buffer(self, tensor: torch.Tensor, *, name: str, one_dim: bool) -> None:

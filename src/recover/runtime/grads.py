@@ -135,12 +135,18 @@ class GradientSum:
         if flat.numel() != self.numel + 1:
             raise ValueError(f"flat buffer has {flat.numel()} values, expected {self.numel + 1}")
         flat = flat.to(self.device)  # gloo's sum is in host memory; a no-op on the same device
-        for p, (start, stop) in zip(self.params, self.ranges, strict=True):
-            part = local_part(p)
+        parts = [local_part(p) for p in self.params]
+        # Where every part is the buffer's dtype, one division over the gradient values (the same
+        # bits as one per part: a division is exact to the rounding, element by element) instead
+        # of one op per parameter; a part of another dtype is converted first, then divided.
+        at_once = divide_by != 1.0 and all(part.dtype == flat.dtype for part in parts)
+        if at_once:
+            flat[:-1].div_(divide_by)
+        for p, part, (start, stop) in zip(self.params, parts, self.ranges, strict=True):
             g = flat[start:stop].view_as(part)
             if g.dtype != part.dtype:
                 g = g.to(part.dtype)
-            if divide_by != 1.0:
+            if divide_by != 1.0 and not at_once:
                 g.div_(divide_by)
             p.grad = laid_out_like(p, g)
 

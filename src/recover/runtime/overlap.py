@@ -21,8 +21,10 @@ different paths in one attempt still sum correctly, and the sum's bits do not de
 When a bucket starts early: a post-accumulate-grad hook on each parameter fires in the attempt's
 last backward pass once the pass has added its gradient: that parameter's `p.grad` is then final
 for the attempt and is copied into the buffer. The hooks are registered once for the run
-(`GradHooks`, the step machine's) and pointed at the attempt's `EarlyReduce` while it is armed:
-registering and removing one per parameter at every attempt was 0.3 ms of Python a step. A
+(`GradHooks`, the step machine's) and pointed at the attempt's `EarlyReduce` while it is armed.
+Measured on a 2-core EPYC, 28 parameters: registering and removing them at every attempt costs
+72 us, a pass through hooks left on 13 us (0.5 us a call), so hooks left on are the cheaper up
+to about five passes a replica per attempt (the usual share is one to a few microbatches). A
 bucket starts when every parameter it covers is copied and every bucket before it in the order
 has started (the order is the same on every rank, whatever order the hooks fire in).
 
