@@ -53,15 +53,20 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--blocks must be >= 1")
     sys.path.insert(0, str(ROOT / "src"))
     from recover.tooling.bench.common import child_env, machine_info
-    from recover.tooling.bench.overhead import FROZEN_SAFE_FLAGS, print_cpu, run_interleaved
-    from recover.tooling.bench.script import ScriptJob
+    from recover.tooling.bench.overhead import (
+        ENDLESS_STEPS,
+        FROZEN_SAFE_FLAGS,
+        print_cpu,
+        run_interleaved,
+    )
+    from recover.tooling.bench.script import ScriptJob, start_script_job
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         data = tmp / "tokens.bin"
         env = {**child_env(), "PYTHONPATH": str(args.a)}
         subprocess.run([sys.executable, str(SCRIPT), "--make-data", str(data)], check=True, env=env)
-        common = ["--data", str(data), "--steps", "1000000"]
+        common = ["--data", str(data), "--steps", str(ENDLESS_STEPS)]
         common += ["--microbatches", str(args.microbatches), "--early-update"]
 
         def start(name: str, src: Path) -> ScriptJob:
@@ -72,18 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--quiet", *FROZEN_SAFE_FLAGS, "--out", str(out / "job"), "--",
                 sys.executable, str(SCRIPT), *common, "--out", str(out),
             ]  # fmt: skip
-            log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
-            proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**child_env(), "PYTHONPATH": str(src)},
-            )  # fmt: skip
-            return ScriptJob(
-                name,
-                out / "losses.jsonl",
-                [proc],
-                tree=True,
-                run_record=out / "job" / "metrics.jsonl",
-            )
+            record = out / "job" / "metrics.jsonl"
+            return start_script_job(name, cmd, out, record, env={"PYTHONPATH": str(src)})
 
         timing = argparse.Namespace(blocks=args.blocks, block_steps=10, timeout=args.timeout)
         res, _ = run_interleaved(

@@ -198,11 +198,15 @@ class EpochGroup:
     ) -> None:
         self._pg: Any = pg
         self.device = _as_device(device)
-        self._sum_options: dist.AllreduceOptions | None = None  # (_allreduce_options)
         self.epoch = epoch
         self.rank = rank
         self.world_size = world_size
         self.config = config
+        # The options of every sum of this group (the process group copies them into each op):
+        # made once, not a few Python objects per bucket.
+        self._sum_options = dist.AllreduceOptions()
+        self._sum_options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # (the stubs differ)
+        self._sum_options.timeout = datetime.timedelta(seconds=config.pg_timeout_s)
         self._poison: CollectiveAborted | None = None
         self._in_flight: list[Any] = []
         self._graveyard: list[Any] = []
@@ -321,8 +325,8 @@ class EpochGroup:
         One op at a time per group, from one thread.
         """
         self._check_buffer(flat, name="flat", one_dim=True)
-        opts_factory = self._allreduce_options
-        self._run([flat], lambda chunk: self._pg.allreduce([chunk], opts_factory()), should_abort)
+        opts = self._sum_options
+        self._run([flat], lambda chunk: self._pg.allreduce([chunk], opts), should_abort)
 
     def start_allreduce(self, chunk: torch.Tensor) -> None:
         """Issue the in-place sum of ``chunk`` (a slice of an attempt's buffer) now and return:
@@ -331,7 +335,7 @@ class EpochGroup:
         must issue the same sizes in the same order. Raises ``CollectiveAborted`` on a poisoned
         group, and RuntimeError when gloo refuses to issue."""
         self._raise_if_poisoned()
-        self._in_flight.append(self._pg.allreduce([chunk], self._allreduce_options()))
+        self._in_flight.append(self._pg.allreduce([chunk], self._sum_options))
 
     def finish_allreduce(
         self, flat: torch.Tensor, *, issue_rest: Callable[[], None], should_abort: ShouldAbort
@@ -492,17 +496,6 @@ class EpochGroup:
 
     def _record_teardown(self, seconds: float) -> None:
         self.teardown_s = seconds
-
-    def _allreduce_options(self) -> dist.AllreduceOptions:
-        """The options of every sum of this group, made at its first (the process group copies
-        them into each op; one object per bucket was a few Python objects a bucket)."""
-        opts = self._sum_options
-        if opts is None:
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # (the stubs differ)
-            opts.timeout = datetime.timedelta(seconds=self.config.pg_timeout_s)
-            self._sum_options = opts
-        return opts
 
     def _check_buffer(self, tensor: torch.Tensor, *, name: str, one_dim: bool) -> None:
         if not isinstance(tensor, torch.Tensor):

@@ -56,9 +56,9 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
         sums = [v.sum() for v in values]
         if len({s.device for s in sums}) == 1 and bool(torch.stack(sums).isfinite().all()):
             return True
-    return all(
-        bool(torch.isfinite(s)) or _finite_values(v) for s, v in zip(sums, values, strict=True)
-    )
+        return all(
+            bool(torch.isfinite(s)) or _finite_values(v) for s, v in zip(sums, values, strict=True)
+        )
 
 
 def _finite_values(t: torch.Tensor) -> bool:

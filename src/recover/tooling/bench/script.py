@@ -76,13 +76,22 @@ class ScriptJob(Job):
         )
 
 
-def _start(name: str, cmd: list[str], out: Path, run_record: Path | None = None) -> ScriptJob:
+def start_script_job(
+    name: str,
+    cmd: list[str],
+    out: Path,
+    run_record: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> ScriptJob:
+    """Start `cmd` as job `name` (its output in `out`'s parent folder, NAME.log), writing its
+    steps to `out`/losses.jsonl; `env`: variables added to the bench's child environment."""
     from recover.tooling.bench.common import child_env
 
     log = open(out.parent / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
     proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True
-    )
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**child_env(), **(env or {})},
+        start_new_session=True,
+    )  # fmt: skip
     return ScriptJob(name, out / "losses.jsonl", [proc], tree=True, run_record=run_record)
 
 
@@ -105,7 +114,7 @@ def bench_script(args: argparse.Namespace) -> dict:
         out_a, out_b = tmp / "ddp", tmp / "recover"
         for out in (out_a, out_b):
             out.mkdir()
-        a = _start(
+        a = start_script_job(
             "ddp",
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
              "--nproc-per-node", str(args.replicas), str(ddp), *common, "--out", str(out_a)],
@@ -119,7 +128,9 @@ def bench_script(args: argparse.Namespace) -> dict:
         ]  # fmt: skip
         res, _ = run_interleaved(
             a,
-            lambda: _start("recover", recover, out_b, run_record=out_b / "job" / "metrics.jsonl"),
+            lambda: start_script_job(
+                "recover", recover, out_b, run_record=out_b / "job" / "metrics.jsonl"
+            ),
             logs=tmp,
             args=args,
         )
