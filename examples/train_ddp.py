@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from train_custom import build, optimizer_for, parse_args
+from train_custom import build, optimizer_for, parse_args, seed_dropout
 
 
 def main():
@@ -29,7 +29,7 @@ def main():
     for step in range(args.steps):
         for k, j in enumerate(mine):
             x, y = data.batch(step, j)
-            torch.manual_seed(args.seed * 1_000_003 + step * args.microbatches + j)  # dropout
+            seed_dropout(args, step, j)
             last = k == len(mine) - 1  # DDP all-reduces (and averages over ranks) on the last
             with contextlib.nullcontext() if last else ddp.no_sync():
                 logits = ddp(x)

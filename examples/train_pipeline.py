@@ -88,7 +88,7 @@ class Block(nn.Module):
         )
         seed = self.seed(self.layer) if self.training and self.seed is not None else None
         if seed is not None:
-            torch.manual_seed(seed)  # dropout of (step, microbatch, layer)
+            recover.seed_generators(seed)  # dropout of (step, microbatch, layer)
         x = x + F.dropout(self.proj(a), 0.1, self.training)
         return x + F.dropout(self.down(F.gelu(self.up(self.ln2(x)))), 0.1, self.training)
 

@@ -209,6 +209,21 @@ def test_microbatch_seed_is_pure_and_spread() -> None:
     assert len({microbatch_seed(1, 2, 3), microbatch_seed(2, 1, 3), microbatch_seed(3, 2, 1)}) == 3
 
 
+def test_seed_generators_draws_what_torch_manual_seed_draws_and_refuses_bad_seeds() -> None:
+    from recover.data.windows import seed_generators
+
+    for seed in (0, 7, microbatch_seed(1, 2, 3), (1 << 64) - 1):
+        torch.manual_seed(seed)
+        want = (torch.rand(5), torch.nn.functional.dropout(torch.ones(64), 0.5))
+        torch.manual_seed((seed + 1) % (1 << 64))  # another state in between
+        seed_generators(seed)
+        got = (torch.rand(5), torch.nn.functional.dropout(torch.ones(64), 0.5))
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), seed
+    for bad in (-1, 1 << 64, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="seed must be an int"):
+            seed_generators(bad)  # type: ignore[arg-type]
+
+
 def test_errors_are_clear(dataset_dir: Path, tmp_path: Path) -> None:
     ds = TokenDataset.open(dataset_dir)
     with pytest.raises(ValueError, match="seq_len"):

@@ -9,6 +9,7 @@ The public API for your own training loop (docs/api.md):
   ids (or, for a replica cut into pipeline stages, each attempt's share at once as a
   `PipelinePart` for a schedule), and returns the committed mean gradient in `.grad`;
 - `TokenWindows`: microbatch `(step, j)` as a pure function of `(seed, step, j)` over a token file;
+- `seed_generators(seed)`: the randomness of a microbatch (dropout) from its own seed, cheaply;
 - `UsageError`, `QuorumLost`, `NonFinite`, `CoordinatorLost`, `AddressError`: what the API
   raises.
 
@@ -28,6 +29,7 @@ _EXPORTS = {
     "AddressError": "recover.addresses",
     "TokenWindows": "recover.data.windows",
     "write_token_file": "recover.data.windows",
+    "seed_generators": "recover.data.windows",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -64,6 +64,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from recover.data.addressing import TokenDataset, microbatch_seed
+from recover.data.windows import seed_generators
 from recover.policy import deal_round_robin
 from recover.runtime.grads import laid_out_like, local_part, set_aside
 from recover.runtime.layout import ReplicaLayout
@@ -400,7 +401,7 @@ class PipelineTrainer(MultiRankTrainer):
 
         def before_forward():
             j, real = next(forwards)
-            torch.manual_seed(microbatch_seed(self.cfg.seed, step, j))  # dropout of (step, j)
+            seed_generators(microbatch_seed(self.cfg.seed, step, j))  # dropout of (step, j)
             if not real:  # a padding pass: no phase hook
                 return None
             index = self._next_ordinal(step)

@@ -37,6 +37,7 @@ from recover.data.addressing import (
     microbatch_tokens,
     validation_batches,
 )
+from recover.data.windows import seed_generators
 from recover.runtime.grads import GradientSum
 from recover.runtime.layout import ReplicaLayout
 from recover.runtime.spec import DEVICES
@@ -179,7 +180,7 @@ class ReplicaTrainer:
         padding pass that only keeps the ranks of a sharded replica in lockstep; index None then:
         no phase hook fires and its loss is not counted)."""
         x, y = self._tokens(step, j)
-        torch.manual_seed(microbatch_seed(self.cfg.seed, step, j))  # dropout of (step, j)
+        seed_generators(microbatch_seed(self.cfg.seed, step, j))  # dropout of (step, j)
         if index is not None:
             self.phase_hook("forward", step, index)
         with self.autocast():
