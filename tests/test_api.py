@@ -148,15 +148,20 @@ def test_a_script_of_its_own_survives_kills_and_its_respawns_get_its_state(
     steps = [e for e in read_metrics(job / "metrics.jsonl") if e["kind"] == "step"]
     assert sorted(e["step"] for e in steps) == list(range(STEPS)), "a step is missing or twice"
     by_step = {e["step"]: e for e in steps}
-    assert by_step[1]["writer"] == 0 and by_step[2]["writer"] == 2, (by_step[1], by_step[2])
+    # Replica 0 dies with its done report of step 2 on record. Whether the coordinator learns of
+    # the death after the step's commit (replica 2, the writer of step 3's redo, fills step 2's
+    # record: replica 1 died before its own step 3 ended) or before the others' done reports
+    # (the commit's view names replica 1 the writer of step 2 at once) is a race of the
+    # processes; either way step 2 is recorded once, by a survivor.
+    assert by_step[1]["writer"] == 0 and by_step[2]["writer"] in (1, 2), (by_step[1], by_step[2])
+    filled = [(e["replica"], e["steps"]) for e in events(job, "records_filled")]
+    assert filled == ([(2, [2])] if by_step[2]["writer"] == 2 else []), filled
     assert all(e["microbatches"] == M and e["lr"] > 0 and e["grad_norm"] > 0 for e in steps)
     assert all(e["update_in_vote"] and e["parts"]["apply"] > 0 for e in steps), steps[:3]
     # The writer's first microbatch of each step ran during the last vote (the middle id of its
     # share of 2), but where the step's plan gave it other ids (a respawn's join moves shares).
     ahead = [s for s, e in by_step.items() if e.get("ahead")]
     assert len(ahead) >= STEPS // 2 and all(len(by_step[s]["ahead"]) == 1 for s in ahead), ahead
-    (filled,) = events(job, "records_filled")
-    assert filled["steps"] == [2] and filled["replica"] == 2, filled
     own = {e["step"]: e["loss"] for e in records(tmp_path)}
     assert all(own[s] == e["loss"] for s, e in by_step.items()), "the two logs differ"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -208,6 +213,10 @@ def test_a_script_replica_woken_after_its_eviction_exits_4_and_writes_nothing(
     assert after == [], "the evicted incarnation wrote to the run folder"
     steps = [e["step"] for e in read_metrics(job / "metrics.jsonl") if e["kind"] == "step"]
     assert sorted(steps) == list(range(STEPS))
+    # Evicted by its lease long after step 3 committed, replica 0 never wrote that step's
+    # record: the writer of step 4 (replica 1, the lowest survivor) filled it from what it kept.
+    (filled,) = events(job, "records_filled")
+    assert (filled["replica"], filled["steps"]) == (1, [3]), filled
 
 
 @pytest.mark.timeout(240)

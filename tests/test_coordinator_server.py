@@ -349,6 +349,64 @@ def test_a_report_is_answered_with_its_outcome_and_an_old_style_report_at_once()
             b.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_report_sent_now_is_answered_when_read_on_the_same_thread():
+    """`start_report_done` sends the report and returns; the answer waits in the connection
+    while the thread does other work (a step's update during its vote), with no helper thread:
+    `may_commit` reads what arrived without waiting, `wait_taken` blocks until the report is
+    on record (its commit point runs then, once), `outcome` gives the answer. A connection cut
+    while the answer is awaited is asked again (reports are idempotent): the same outcome."""
+    opts = CoordinatorOptions(expected_replicas=2, microbatches=4, lease_s=5.0)
+    with CoordinatorServer(opts, store_port=None) as server:
+        a = CoordinatorClient(*server.address, replica_id=0)
+        b = CoordinatorClient(*server.address, replica_id=1)
+        try:
+            _concurrently(
+                *(
+                    lambda c=c: c.register(fingerprint={}, next_step=0, deadline_s=10)
+                    for c in (a, b)
+                )
+            )
+            threads = threading.active_count()
+            taken: list[int] = []
+            pending = a.start_report_done(
+                step=0, epoch=1, deadline_s=5, on_taken=lambda: taken.append(0)
+            )
+            assert threading.active_count() == threads  # (no thread waits for the answer)
+            assert pending.may_commit()  # undecided: b has not reported
+            pending.wait_taken()  # the taken frame: a's report is on record
+            assert taken == [0]
+            assert b.report_done(step=0, epoch=1, deadline_s=5).step == 0  # b decides it
+            _poll(lambda: a._rpc.readable(), 5, "the commit to reach a")
+            assert pending.may_commit()
+            assert pending.outcome().step == 0 and taken == [0]  # (on_taken ran once)
+            assert a.view is not None and a.view.committed_step == 0
+
+            # Step 1: a's connection is cut after its report is on record; the outcome is the
+            # one the coordinator decides, asked for again on a new connection.
+            pending = a.start_report_done(
+                step=1, epoch=1, deadline_s=5, on_taken=lambda: taken.append(1)
+            )
+            pending.wait_taken()
+            a._rpc.interrupt()  # (as when the heartbeat thread finds the leader gone)
+            outs = _concurrently(
+                pending.outcome, lambda: b.report_done(step=1, epoch=1, deadline_s=5)
+            )
+            assert [type(o).__name__ for o in outs] == ["StepCommitted", "StepCommitted"]
+            assert outs[0].step == 1 and taken == [0, 1]
+
+            # A report whose attempt is redone: may_commit says so once the answer is in.
+            pending = a.start_report_done(step=2, epoch=1, deadline_s=5)
+            redo = b.report_failed(step=2, epoch=1, reason="injected", deadline_s=5)
+            assert type(redo).__name__ == "StepRedo"
+            _poll(lambda: a._rpc.readable(), 5, "the redo to reach a")
+            assert not pending.may_commit()
+            assert type(pending.outcome()).__name__ == "StepRedo"
+        finally:
+            a.close()
+            b.close()
+
+
 def test_the_tick_sleeps_until_the_first_lease_runs_out():
     """The tick loop looks every tick_s while the run forms; once it runs, it sleeps until the
     first lease runs out (at most 0.1 s): ten looks a second, not fifty, while every replica

@@ -23,7 +23,7 @@ from recover.coordinator.client import CoordinatorClient
 from recover.runtime.collective_config import CollectiveConfig
 from recover.runtime.grads import GradientSum
 from recover.runtime.group_cache import GroupCache
-from recover.runtime.links import SoloLink
+from recover.runtime.links import Answered, SoloLink
 from recover.runtime.step_machine import StepHooks, StepMachine, StepOptions
 
 M = 6
@@ -144,6 +144,14 @@ class _FailingReport(SoloLink):
                 assert self.others.acquire(timeout=20), "the others never reported done"
             self.step, failure = -1, "a replica-mate's reduce failed (injected by the test)"
         return super().report(step=step, failure=failure, **rest)
+
+    def start_done(self, *, step: int, **rest):
+        """(With an update during the vote: the same failed report, answered before the
+        update applies, which the redo then undoes.)"""
+        if step != self.step:
+            return super().start_done(step=step, **rest)
+        fields = {k: rest[k] for k in ("epoch", "param_hash", "throughput", "deadline_s")}
+        return Answered(*self.report(step=step, failure=None, **fields))
 
 
 def run_replica(

@@ -20,6 +20,7 @@ heartbeats.py), hold a replica's state, or import torch.
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 from collections.abc import Callable
@@ -94,6 +95,23 @@ class Channel:
         reply may take beyond `wait_s` (default: the channel's; it bounds the connect too). A
         `{"taken": true}` frame before the reply (a report that waits for its outcome) runs
         `on_taken`."""
+        self.send(req, wait_s, timeout_s)
+        reply = self.receive()
+        while reply.get("taken") is True:
+            if on_taken is not None:
+                try:
+                    on_taken()
+                except BaseException:
+                    self.close()  # its reply is still to come: nobody may read it
+                    raise
+            reply = self.receive()
+        return reply
+
+    def send(
+        self, req: dict[str, Any], wait_s: float = 0.0, timeout_s: float | None = None
+    ) -> None:
+        """The first half of `call`: connect if need be and send `req`, whose frames `receive`
+        then reads (the caller holds `lock` from here to its reply)."""
         patience = self.timeout_s if timeout_s is None else timeout_s
         try:
             if self.sock is None:
@@ -101,20 +119,33 @@ class Channel:
                 self.sock = _connect(self.host, self.port, min(self.timeout_s, patience))
             self.sock.settimeout(wait_s + patience)
             send_frame(self.sock, req)
-            reply = recv_frame(self.sock)
-            while reply.get("taken") is True:
-                if on_taken is not None:
-                    try:
-                        on_taken()
-                    except BaseException:
-                        self.close()  # its reply is still to come: nobody may read it
-                        raise
-                reply = recv_frame(self.sock)
-            return reply
         except (OSError, ProtocolError) as e:
-            self.close()
-            self.leader.failed(self.generation)
-            raise CoordinatorUnreachable(f"coordinator {self.host}:{self.port}: {e!r}") from e
+            raise self._failed(e) from e
+
+    def receive(self) -> dict[str, Any]:
+        """The next frame of the reply to the request `send` sent (a `{"taken": true}` frame
+        first, for a report that waits for its outcome), within the timeout `send` set."""
+        try:
+            if self.sock is None:
+                raise ProtocolError("no request in flight on this channel")
+            return recv_frame(self.sock)
+        except (OSError, ProtocolError) as e:
+            raise self._failed(e) from e
+
+    def readable(self) -> bool:
+        """Whether a frame (or the connection's end) is waiting to be read, without waiting."""
+        sock = self.sock
+        if sock is None:
+            return False
+        try:
+            return bool(select.select([sock], [], [], 0)[0])
+        except (OSError, ValueError):  # closed meanwhile: `receive` reports it
+            return True
+
+    def _failed(self, e: BaseException) -> CoordinatorUnreachable:
+        self.close()
+        self.leader.failed(self.generation)
+        return CoordinatorUnreachable(f"coordinator {self.host}:{self.port}: {e!r}")
 
     def interrupt(self) -> None:
         """Wake a call blocked on this channel (from another thread): it fails and reconnects."""

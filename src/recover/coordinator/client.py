@@ -78,6 +78,7 @@ __all__ = [
     "Leader",
     "NodeLink",
     "Outcome",
+    "PendingReport",
     "QuorumLost",
     "RequestRefused",
     "StepCommitted",
@@ -100,6 +101,144 @@ class _Once:
         fn, self._fn = self._fn, None
         if fn is not None:
             fn()
+
+
+class PendingReport:
+    """A report sent on the client's rpc connection whose answer is read later, on the thread
+    that sent it (CoordinatorClient.start_report_done; a blocking report is one whose answer is
+    read at once). Meanwhile the connection is the report's (its lock is held from the send to
+    the answer), and:
+    - `wait_taken()` blocks until the report is on record (its `{"taken": true}` frame, or the
+      answer itself when this report decided the outcome), or the report failed;
+    - `may_commit()` reads, without waiting, what has arrived: False once the answer says the
+      attempt will not commit, or the report failed;
+    - `outcome()` reads the rest and goes on as a blocking report always did: a connection that
+      fails is asked again through the grace (reports are idempotent), a stale refusal or a
+      chunk of the wait that passed go on with `wait_outcome`.
+    `on_taken` runs once, when the report is on record and before `outcome()` returns, on
+    whichever of these reads that. Not thread-safe: one thread sends, waits and reads."""
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        req: dict[str, Any],
+        step: int,
+        epoch: int,
+        deadline_s: float,
+        on_taken: Callable[[], None] | None,
+    ) -> None:
+        self._client, self._step, self._epoch = client, step, epoch
+        self._end = time.monotonic() + deadline_s
+        self._on_taken = _Once(on_taken)
+        self._on_record = False  # the taken frame, or the answer, was read
+        self._wait = max(0.0, min(deadline_s, _POLL_CHUNK_S))
+        self._req = client._member({**req, "deadline_s": self._wait})
+        self._reply: dict[str, Any] | None = None  # the answer, once read (and absorbed)
+        self._error: BaseException | None = None  # raised by outcome()
+        self._in_flight = False  # sent on the rpc connection, whose lock this report holds
+        rpc = client._rpc
+        try:
+            client._check()
+            if not rpc.lock.acquire(timeout=self._wait + 2 * client._rpc_timeout_s):
+                raise DeadlineExceeded("another thread holds the coordinator connection")
+        except CoordinatorError as e:
+            self._error = e
+            return
+        try:
+            rpc.send(self._req, self._wait)
+        except CoordinatorUnreachable:  # asked again when the answer is wanted
+            rpc.lock.release()
+            return
+        except BaseException:
+            rpc.lock.release()
+            raise
+        self._in_flight = True
+
+    def wait_taken(self) -> None:
+        while self._in_flight and not self._on_record:
+            self._read()
+        if not self._on_record and self._error is None:
+            self._ask_again()
+        self._taken()
+
+    def may_commit(self) -> bool:
+        while self._in_flight and self._client._rpc.readable():
+            self._read()
+        self._taken()
+        reply = self._reply
+        if self._error is not None:
+            return False
+        return reply is None or (
+            bool(reply.get("ok")) and reply.get("outcome") in ("committed", "timeout", None)
+        )
+
+    def outcome(self) -> Outcome:
+        while self._in_flight:
+            self._read()
+        if self._reply is None and self._error is None:
+            self._ask_again()
+        if self._error is not None:
+            raise self._error
+        client, reply = self._client, self._reply
+        if reply is None:  # (_ask_again sets one or the other)
+            raise RuntimeError("a report with neither an answer nor an error")
+        moved_past = client._raise_report_refusal(reply, self._step, self._epoch)
+        # Once per report, before this replica acts on any outcome: when the outcome came with
+        # the answer (this report decided it; or an older coordinator's plain answer), now.
+        self._on_record = True
+        self._taken()
+        if not moved_past:
+            outcome = client._outcome(reply, self._step)
+            if outcome is not None:
+                return outcome
+        return client.wait_outcome(
+            step=self._step, epoch=self._epoch, deadline_s=self._end - time.monotonic()
+        )
+
+    def _read(self) -> None:
+        """One frame of the answer: the taken frame, or the answer, which ends the flight."""
+        rpc = self._client._rpc
+        try:
+            frame = rpc.receive()
+        except CoordinatorUnreachable:  # (the channel closed itself) asked again when wanted
+            self._release()
+            return
+        except BaseException:
+            rpc.close()  # inside a frame, perhaps: nobody may read the rest
+            self._release()
+            raise
+        if frame.get("taken") is True:
+            self._on_record = True
+            return
+        self._release()
+        self._client._absorb(frame, self._req.get("view_version"))
+        self._reply, self._on_record = frame, True
+
+    def _ask_again(self) -> None:
+        """The report again on a fresh connection, through the grace (the first one failed)."""
+        try:
+            self._reply = self._client._rpc_call(self._req, self._wait, self._on_taken)
+            self._on_record = True
+        except CoordinatorError as e:
+            self._error = e
+
+    def _taken(self) -> None:
+        """`on_taken`, once, when the report is on record: before its answer is read, the
+        connection is closed if it raises (its answer still to come: nobody may read it)."""
+        if not self._on_record:
+            return
+        try:
+            self._on_taken()
+        except BaseException:
+            if self._in_flight:
+                self._client._rpc.close()
+                self._release()
+            raise
+
+    def _release(self) -> None:
+        if self._in_flight:
+            self._in_flight = False
+            self._client._rpc.lock.release()
 
 
 class CoordinatorClient(HeartbeatSession):
@@ -192,14 +331,10 @@ class CoordinatorClient(HeartbeatSession):
         `throughput`: microbatches per second measured in this attempt (feeds the weights).
         `leaving`: leave at the boundary of this step (the next one is planned without it).
         `finite`: this replica's own part of the attempt's sum is finite."""
-        req = {"kind": "done", "step": step, "epoch": epoch, "param_hash": param_hash}
-        if throughput is not None:
-            req["throughput"] = float(throughput)
-        if leaving:
-            req["leaving"] = True
-        if not finite:
-            req["finite"] = False
-        return self._report(req, step, epoch, deadline_s, on_taken)
+        return self.start_report_done(
+            step=step, epoch=epoch, param_hash=param_hash, throughput=throughput,
+            leaving=leaving, finite=finite, deadline_s=deadline_s, on_taken=on_taken,
+        ).outcome()  # fmt: skip
 
     def report_failed(
         self,
@@ -241,6 +376,31 @@ class CoordinatorClient(HeartbeatSession):
             if outcome is not None:
                 return outcome
 
+    def start_report_done(
+        self,
+        *,
+        step: int,
+        epoch: int,
+        param_hash: str | None = None,
+        throughput: float | None = None,
+        leaving: bool = False,
+        finite: bool = True,
+        deadline_s: float,
+        on_taken: Callable[[], None] | None = None,
+    ) -> PendingReport:
+        """`report_done`'s report sent, its answer read when the caller asks for it
+        (`PendingReport`): the same thread does other work meanwhile (the step's update, while
+        the vote completes), with no helper thread. The rpc connection is the report's until
+        `PendingReport.outcome()`."""
+        req = {"kind": "done", "step": step, "epoch": epoch, "param_hash": param_hash}
+        if throughput is not None:
+            req["throughput"] = float(throughput)
+        if leaving:
+            req["leaving"] = True
+        if not finite:
+            req["finite"] = False
+        return PendingReport(self, req, step, epoch, deadline_s, on_taken)
+
     def _report(
         self,
         req: dict[str, Any],
@@ -249,19 +409,7 @@ class CoordinatorClient(HeartbeatSession):
         deadline_s: float,
         on_taken: Callable[[], None] | None,
     ) -> Outcome:
-        end = time.monotonic() + deadline_s
-        taken = _Once(on_taken)
-        wait = max(0.0, min(deadline_s, _POLL_CHUNK_S))
-        reply = self._rpc_call(self._member({**req, "deadline_s": wait}), wait, taken)
-        moved_past = self._raise_report_refusal(reply, step, epoch)
-        # Once per report, before this replica acts on any outcome: when the outcome came with
-        # the answer (this report decided it; or an older coordinator's plain answer), now.
-        taken()
-        if not moved_past:
-            outcome = self._outcome(reply, step)
-            if outcome is not None:
-                return outcome
-        return self.wait_outcome(step=step, epoch=epoch, deadline_s=end - time.monotonic())
+        return PendingReport(self, req, step, epoch, deadline_s, on_taken).outcome()
 
     def _outcome(self, reply: dict[str, Any], step: int) -> Outcome | None:
         """The outcome an accepted reply carries; None when it carries none yet (a chunk of

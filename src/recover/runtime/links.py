@@ -54,6 +54,7 @@ from recover.coordinator.client import (
     Evicted,
     Leader,
     Outcome,
+    PendingReport,
     QuorumLost,
     RequestRefused,
     StepCommitted,
@@ -230,6 +231,39 @@ class IntraReplica:
 # ---------------------------------------------------------------- links to the coordinator
 
 
+class SoloVote:
+    """A replica of one rank's done report, sent; its answer read when asked (the step
+    machine's `PendingVote`, over the client's `PendingReport`: no helper thread)."""
+
+    def __init__(self, pending: PendingReport) -> None:
+        self._pending = pending
+
+    def wait_taken(self) -> None:
+        self._pending.wait_taken()
+
+    def may_commit(self) -> bool:
+        return self._pending.may_commit()
+
+    def result(self) -> tuple[bool, Outcome]:
+        return True, self._pending.outcome()
+
+
+class Answered:
+    """A vote whose answer came at once (a `PendingVote` over a blocking report)."""
+
+    def __init__(self, agreed: bool, outcome: Outcome) -> None:
+        self._result = (agreed, outcome)
+
+    def wait_taken(self) -> None:
+        return None
+
+    def may_commit(self) -> bool:
+        return isinstance(self._result[1], StepCommitted)
+
+    def result(self) -> tuple[bool, Outcome]:
+        return self._result
+
+
 class SoloLink:
     """A replica of one rank: the coordinator client itself (no relay, no agreement)."""
 
@@ -278,6 +312,19 @@ class SoloLink:
         return False, self.client.report_failed(
             step=step, epoch=epoch, reason=failure, unreachable=unreachable, deadline_s=deadline_s
         )
+
+    def start_done(
+        self, *, step: int, epoch: int, param_hash: str | None, throughput: float | None,
+        leaving: bool = False, finite: bool = True, deadline_s: float,
+        on_taken: Callable[[], None] = lambda: None,
+    ) -> SoloVote:  # fmt: skip
+        """The done report sent, its answer read when the vote's `result()` is asked for."""
+        return SoloVote(
+            self.client.start_report_done(
+                step=step, epoch=epoch, param_hash=param_hash, throughput=throughput,
+                leaving=leaving, finite=finite, deadline_s=deadline_s, on_taken=on_taken,
+            )
+        )  # fmt: skip
 
     def agree(self, ok: bool) -> bool:
         return ok
@@ -436,6 +483,21 @@ class ReplicaLink:
         if kind == "redo":
             return not failures, StepRedo(msg[1], view)
         return not failures, Stopped(msg[1], msg[2])
+
+    def start_done(
+        self, *, step: int, epoch: int, param_hash: str | None, throughput: float | None,
+        leaving: bool = False, finite: bool = True, deadline_s: float,
+        on_taken: Callable[[], None] = lambda: None,
+    ) -> Answered:  # fmt: skip
+        """The done report, answered at once: the ranks agree and relay inside the replica,
+        collectives that no other work may overlap (so an update waits for the outcome here)."""
+        return Answered(
+            *self.report(
+                step=step, epoch=epoch, failure=None, param_hash=param_hash,
+                throughput=throughput, leaving=leaving, finite=finite, deadline_s=deadline_s,
+                on_taken=on_taken,
+            )
+        )  # fmt: skip
 
     def agree(self, ok: bool) -> bool:
         """True when `ok` holds on every rank of the replica."""

@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import queue
-import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -99,6 +97,14 @@ class Work(Protocol):
         microbatch with `GradientSum.add_loss` after its pass); None where it cannot be."""
 
 
+class PendingVote(Protocol):
+    """A done report sent, its answer read when asked (links.SoloVote, links.Answered)."""
+
+    def wait_taken(self) -> None: ...  # until the report is on record, or the vote failed
+    def may_commit(self) -> bool: ...  # False once what arrived says it will not commit
+    def result(self) -> tuple[bool, Outcome]: ...  # the answer, or the vote's error raised
+
+
 class Link(Protocol):
     """The coordinator as one rank of a replica sees it (see recover.runtime.links)."""
 
@@ -116,6 +122,11 @@ class Link(Protocol):
         unreachable: dict[int, str] | None = None, deadline_s: float,
         on_taken: Callable[[], None] = ...,
     ) -> tuple[bool, Outcome]: ...  # fmt: skip
+    def start_done(
+        self, *, step: int, epoch: int, param_hash: str | None, throughput: float | None,
+        leaving: bool = False, finite: bool = True, deadline_s: float,
+        on_taken: Callable[[], None] = ...,
+    ) -> PendingVote: ...  # fmt: skip
     def agree(self, ok: bool) -> bool: ...
     def gather(self, obj: Any) -> list[Any]: ...
     def leave(self, *, step: int) -> None: ...
@@ -309,8 +320,7 @@ class StepMachine:
         self._buckets: BucketPlan | None = None  # the step buffer's buckets (built at first use)
         self._grad_hooks: GradHooks | None = None  # the overlapped reduce's (registered once)
         self._ahead: Ahead | None = None  # the next step's work done during the last vote
-        self._voter = _VoteThread()  # where each vote with an early update waits
-        self._on_record: threading.Event | None = None  # set once the vote's done is on record
+        self._vote: PendingVote | None = None  # the vote in flight while an update applies
         if options.deterministic:
             set_determinism_switches()
 
@@ -418,27 +428,30 @@ class StepMachine:
             _add(attempt, "check", t4 - t3)
             # One round trip: the report, answered with the attempt's outcome. The "commit"
             # point is between the two: this replica's done report is on record.
-            report = functools.partial(
-                self.link.report,
-                step=step, epoch=epoch, failure=failure, param_hash=phash,
-                throughput=attempt.throughput(), leaving=hooks.leaving(), finite=part_finite,
-                unreachable=attempt.unreachable,
-                deadline_s=self.options.outcome_timeout_s,
-            )  # fmt: skip
             on_record = functools.partial(hooks.phase, "commit", step, None)
             undo: Callable[[], None] | None = None
             applying_s = 0.0
             ahead: Ahead | None = None
             if reduced is not None and hooks.apply_early is not None:
+                vote = self.link.start_done(
+                    step=step, epoch=epoch, param_hash=phash, throughput=attempt.throughput(),
+                    leaving=hooks.leaving(), finite=part_finite,
+                    deadline_s=self.options.outcome_timeout_s, on_taken=on_record,
+                )  # fmt: skip
                 apply = functools.partial(
                     hooks.apply_early, step, reduced,
                     sum(len(ids) for ids in view.plan.values()), attempt.sum_finite,
                 )  # fmt: skip
                 agreed, outcome, undo, applying_s, ahead = self._vote_applying(
-                    report, on_record, apply, self._work_ahead(view, step)
+                    vote, apply, self._work_ahead(view, step)
                 )
             else:
-                agreed, outcome = report(on_taken=on_record)
+                agreed, outcome = self.link.report(
+                    step=step, epoch=epoch, failure=failure, param_hash=phash,
+                    throughput=attempt.throughput(), leaving=hooks.leaving(),
+                    finite=part_finite, unreachable=attempt.unreachable,
+                    deadline_s=self.options.outcome_timeout_s, on_taken=on_record,
+                )  # fmt: skip
             if ahead is not None:  # (the next step's compute, done during this vote)
                 _add(attempt, "ahead", ahead.seconds)
             # (the vote's time not hidden behind an update applied, or work done, meanwhile)
@@ -482,66 +495,50 @@ class StepMachine:
 
     def _vote_applying(
         self,
-        report: Callable[..., tuple[bool, Outcome]],
-        on_record: Callable[[], None],
+        vote: PendingVote,
         apply: Callable[[], Callable[[], None]],
         ahead: Callable[[], Ahead | None] | None = None,
     ) -> tuple[bool, Outcome, Callable[[], None] | None, float, Ahead | None]:
         """The vote with the update applied while it completes (StepHooks.apply_early): the
-        report runs on a helper thread, and at once `apply()` runs on this thread and gives the
-        undo of what it did (a declared fault inside it waits until this replica's done is on
-        record: `wait_on_record`); then, unless the outcome is known by then to be another than
-        a commit, `ahead()` computes the next step's first microbatch into the local sum, emptied
-        first (StepHooks.ahead).
+        done report is sent (`vote`), and at once `apply()` runs and gives the undo of what it
+        did (a declared fault inside it waits until this replica's done is on record:
+        `wait_on_record`); then, unless what has arrived of the answer says the step will not
+        commit, `ahead()` computes the next step's first microbatch into the local sum, emptied
+        first (StepHooks.ahead); then the answer is read. All on this thread: the answer waits
+        in the connection meanwhile (a helper thread that waited for it cost 0.3-0.4 ms of CPU
+        a step, and its hand-offs as much again on the step's thread, on 2 shared cores).
         (The update waited for the done to be on record before: 1.5-2.5 ms of every step, the
-        round trip to the coordinator, on 2 shared cores.) Returns the report's answer, the undo (None: nothing
-        was applied), the apply's seconds and the work ahead (None: none). The undo puts the
-        step's local sum back, which drops the work ahead too. A vote that raises (quorum lost,
-        evicted, the coordinator lost) undoes the update before the raise, so the model holds
-        the last committed state."""
-        taken = threading.Event()
-        box: dict[str, Any] = {}
-
-        def on_taken() -> None:
-            on_record()
-            taken.set()
-
-        def vote() -> None:
-            try:
-                box["result"] = report(on_taken=on_taken)
-            except BaseException as e:  # re-raised on the step's thread
-                box["error"] = e
-            finally:
-                taken.set()
-
-        def may_go_on() -> bool:  # nothing says yet that the step will not commit
-            result = box.get("result")
-            return "error" not in box and (result is None or isinstance(result[1], StepCommitted))
-
-        voted = self._voter.submit(vote)
+        round trip to the coordinator, on 2 shared cores.) Returns the vote's answer, the undo
+        (None: nothing was applied), the apply's seconds and the work ahead (None: none). The
+        undo puts the step's local sum back, which drops the work ahead too. A vote that raises
+        (quorum lost, evicted, the coordinator lost) undoes the update before the raise, so the
+        model holds the last committed state."""
         undo: Callable[[], None] | None = None
         applying_s = 0.0
         done_ahead: Ahead | None = None
-        self._on_record = taken
+        self._vote = vote
         try:
             t0 = time.perf_counter()
             undo = apply()
             applying_s = time.perf_counter() - t0
-            if ahead is not None and may_go_on():
+            if ahead is not None and vote.may_commit():
                 done_ahead = ahead()
         except BaseException:  # (the update or the work ahead raised: neither happened)
-            voted.wait()
+            self._vote = None
+            try:  # (what the answer says no longer matters: read, so that the link is free;
+                with contextlib.suppress(Exception):  # the update's own error is raised)
+                    vote.result()
+            finally:
+                if undo is not None:
+                    undo()
+            raise
+        self._vote = None
+        try:
+            agreed, outcome = vote.result()
+        except BaseException:
             if undo is not None:
                 undo()
             raise
-        finally:
-            self._on_record = None
-        voted.wait()
-        if "error" in box:
-            if undo is not None:
-                undo()
-            raise box["error"]
-        agreed, outcome = box["result"]
         return agreed, outcome, undo, applying_s, done_ahead
 
     def _work_ahead(self, view: View, step: int) -> Callable[[], Ahead | None] | None:
@@ -574,9 +571,9 @@ class StepMachine:
         """During a vote with an early update (`_vote_applying`): wait until this replica's
         done report is on record at the coordinator (or the vote ended), so that a fault
         declared in the update acts at the point it names; at once elsewhere."""
-        taken = self._on_record
-        if taken is not None:
-            taken.wait()
+        vote = self._vote
+        if vote is not None:
+            vote.wait_taken()
 
     def holds_ahead(self, step: int) -> bool:
         """Whether the local sum holds work of step `step` done during the last vote (kept
@@ -892,36 +889,6 @@ class StepMachine:
 # ahead     the next step's first microbatch, computed meanwhile (StepHooks.ahead; the next
 #           step's compute is that much shorter when its plan keeps the work).
 PARTS = ("transfer", "compute", "snapshot", "reduce", "check", "vote", "ahead")
-
-
-class _VoteThread:
-    """The one helper thread on which a machine's votes wait while the step's thread applies
-    the update (StepMachine._vote_applying): started at the first vote, then fed each vote.
-    A thread started per vote cost 0.8 ms a step under load (Thread.start waits until the new
-    thread runs, py-spy of a script's replica on 2 shared cores)."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]]
-        self._jobs = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, job: Callable[[], None]) -> threading.Event:
-        """Run `job` (which must not raise) on the helper thread; the event is set when it
-        has returned."""
-        done = threading.Event()
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._serve, name="recover-vote", daemon=True)
-            self._thread.start()
-        self._jobs.put((job, done))
-        return done
-
-    def _serve(self) -> None:
-        while True:
-            job, done = self._jobs.get()
-            try:
-                job()
-            finally:
-                done.set()
 
 
 def _seconds(ahead: Ahead | None) -> float:
