@@ -289,6 +289,13 @@ def test_client_reports_commit_and_redo_through_the_server():
             b.close()
 
 
+def _register(*clients):
+    """Every client registered (at once: the run forms when all have)."""
+    _concurrently(
+        *(lambda c=c: c.register(fingerprint={}, next_step=0, deadline_s=10) for c in clients)
+    )
+
+
 def _concurrently(*calls):
     """Each call on a thread of its own; their results, in order (a call's error re-raised)."""
     results: list = [None] * len(calls)
@@ -321,12 +328,7 @@ def test_a_report_is_answered_with_its_outcome_and_an_old_style_report_at_once()
         a = CoordinatorClient(*server.address, replica_id=0)
         b = CoordinatorClient(*server.address, replica_id=1)
         try:
-            _concurrently(
-                *(
-                    lambda c=c: c.register(fingerprint={}, next_step=0, deadline_s=10)
-                    for c in (a, b)
-                )
-            )
+            _register(a, b)
             with socket.create_connection(server.address, timeout=5) as raw:
                 head = {"replica_id": 0, "incarnation": a.incarnation, "step": 0, "epoch": 1}
                 send_frame(raw, {"kind": "done", **head, "deadline_s": 5})
@@ -361,12 +363,7 @@ def test_a_report_sent_now_is_answered_when_read_on_the_same_thread():
         a = CoordinatorClient(*server.address, replica_id=0)
         b = CoordinatorClient(*server.address, replica_id=1)
         try:
-            _concurrently(
-                *(
-                    lambda c=c: c.register(fingerprint={}, next_step=0, deadline_s=10)
-                    for c in (a, b)
-                )
-            )
+            _register(a, b)
             threads = threading.active_count()
             taken: list[int] = []
             pending = a.start_report_done(
