@@ -392,13 +392,19 @@ def test_a_report_sent_now_is_answered_when_read_on_the_same_thread():
             assert [type(o).__name__ for o in outs] == ["StepCommitted", "StepCommitted"]
             assert outs[0].step == 1 and taken == [0, 1]
 
-            # A report whose attempt is redone: may_commit says so once the answer is in.
+            # A report whose attempt is redone: may_commit says so once the answer is in (the
+            # taken frame may come first).
             pending = a.start_report_done(step=2, epoch=1, deadline_s=5)
             redo = b.report_failed(step=2, epoch=1, reason="injected", deadline_s=5)
             assert type(redo).__name__ == "StepRedo"
-            _poll(lambda: a._rpc.readable(), 5, "the redo to reach a")
-            assert not pending.may_commit()
+            _poll(lambda: not pending.may_commit(), 5, "a to read that its attempt is redone")
             assert type(pending.outcome()).__name__ == "StepRedo"
+
+            # A report whose answer is never read does not hold the client's close.
+            a.start_report_done(step=2, epoch=redo.view.attempt_epoch, deadline_s=5)
+            t0 = time.monotonic()
+            a.close()
+            assert time.monotonic() - t0 < 3
         finally:
             a.close()
             b.close()

@@ -442,7 +442,15 @@ class CoordinatorClient(HeartbeatSession):
         self._join_heartbeats()
         with self._session.lock:
             self._session.close()
-        with self._rpc.lock:
+        # A call blocked on the rpc connection fails at once and lets it go; a report whose
+        # answer was never read (PendingReport: its thread gave up on it) holds it for good.
+        self._rpc.interrupt()
+        if self._rpc.lock.acquire(timeout=1.0):
+            try:
+                self._rpc.close()
+            finally:
+                self._rpc.lock.release()
+        else:
             self._rpc.close()
 
     # ------------------------------------------------------------ internals
