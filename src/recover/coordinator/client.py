@@ -355,7 +355,7 @@ class CoordinatorClient(HeartbeatSession):
             req["unreachable"] = [
                 [int(r), str(why)[:200]] for r, why in sorted(unreachable.items())
             ]
-        return self._report(req, step, epoch, deadline_s, None)
+        return PendingReport(self, req, step, epoch, deadline_s, None).outcome()
 
     def wait_outcome(self, *, step: int, epoch: int, deadline_s: float) -> Outcome:
         """StepCommitted(step), StepRedo(step, view) or Stopped(status, reason) for attempt
@@ -400,16 +400,6 @@ class CoordinatorClient(HeartbeatSession):
         if not finite:
             req["finite"] = False
         return PendingReport(self, req, step, epoch, deadline_s, on_taken)
-
-    def _report(
-        self,
-        req: dict[str, Any],
-        step: int,
-        epoch: int,
-        deadline_s: float,
-        on_taken: Callable[[], None] | None,
-    ) -> Outcome:
-        return PendingReport(self, req, step, epoch, deadline_s, on_taken).outcome()
 
     def _outcome(self, reply: dict[str, Any], step: int) -> Outcome | None:
         """The outcome an accepted reply carries; None when it carries none yet (a chunk of
